@@ -1,0 +1,88 @@
+"""Cluster helpers: use the caller's client, the current one, or start the embedded default.
+
+Algorithm code never creates a cluster itself; it asks :func:`client_context` for a client.
+The embedded default is a ``LocalCluster`` of worker processes listening on 127.0.0.1, or a
+dask-cuda ``LocalCUDACluster`` (one worker per GPU / MIG slice) when GPUs are present and
+dask-cuda is installed.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+
+from distributed import Client, LocalCluster
+
+
+def current_client():
+    """The active ``distributed.Client`` or None."""
+    try:
+        from distributed import get_client
+
+        return get_client()
+    except ValueError:
+        return None
+
+
+def gpu_count() -> int:
+    """Number of visible CUDA devices (0 when CuPy or a GPU is missing)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def start_local_cluster(n_workers: int | None = None, threads_per_worker: int = 1,
+                        memory_limit="auto", processes: bool = True, dashboard: bool = True,
+                        gpu: bool | None = None, **kwargs) -> LocalCluster:
+    """Start the embedded default cluster on this machine.
+
+    CPU: ``n_workers`` processes (default: one per core) with ``threads_per_worker`` threads.
+    GPU (``gpu=None`` auto-detects): a ``LocalCUDACluster``, one worker per GPU; see
+    :func:`daskpty.execution.gpu.cuda_cluster` for MIG slices.
+    """
+    if gpu is None:
+        gpu = gpu_count() > 0 and _has_dask_cuda()
+    address = "127.0.0.1:0" if dashboard else None
+    if gpu:
+        from dask_cuda import LocalCUDACluster
+
+        return LocalCUDACluster(ip="127.0.0.1", n_workers=n_workers,
+                                dashboard_address=address, **kwargs)
+    if n_workers is None:
+        n_workers = max(1, (os.cpu_count() or 1) // threads_per_worker)
+    return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
+                        processes=processes, memory_limit=memory_limit, host="127.0.0.1",
+                        dashboard_address=address, **kwargs)
+
+
+def _has_dask_cuda() -> bool:
+    try:
+        import dask_cuda  # noqa: F401
+
+        return True
+    except ImportError:
+        return False
+
+
+@contextlib.contextmanager
+def client_context(client: Client | None = None, n_workers: int | None = None, **cluster_kwargs):
+    """Yield a client: ``client`` if given, else the current one, else a fresh embedded cluster.
+
+    A cluster started here is closed on exit; a client passed in or found is left alone.
+    """
+    if client is not None:
+        yield client
+        return
+    found = current_client() if n_workers is None else None
+    if found is not None:
+        yield found
+        return
+    cluster = start_local_cluster(n_workers=n_workers, **cluster_kwargs)
+    new_client = Client(cluster)
+    try:
+        yield new_client
+    finally:
+        new_client.close()
+        cluster.close()

@@ -1,0 +1,57 @@
+"""Sub-pixel positioning: integer windows plus a Fourier shift of the probe.
+
+Convention (design.md): position ``p`` (y, x) places the probe window's top-left
+corner at ``t = p - n/2``. The integer corner is ``r = round(t)`` and the fractional
+part ``f = t - r`` lies in [-0.5, 0.5]. The probe seen by object pixel ``r + i`` is
+``P(i - f)``, i.e. the probe shifted by ``+f``: ``S_f P = F^-1[ F[P] * exp(-2πi k·f) ]``.
+``S_f`` is unitary, so its adjoint is ``S_{-f}``.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .backend import fft2, fftfreq, get_xp, ifft2
+
+
+def split_positions(positions, n: int):
+    """Split positions (N, 2) into integer window corners (N, 2) int64 and fractions (N, 2) float32."""
+    positions = np.asarray(positions, dtype=np.float64)
+    top_left = positions - n / 2.0
+    corners = np.floor(top_left + 0.5).astype(np.int64)
+    fractions = (top_left - corners).astype(np.float32)
+    return corners, fractions
+
+
+def shift_ramps(fractions, n: int, xp=np):
+    """Phase ramps exp(-2πi (ky fy + kx fx)) for fractions (B, 2) → (B, n, n) complex64."""
+    f = xp.asarray(fractions, dtype=np.float32)
+    k = fftfreq(n, xp)
+    ry = xp.exp((-2j * np.pi) * f[:, 0, None] * k[None, :]).astype(np.complex64)
+    rx = xp.exp((-2j * np.pi) * f[:, 1, None] * k[None, :]).astype(np.complex64)
+    return ry[:, :, None] * rx[:, None, :]
+
+
+def shift_probe(probe, ramps):
+    """Shifted probes S_f P: probe (M, n, n), ramps (B, n, n) → (B, M, n, n).
+
+    When every ramp is identically one (integer positions) the FFTs are skipped.
+    """
+    xp = get_xp(probe, ramps)
+    probe_ft = fft2(probe)
+    return ifft2(ramps[:, None] * probe_ft[None]).astype(np.complex64, copy=False)
+
+
+def shift_probe_adjoint(waves, ramps):
+    """Adjoint of :func:`shift_probe` summed over the batch: (B, M, n, n) → (M, n, n)."""
+    xp = get_xp(waves, ramps)
+    spectra = fft2(waves)
+    return ifft2((xp.conj(ramps)[:, None] * spectra).sum(axis=0)).astype(np.complex64, copy=False)
+
+
+def shift_images(images, fractions):
+    """Apply S_f to a batch of images (B, ..., n, n) with fractions (B, 2) (for tests and the simulator)."""
+    xp = get_xp(images)
+    n = images.shape[-1]
+    ramps = shift_ramps(fractions, n, xp)
+    extra = (slice(None),) + (None,) * (images.ndim - 3)
+    return ifft2(fft2(images) * ramps[extra]).astype(np.complex64, copy=False)
