@@ -247,7 +247,25 @@ def _estimate(y, t, m, subpixel: bool, ramp: bool):
         if subpixel:
             s = prob.shift_refine(k, s)
         return s, k
-    s = prob.shift_init_ramp_invariant()
+    # Two starts: the ramp-invariant shift (robust to large ramps) and the plain cross-correlation
+    # peak (robust for smooth objects with masks); keep the fit that explains more of the truth.
+    best = None
+    for s0 in (prob.shift_init_ramp_invariant(), prob.shift_global(k)[0]):
+        s, k_fit = _iterate(prob, s0, y.shape, subpixel)
+        score = _fit_fraction(y, t, m, s, k_fit)
+        if best is None or score > best[0]:
+            best = (score, s, k_fit)
+    return best[1], best[2]
+
+
+def _fit_fraction(y, t, m, s, k) -> float:
+    a = _fourier_shift(y * _phase_ramp(y.shape, k), s)[m]
+    den = float(np.sum(np.abs(a) ** 2)) * float(np.sum(np.abs(t[m]) ** 2))
+    return float(np.abs(np.vdot(a, t[m])) ** 2 / den) if den > 0 else 0.0
+
+
+def _iterate(prob, s, shape, subpixel):
+    k = np.zeros(2)
     for it in range(_MAX_ITER):
         k_new = prob.ramp_global(s) if it == 0 else k
         k_new = prob.ramp_refine(s, k_new)
@@ -256,7 +274,7 @@ def _estimate(y, t, m, subpixel: bool, ramp: bool):
         else:
             s_new, _ = prob.shift_global(k_new)
         done = it > 0 and np.all(np.abs(s_new - s) < 2e-3) and np.all(
-            np.abs(k_new - k) * np.array(y.shape) < 2e-3
+            np.abs(k_new - k) * np.array(shape) < 2e-3
         )
         s, k = s_new, k_new
         if done:

@@ -52,8 +52,10 @@ def start_local_cluster(n_workers: int | None = None, threads_per_worker: int = 
                                 dashboard_address=address, **kwargs)
     if n_workers is None:
         n_workers = max(1, (os.cpu_count() or 1) // threads_per_worker)
+    if processes:
+        kwargs.setdefault("host", "127.0.0.1")
     return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
-                        processes=processes, memory_limit=memory_limit, host="127.0.0.1",
+                        processes=processes, memory_limit=memory_limit,
                         dashboard_address=address, **kwargs)
 
 

@@ -1,0 +1,50 @@
+"""daskpty: out-of-core ptychographic reconstruction on chunked Zarr data over dask clusters.
+
+Main entry points::
+
+    data = daskpty.open_data("scan.zarr")        # or daskpty.from_arrays(...), daskpty.simulate(...)
+    rec = daskpty.reconstruct(data, engine="lsqml", epochs=100)
+    rec.to_zarr("recon.zarr")
+"""
+from __future__ import annotations
+
+import importlib
+
+try:
+    from importlib.metadata import PackageNotFoundError, version as _version
+
+    __version__ = _version("daskpty")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
+    __version__ = "0.0.0+unknown"
+
+# ``simulate`` is bound eagerly: the function must shadow the submodule of the same name, and
+# daskpty/simulate.py imports only NumPy/SciPy/physics at module level (dask loads on call).
+from .simulate import simulate  # noqa: E402
+
+# Everything else loads lazily (PEP 562) so that ``import daskpty.physics`` does not pull in dask.
+_LAZY = {
+    "open_data": ("daskpty.io.store", "open_data"),
+    "from_arrays": ("daskpty.io.store", "from_arrays"),
+    "PtychoData": ("daskpty.io.store", "PtychoData"),
+    "DataError": ("daskpty.io.validate", "DataError"),
+    "check_values": ("daskpty.io.validate", "check_values"),
+    "reconstruct": ("daskpty.api", "reconstruct"),
+    "Reconstruction": ("daskpty.results", "Reconstruction"),
+    "metrics": ("daskpty.metrics", None),
+}
+
+__all__ = sorted(_LAZY) + ["__version__", "simulate"]
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'daskpty' has no attribute {name!r}")
+    module, attr = _LAZY[name]
+    mod = importlib.import_module(module)
+    value = mod if attr is None else getattr(mod, attr)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

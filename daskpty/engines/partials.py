@@ -1,0 +1,113 @@
+"""Additive partial results of a chunk step, merged by the execution layer's tree reduce.
+
+Object-sized quantities live on the bounding box of a chunk's footprint (``BoxedArray``),
+so the bytes moved per round scale with each chunk's scan footprint, not the object size.
+Adding two partials is associative: boxes merge into their union.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..physics.backend import get_xp, to_numpy
+
+
+@dataclass
+class BoxedArray:
+    """An array ``data`` (..., h, w) placed at ``offset`` (y0, x0) of a larger 2-D frame."""
+
+    offset: tuple[int, int]
+    data: object
+
+    @property
+    def stop(self) -> tuple[int, int]:
+        return (self.offset[0] + self.data.shape[-2], self.offset[1] + self.data.shape[-1])
+
+    def __add__(self, other: "BoxedArray") -> "BoxedArray":
+        if other is None:
+            return self
+        y0 = min(self.offset[0], other.offset[0])
+        x0 = min(self.offset[1], other.offset[1])
+        y1 = max(self.stop[0], other.stop[0])
+        x1 = max(self.stop[1], other.stop[1])
+        if (y0, x0, y1, x1) == (*self.offset, *self.stop):
+            out = self.data.copy()
+        else:
+            xp = get_xp(self.data)
+            out = xp.zeros(self.data.shape[:-2] + (y1 - y0, x1 - x0), dtype=self.data.dtype)
+            out[..., self.offset[0] - y0:self.stop[0] - y0, self.offset[1] - x0:self.stop[1] - x0] += self.data
+        out[..., other.offset[0] - y0:other.stop[0] - y0, other.offset[1] - x0:other.stop[1] - x0] += other.data
+        return BoxedArray((y0, x0), out)
+
+    def add_into(self, frame) -> None:
+        """Add this box into a full frame (in place)."""
+        frame[..., self.offset[0]:self.stop[0], self.offset[1]:self.stop[1]] += self.data
+
+    def to_numpy(self) -> "BoxedArray":
+        return BoxedArray(self.offset, to_numpy(self.data))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+@dataclass
+class Partial:
+    """Sum of per-chunk results: boxed object-frame arrays, probe-frame arrays and scalars.
+
+    ``boxes`` and ``arrays`` are dicts of same-keyed entries; ``scalars`` are float64 sums.
+    Missing keys on one side are treated as zero.
+    """
+
+    boxes: dict = field(default_factory=dict)
+    arrays: dict = field(default_factory=dict)
+    scalars: dict = field(default_factory=dict)
+
+    def __add__(self, other: "Partial") -> "Partial":
+        if other is None:
+            return self
+        boxes = dict(self.boxes)
+        for k, v in other.boxes.items():
+            boxes[k] = boxes[k] + v if k in boxes else v
+        arrays = dict(self.arrays)
+        for k, v in other.arrays.items():
+            arrays[k] = arrays[k] + v if k in arrays else v
+        scalars = dict(self.scalars)
+        for k, v in other.scalars.items():
+            scalars[k] = scalars.get(k, 0.0) + v
+        return Partial(boxes, arrays, scalars)
+
+    def __radd__(self, other):
+        if other == 0 or other is None:
+            return self
+        return NotImplemented
+
+    def to_numpy(self) -> "Partial":
+        """Host copy (CuPy → NumPy), so reduced results can leave a GPU worker."""
+        return Partial({k: v.to_numpy() for k, v in self.boxes.items()},
+                       {k: to_numpy(v) for k, v in self.arrays.items()},
+                       {k: float(v) for k, v in self.scalars.items()})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.boxes.values()) + sum(int(a.nbytes) for a in self.arrays.values())
+
+
+def sum_partials(*parts: Partial) -> Partial:
+    """Left-to-right sum of partials (the fixed order keeps results worker-count independent)."""
+    total = None
+    for p in parts:
+        if p is None:
+            continue
+        total = p if total is None else total + p
+    return total
+
+
+def replace(obj, **changes):
+    return dataclasses.replace(obj, **changes)
+
+
+def as_float64(x) -> float:
+    return float(np.asarray(to_numpy(x), dtype=np.float64).sum())

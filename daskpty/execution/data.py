@@ -1,0 +1,59 @@
+"""Put diffraction data on the cluster in the engine's layout (chunk, sort, shift, persist)."""
+from __future__ import annotations
+
+import math
+
+import dask.array as da
+import numpy as np
+
+from .ordering import compact_order
+from .rounds import ChunkedData
+
+#: Bytes of working memory one chunk step needs per pattern, per mode and per pixel
+#: (about ten complex64 arrays of the exit-wave shape).
+WORKING_BYTES_PER_PIXEL = 80
+
+
+def default_chunk_length(n_patterns: int, n: int, modes: int = 1, memory_budget: int = 512 * 2**20,
+                         min_len: int = 32, target_chunks: int = 16) -> int:
+    """Patterns per chunk: small enough for ``memory_budget`` per chunk step, and about
+    ``target_chunks`` chunks for small data sets. Independent of the worker count, so the
+    reduction order (and so the result) does not change with the cluster size.
+    """
+    by_memory = max(1, memory_budget // (WORKING_BYTES_PER_PIXEL * modes * n * n))
+    by_count = max(min_len, math.ceil(n_patterns / target_chunks))
+    return int(max(1, min(by_memory, by_count, n_patterns)))
+
+
+def _ifftshift_patterns(block):
+    xp = np if type(block).__module__.split(".")[0] == "numpy" else __import__("cupy")
+    return xp.fft.ifftshift(block, axes=(-2, -1))
+
+
+def prepare_data(client, intensities, positions, *, chunk_length: int | None = None, modes: int = 1,
+                 sort: bool = True, persist: bool = True) -> ChunkedData:
+    """Chunk along N, order chunks spatially, move the zero frequency to index 0, persist.
+
+    intensities: dask or NumPy array (N, n, n), DC at the centre (as recorded), counts stay in
+    their dtype. positions: (N, 2) float64 in the object frame.
+    """
+    positions = np.asarray(positions, dtype=np.float64)
+    if not isinstance(intensities, da.Array):
+        intensities = da.from_array(intensities, chunks=(chunk_length or len(positions), -1, -1))
+    n_patterns, n = intensities.shape[0], intensities.shape[-1]
+    if chunk_length is None:
+        chunk_length = default_chunk_length(n_patterns, n, modes)
+    order = compact_order(positions, chunk_length, n) if sort else None
+    if order is not None:
+        intensities = intensities[order]
+        positions = positions[order]
+    intensities = intensities.rechunk((chunk_length, -1, -1))
+    intensities = intensities.map_blocks(_ifftshift_patterns, dtype=intensities.dtype,
+                                         meta=intensities._meta)
+    pos = da.from_array(positions, chunks=(intensities.chunks[0], 2))
+    if persist:
+        intensities, pos = client.persist([intensities, pos])
+        from distributed import wait
+
+        wait([intensities, pos])
+    return ChunkedData(intensities, pos, positions, order, persist)

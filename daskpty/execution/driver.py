@@ -1,0 +1,107 @@
+"""The epoch loop: rounds of map + tree reduce + apply, for any engine adapter.
+
+An *adapter* binds an engine's pure functions to this loop:
+
+* ``chunk_function(intensities, positions, payload) -> Partial`` (module-level, picklable)
+* ``payload(state) -> object`` broadcast once per round
+* ``apply(state, total) -> state``, ``begin_epoch(state)``, ``end_epoch(state)``
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..engines import lsqml
+from .rounds import ChunkedData, map_reduce
+
+
+@dataclass
+class LSQMLPayload:
+    object: np.ndarray
+    probe: np.ndarray
+    options: lsqml.LSQMLOptions
+    update_probe: bool
+    valid: np.ndarray | None
+
+
+def lsqml_chunk(intensities, positions, payload: LSQMLPayload):
+    return lsqml.chunk_step(payload.object, payload.probe, intensities, positions,
+                            options=payload.options, update_probe=payload.update_probe,
+                            valid=payload.valid)
+
+
+def forward_sums_chunk(intensities, positions, payload: LSQMLPayload):
+    return lsqml.forward_sums(payload.object, payload.probe, intensities, positions, valid=payload.valid)
+
+
+class LSQMLAdapter:
+    """Binds :mod:`daskpty.engines.lsqml` to the round loop."""
+
+    name = "lsqml"
+    chunk_function = staticmethod(lsqml_chunk)
+
+    def __init__(self, options: lsqml.LSQMLOptions, valid: np.ndarray | None = None):
+        self.options = options
+        self.valid = valid
+
+    def payload(self, state: lsqml.LSQMLState) -> LSQMLPayload:
+        return LSQMLPayload(state.object, state.probe, self.options, state.update_probe(self.options), self.valid)
+
+    def apply(self, state, total):
+        return lsqml.apply(state, total, self.options)
+
+    def begin_epoch(self, state):
+        return lsqml.begin_epoch(state, self.options)
+
+    def end_epoch(self, state):
+        return lsqml.end_epoch(state, self.options)
+
+    def initialise(self, client, data: ChunkedData, state, *, split_every: int):
+        """First-epoch probe intensity rescale so that Σŷ = Σy."""
+        sums = map_reduce(client, data, forward_sums_chunk, self.payload(state), split_every=split_every)
+        return lsqml.rescale_probe(state, sums)
+
+
+def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds_per_epoch: int = 1,
+               split_every: int = 8, callbacks=(), initialise: bool = True):
+    """Run ``epochs`` epochs of ``rounds_per_epoch`` rounds each. Returns ``(state, history)``.
+
+    Each callback is called as ``callback(epoch, state, metrics)`` after every epoch; a callback
+    returning ``False`` stops the loop after that epoch.
+    """
+    history = []
+    n_total = int(sum(data.chunk_lengths))
+    if initialise and state.epoch == 0:
+        state = adapter.initialise(client, data, state, split_every=split_every)
+    for _ in range(epochs):
+        start = time.perf_counter()
+        state = adapter.begin_epoch(state)
+        scalars: dict[str, float] = {}
+        for r in range(rounds_per_epoch):
+            total = map_reduce(client, data, adapter.chunk_function, adapter.payload(state),
+                               round_index=r, rounds=rounds_per_epoch, split_every=split_every)
+            state = adapter.apply(state, total)
+            for k, v in total.scalars.items():
+                scalars[k] = scalars.get(k, 0.0) + v
+        state = adapter.end_epoch(state)
+        seconds = time.perf_counter() - start
+        n = max(scalars.get("n", 0.0), 1.0)
+        metrics = {
+            "epoch": state.epoch,
+            "loss": scalars.get("loss", float("nan")) / n,
+            "seconds": seconds,
+            "patterns_per_second": n_total / seconds if seconds > 0 else float("nan"),
+            "alpha_object": scalars.get("alpha_object", 0.0) / n,
+            "alpha_probe": scalars.get("alpha_probe", 0.0) / n,
+            "reduced_bytes_per_round": scalars.get("reduced_bytes", 0.0) / rounds_per_epoch,
+        }
+        history.append(metrics)
+        stop = False
+        for cb in callbacks:
+            if cb(state.epoch, state, metrics) is False:
+                stop = True
+        if stop:
+            break
+    return state, history

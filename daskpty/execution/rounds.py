@@ -1,0 +1,94 @@
+"""One round on the cluster: ``blockwise`` chunk steps over the data chunks + a fixed-order tree reduce.
+
+This is the only module that turns engine functions into dask graphs. Each round builds a fresh,
+small graph over the persisted (or Zarr-backed) data chunks and one broadcast payload future, and
+gathers the reduced partial to the client, so no lineage accumulates between rounds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import dask
+import dask.array as da
+import numpy as np
+
+from ..engines.partials import Partial, sum_partials
+
+
+@dataclass
+class ChunkedData:
+    """Diffraction data on the cluster, in the engine's layout.
+
+    intensities: dask array (N, n, n), zero frequency at index 0, chunks along N only.
+    positions: dask array (N, 2) float64 with the same chunks along N.
+    order: permutation applied to the user's pattern order (None = unchanged).
+    """
+
+    intensities: da.Array
+    positions: da.Array
+    positions_host: np.ndarray
+    order: np.ndarray | None
+    persisted: bool
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.intensities.chunks[0])
+
+    @property
+    def chunk_lengths(self) -> tuple[int, ...]:
+        return self.intensities.chunks[0]
+
+
+def _run_chunk(block, positions, payload, func, round_index, rounds):
+    if rounds > 1:
+        block = block[round_index::rounds]
+        positions = positions[round_index::rounds]
+    part = func(block, positions, payload)
+    if part is not None:
+        part.scalars["reduced_bytes"] = float(part.nbytes)
+    return np.array([part], dtype=object)
+
+
+def _combine(*parts):
+    total = sum_partials(*parts)
+    if total is not None and len(parts) > 1:
+        total.scalars["reduced_bytes"] = total.scalars.get("reduced_bytes", 0.0) + float(total.nbytes)
+    return total
+
+
+def _unwrap(block):
+    return block[0]
+
+
+def tree_reduce(blocks, split_every: int):
+    """Fixed-shape tree of ``_combine`` over a list of delayed partials (left to right)."""
+    level = [dask.delayed(_unwrap)(b) for b in blocks]
+    while len(level) > 1:
+        level = [dask.delayed(_combine)(*level[i:i + split_every])
+                 for i in range(0, len(level), split_every)]
+    return level[0]
+
+
+def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0, rounds: int = 1,
+               split_every: int = 8) -> Partial:
+    """Run ``func(intensities_chunk, positions_chunk, payload) -> Partial`` on every chunk
+    (or on slice ``round_index::rounds`` of every chunk) and return the tree-reduced sum.
+
+    ``payload`` is broadcast once to every worker for this round.
+    """
+    payload_future = client.scatter(payload, broadcast=True, hash=False)
+    parts = da.blockwise(
+        _run_chunk, "i",
+        data.intensities, "ijk",
+        data.positions, "il",
+        payload_future, None, func, None, round_index, None, rounds, None,
+        concatenate=True, dtype=object, adjust_chunks={"i": 1},
+        meta=np.empty((0,), dtype=object),
+    )
+    root = tree_reduce(list(parts.to_delayed().ravel()), max(2, int(split_every)))
+    future = client.compute(root, optimize_graph=False)
+    try:
+        return future.result()
+    finally:
+        future.release()
+        payload_future.release()

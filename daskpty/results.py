@@ -1,0 +1,98 @@
+"""The result of a reconstruction and its Zarr v3 store (also the checkpoint format)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+
+import numpy as np
+
+RECON_FORMAT = "daskpty-reconstruction"
+RECON_VERSION = 1
+
+
+@dataclass
+class Reconstruction:
+    """Object, probe and history of a reconstruction.
+
+    object: (H, W) complex64. probe: (M, n, n) complex64, strongest mode first.
+    positions: (N, 2) float64 in the object frame, in the data set's pattern order.
+    origin: (y, x) object-pixel coordinates of scan position (0, 0): ``positions = data_positions + origin``.
+    illumination: (H, W) float32 Σ|probe|² over the scan, e.g. to mask the reconstructed area.
+    history: one dict per epoch (epoch, loss, seconds, patterns_per_second, step lengths, ...).
+    options: the settings used (JSON-serialisable).
+    """
+
+    object: np.ndarray
+    probe: np.ndarray
+    positions: np.ndarray
+    origin: np.ndarray
+    illumination: np.ndarray | None = None
+    history: list = field(default_factory=list)
+    options: dict = field(default_factory=dict)
+
+    @property
+    def epochs(self) -> int:
+        return len(self.history)
+
+    def illuminated(self, fraction: float = 0.1) -> np.ndarray:
+        """Boolean mask of object pixels whose illumination exceeds ``fraction`` of its maximum."""
+        if self.illumination is None:
+            return np.ones(self.object.shape, dtype=bool)
+        return self.illumination > fraction * self.illumination.max()
+
+    def to_zarr(self, path: str, *, overwrite: bool = False) -> str:
+        """Write the reconstruction store atomically (write aside, then rename)."""
+        import zarr
+
+        path = os.fspath(path)
+        if os.path.exists(path) and not overwrite:
+            raise FileExistsError(f"{path} exists; choose another output path or pass overwrite=True")
+        tmp = f"{path}.partial-{uuid.uuid4().hex[:8]}"
+        root = zarr.open_group(tmp, mode="w", zarr_format=3)
+        for name, arr in (("object", self.object), ("probe", self.probe), ("positions", self.positions)):
+            a = root.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=_chunks_for(arr))
+            a[...] = arr
+        if self.illumination is not None:
+            a = root.create_array("illumination", shape=self.illumination.shape, dtype=np.float32,
+                                  chunks=_chunks_for(self.illumination))
+            a[...] = self.illumination
+        root.attrs.update({
+            "daskpty": {"format": RECON_FORMAT, "version": RECON_VERSION},
+            "origin": [float(v) for v in self.origin],
+            "history": _jsonable(self.history),
+            "options": _jsonable(self.options),
+        })
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def from_zarr(cls, path: str) -> "Reconstruction":
+        """Read a reconstruction store written by :meth:`to_zarr`."""
+        import zarr
+
+        root = zarr.open_group(os.fspath(path), mode="r")
+        meta = dict(root.attrs).get("daskpty", {})
+        if meta.get("format") != RECON_FORMAT:
+            raise ValueError(f"{path} is not a daskpty reconstruction store")
+        if int(meta.get("version", 0)) > RECON_VERSION:
+            raise ValueError(f"{path} has format version {meta['version']}, newer than this daskpty "
+                             f"reads ({RECON_VERSION}); upgrade daskpty")
+        illum = root["illumination"][...] if "illumination" in root else None
+        return cls(object=root["object"][...], probe=root["probe"][...], positions=root["positions"][...],
+                   origin=np.asarray(root.attrs["origin"], dtype=np.float64), illumination=illum,
+                   history=list(root.attrs.get("history", [])), options=dict(root.attrs.get("options", {})))
+
+
+def _chunks_for(arr: np.ndarray):
+    if arr.ndim >= 2 and arr.shape[-1] * arr.shape[-2] * arr.itemsize > 16 * 2**20:
+        return arr.shape[:-2] + (min(arr.shape[-2], 1024), min(arr.shape[-1], 1024))
+    return arr.shape
+
+
+def _jsonable(obj):
+    return json.loads(json.dumps(obj, default=lambda o: o.item() if hasattr(o, "item") else str(o)))

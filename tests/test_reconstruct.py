@@ -1,0 +1,132 @@
+"""Reconstruction on a real dask cluster: worker-count equivalence, ground truth, flat task count."""
+import time
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import daskpty
+from daskpty.execution.cluster import client_context
+from daskpty.metrics import nrmse, probe_error
+
+from synthetic import make_dataset
+
+
+@pytest.fixture(scope="module")
+def threads_client():
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        yield client
+
+
+def _run(ds, client, epochs, **kw):
+    return daskpty.reconstruct(ds, epochs=epochs, object=np.ones_like(ds.truth.object), client=client, **kw)
+
+
+def _relative_difference(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_n_workers_equal_one_worker():
+    """1, 2 and 4 worker processes give the same object and probe (same chunks, same reduction tree)."""
+    ds = make_dataset(grid=10, seed=5)
+    results = {}
+    for workers in (1, 2, 4):
+        with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                          dashboard_address=None) as cluster, Client(cluster) as client:
+            results[workers] = _run(ds, client, epochs=4, rounds_per_epoch=2, chunk_length=16, split_every=3)
+    for workers in (2, 4):
+        assert _relative_difference(results[workers].object, results[1].object) <= 1e-5
+        assert _relative_difference(results[workers].probe, results[1].probe) <= 1e-5
+    # and the run did something
+    assert _relative_difference(results[1].object, np.ones_like(results[1].object)) > 1e-2
+
+
+@pytest.mark.parametrize("noise,modes,rounds,epochs,threshold", [
+    ("gaussian", 1, 1, 40, 0.05),
+    ("poisson", 1, 1, 60, 0.08),
+    ("gaussian", 2, 4, 40, 0.06),
+    ("poisson", 2, 4, 40, 0.08),
+])
+def test_ground_truth_convergence(threads_client, noise, modes, rounds, epochs, threshold):
+    """Poisson-noise data: object NRMSE falls in trend and reaches a documented threshold."""
+    ds = make_dataset(grid=14, modes=modes, seed=11)
+    errors = []
+
+    def record(epoch, state, metrics):
+        lit = state.illumination > 0.3 * state.illumination.max()
+        errors.append(nrmse(state.object, ds.truth.object, mask=lit))
+
+    rec = _run(ds, threads_client, epochs, noise=noise, probe_modes=modes, rounds_per_epoch=rounds, callback=record)
+    assert errors[-1] < threshold
+    assert errors[-1] < 0.5 * errors[0]
+    thirds = np.array_split(np.array(errors), 3)
+    assert thirds[2].mean() < thirds[1].mean() < thirds[0].mean()
+    losses = [h["loss"] for h in rec.history]
+    assert losses[-1] < losses[0]
+
+
+def test_probe_recovered_up_to_ambiguities(threads_client):
+    ds = make_dataset(grid=14, seed=2)
+    initial = daskpty.reconstruct(ds, epochs=0, object=np.ones_like(ds.truth.object), client=threads_client)
+    rec = _run(ds, threads_client, 40, rounds_per_epoch=8)
+    assert probe_error(rec.probe, ds.truth.probe) < 0.1
+    assert probe_error(rec.probe, ds.truth.probe) < 0.5 * probe_error(initial.probe, ds.truth.probe)
+
+
+def test_scheduler_task_count_stays_flat(threads_client):
+    """Lineage is cut every round: the scheduler holds the same number of tasks after 200 epochs."""
+    ds = make_dataset(n=16, grid=6, step=3, seed=1)
+    counts = []
+
+    def count(epoch, state, metrics):
+        if epoch % 50 == 0:  # released tasks are forgotten asynchronously: take the settled count
+            samples = []
+            for _ in range(20):
+                samples.append(threads_client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)))
+                time.sleep(0.05)
+            counts.append(min(samples))
+
+    daskpty.reconstruct(ds, epochs=200, object=np.ones_like(ds.truth.object), client=threads_client,
+                        callback=count, chunk_length=9)
+    assert len(counts) == 4
+    assert max(counts) == min(counts)
+    assert max(counts) <= 2 * 4 + 4  # persisted data + positions chunks, plus nothing that grows
+
+
+def test_result_store_round_trip(tmp_path, threads_client):
+    ds = make_dataset(grid=5, seed=4)
+    rec = daskpty.reconstruct(ds, epochs=2, client=threads_client)
+    path = rec.to_zarr(tmp_path / "rec.zarr")
+    back = daskpty.Reconstruction.from_zarr(path)
+    np.testing.assert_array_equal(back.object, rec.object)
+    np.testing.assert_array_equal(back.probe, rec.probe)
+    np.testing.assert_array_equal(back.positions, rec.positions)
+    np.testing.assert_array_equal(back.origin, rec.origin)
+    assert [h["loss"] for h in back.history] == [h["loss"] for h in rec.history]
+    assert back.options["noise"] == "gaussian"
+    with pytest.raises(FileExistsError):
+        rec.to_zarr(path)
+    # positions: object frame = data positions + origin, inside the object
+    np.testing.assert_allclose(rec.positions, ds.positions + rec.origin)
+
+
+def test_bad_arguments_give_clear_errors(threads_client):
+    ds = make_dataset(grid=4)
+    with pytest.raises(ValueError, match="engine"):
+        daskpty.reconstruct(ds, engine="ePIE", client=threads_client)
+    with pytest.raises(ValueError, match="rounds_per_epoch"):
+        daskpty.reconstruct(ds, rounds_per_epoch=0, client=threads_client)
+    with pytest.raises(TypeError, match="unknown option"):
+        daskpty.reconstruct(ds, betta=0.5, client=threads_client)
+    with pytest.raises(ValueError, match="outside the object"):
+        daskpty.reconstruct(ds, object=np.ones((20, 20), np.complex64), client=threads_client)
+    with pytest.raises(ValueError, match="probe shape"):
+        daskpty.reconstruct(ds, probe=np.ones((8, 8), np.complex64), client=threads_client)
+
+
+def test_embedded_default_cluster_starts_and_closes():
+    ds = make_dataset(grid=4)
+    with client_context(None, n_workers=1, processes=False, dashboard=False) as client:
+        rec = daskpty.reconstruct(ds, epochs=1, client=client)
+    assert np.isfinite(rec.object).all()
