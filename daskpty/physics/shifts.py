@@ -32,11 +32,7 @@ def shift_ramps(fractions, n: int, xp=np):
 
 
 def shift_probe(probe, ramps):
-    """Shifted probes S_f P: probe (M, n, n), ramps (B, n, n) → (B, M, n, n).
-
-    When every ramp is identically one (integer positions) the FFTs are skipped.
-    """
-    xp = get_xp(probe, ramps)
+    """Shifted probes S_f P: probe (M, n, n), ramps (B, n, n) → (B, M, n, n)."""
     probe_ft = fft2(probe)
     return ifft2(ramps[:, None] * probe_ft[None]).astype(np.complex64, copy=False)
 
