@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 
+from .checkpoint import Checkpointer, sigterm_as_interrupt
 from .engines import lsqml
 from .engines.initial import object_frame, probe_diameter_from_scan, probe_from_mean_pattern
 from .execution.cluster import client_context
@@ -29,25 +30,59 @@ def _load(data):
     return data
 
 
+def _check_probe(probe, n):
+    probe = np.asarray(probe, dtype=np.complex64)
+    if probe.ndim == 2:
+        probe = probe[None]
+    if probe.ndim != 3 or probe.shape[-2:] != (n, n):
+        raise ValueError(f"probe shape {probe.shape} does not match the detector shape ({n}, {n}); "
+                         f"pass a probe of shape (n, n) or (modes, n, n) with n the pattern size")
+    if not np.isfinite(probe).all():
+        raise ValueError("the probe contains NaN or infinite values; pass a finite initial probe")
+    if not np.abs(probe).any():
+        raise ValueError("the probe is all zeros; pass a non-zero initial probe or leave probe=None "
+                         "to derive one from the data")
+    return probe
+
+
 def _initial_probe(probe, data, client, intensities, modes, seed):
+    n = intensities.shape[-1]
     if probe is None:
         probe = getattr(data, "probe", None)
     if probe is None:
         mean = client.compute(intensities.mean(axis=0, dtype=np.float64)).result()
-        diameter = probe_diameter_from_scan(data.positions, intensities.shape[-1])
+        diameter = probe_diameter_from_scan(data.positions, n)
         return probe_from_mean_pattern(np.asarray(mean), modes=modes or 1, seed=seed, diameter=diameter)
-    probe = np.asarray(probe, dtype=np.complex64)
-    if probe.ndim == 2:
-        probe = probe[None]
-    if probe.shape[-2:] != tuple(intensities.shape[-2:]):
-        raise ValueError(f"probe shape {probe.shape[-2:]} does not match the detector shape "
-                         f"{tuple(intensities.shape[-2:])}; pass a probe of the pattern size")
+    probe = _check_probe(probe, n)
     if modes and modes > probe.shape[0]:
-        extra = probe_from_mean_pattern(np.abs(np.fft.fftshift(np.fft.fft2(probe[0], norm="ortho"))) ** 2,
-                                        modes=modes, seed=seed)[probe.shape[0]:]
+        far = np.abs(np.fft.fftshift(np.fft.fft2(probe[0], norm="ortho"))) ** 2
+        extra = probe_from_mean_pattern(far, modes=modes, seed=seed)[probe.shape[0]:]
         extra *= np.sqrt((np.abs(probe) ** 2).sum() / (np.abs(extra[0]) ** 2).sum() * 0.05)
         probe = np.concatenate([probe, extra.astype(np.complex64)])
     return probe
+
+
+def _check_positions(positions):
+    if positions.ndim != 2 or positions.shape[1] != 2:
+        raise ValueError(f"positions must have shape (N, 2), got {positions.shape}")
+    if not np.isfinite(positions).all():
+        raise ValueError("positions contain NaN or infinite values; fix or drop those patterns")
+    unique = np.unique(positions, axis=0)
+    if len(unique) < len(positions):
+        raise ValueError(f"{len(positions) - len(unique)} scan positions are exact duplicates; "
+                         "remove repeated patterns or average them before reconstructing")
+
+
+def _resume_from(path, positions, n):
+    rec = Reconstruction.from_zarr(path)
+    if rec.positions.shape != positions.shape or not np.allclose(rec.positions - rec.origin, positions,
+                                                                  atol=1e-6):
+        raise ValueError(f"the resume store {path} does not match the data: its positions differ; "
+                         "resume with the data set it was made from")
+    if rec.probe.shape[-1] != n:
+        raise ValueError(f"the resume store {path} has a {rec.probe.shape[-1]}-pixel probe but the data "
+                         f"have {n}-pixel patterns; resume with the data set it was made from")
+    return rec
 
 
 def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, object=None,
@@ -55,6 +90,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
                 client=None, n_workers: int | None = None, seed: int = 0, callback=None,
                 progress: bool = False, chunk_length: int | None = None, persist: bool = True,
                 split_every: int = 8, sort: bool = True, rescale_probe: bool = True,
+                checkpoint=None, checkpoint_every: int = 10, resume=None,
                 **engine_options) -> Reconstruction:
     """Reconstruct object and probe from a ptychography data set on a dask cluster.
 
@@ -63,7 +99,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     data : str or PtychoData
         A daskpty data-set store path (see :func:`daskpty.open_data`) or an opened data set.
     engine : "lsqml"
-    epochs : number of passes over all patterns.
+    epochs : total number of passes over all patterns (when resuming, including those already done).
     probe : initial probe (n, n) or (M, n, n); default: the store's ``probe`` if present, else
         derived from the mean diffraction pattern (see :func:`daskpty.engines.initial.probe_from_mean_pattern`).
     object : initial object (H, W); positions are then in its pixel frame. Default: ones, sized
@@ -78,28 +114,49 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     progress : print a progress line per epoch to stderr.
     chunk_length : patterns per chunk (default from the probe size and a memory budget; it does
         not depend on the number of workers, so results do not either).
+    checkpoint : path of a reconstruction store updated atomically every ``checkpoint_every``
+        epochs, at the end, and on Ctrl-C / SIGTERM.
+    resume : path of a reconstruction store (a checkpoint) to continue from; the same seed and
+        settings give the same result as an uninterrupted run.
     **engine_options : fields of :class:`daskpty.engines.lsqml.LSQMLOptions` (beta, delta, ...).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if not isinstance(epochs, (int, np.integer)) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
-    if rounds_per_epoch < 1:
-        raise ValueError(f"rounds_per_epoch must be >= 1, got {rounds_per_epoch}")
+    if not isinstance(rounds_per_epoch, (int, np.integer)) or rounds_per_epoch < 1:
+        raise ValueError(f"rounds_per_epoch must be an integer >= 1, got {rounds_per_epoch!r}")
+    if chunk_length is not None and chunk_length < 1:
+        raise ValueError(f"chunk_length must be >= 1, got {chunk_length}")
+    if split_every < 2:
+        raise ValueError(f"split_every must be >= 2, got {split_every}")
     valid_names = {f.name for f in dataclasses.fields(lsqml.LSQMLOptions)}
     unknown = set(engine_options) - valid_names
     if unknown:
         raise TypeError(f"unknown option(s) {sorted(unknown)} for engine {engine!r}; valid: {sorted(valid_names)}")
     options = lsqml.LSQMLOptions(noise=noise, **engine_options)
+    adapter = LSQMLAdapter(options)
+
     data = _load(data)
     intensities = data.intensities
     positions = np.asarray(data.positions, dtype=np.float64)
+    _check_positions(positions)
+    if len(positions) == 0 or intensities.shape[0] == 0:
+        raise ValueError("the data set is empty; there is nothing to reconstruct")
+    if intensities.shape[0] != len(positions):
+        raise ValueError(f"{intensities.shape[0]} patterns but {len(positions)} positions; "
+                         "they must match one to one")
     n = intensities.shape[-1]
     mask = getattr(data, "mask", None)
-    valid = None if mask is None else np.fft.ifftshift(np.asarray(mask, dtype=bool))
+    adapter.valid = None if mask is None else np.fft.ifftshift(np.asarray(mask, dtype=bool))
 
-    if object is not None:
+    resumed = _resume_from(resume, positions, n) if resume is not None else None
+    if resumed is not None:
+        obj, origin = resumed.object, resumed.origin
+    elif object is not None:
         obj = np.array(object, dtype=np.complex64)
+        if obj.ndim != 2:
+            raise ValueError(f"object must be a 2-D array, got shape {obj.shape}")
         origin = np.zeros(2)
     else:
         shape, origin = object_frame(positions, n)
@@ -107,11 +164,23 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     frame_positions = positions + origin
     check_windows_inside(split_positions(frame_positions, n)[0], n, obj.shape)
 
-    callbacks = []
+    run_options = dict(engine=engine, epochs=epochs, rounds_per_epoch=rounds_per_epoch, seed=seed,
+                       chunk_length=chunk_length, split_every=split_every, sort=sort,
+                       **dataclasses.asdict(options))
+
+    def make_result(state, history):
+        return Reconstruction(object=state.object, probe=state.probe, positions=frame_positions,
+                              origin=origin, illumination=state.illumination, history=history,
+                              options=run_options, epoch=state.epoch,
+                              engine_state=adapter.engine_state(state))
+
+    previous_history = resumed.history if resumed is not None else []
+    checkpointer = Checkpointer(checkpoint, make_result, every=checkpoint_every, history=previous_history)
+    callbacks = [checkpointer]
     if progress:
         from .monitor.progress import ProgressPrinter
 
-        callbacks.append(ProgressPrinter(epochs, len(positions)))
+        callbacks.append(ProgressPrinter(max(epochs - len(previous_history), 0), len(positions)))
     if callback is not None:
         callbacks.append(callback)
 
@@ -120,18 +189,25 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             import dask.array as da
 
             intensities = da.from_array(np.asarray(intensities), chunks=(max(1, chunk_length or 256), -1, -1))
-        init_probe = _initial_probe(probe, data, c, intensities, probe_modes, seed)
+        if resumed is not None:
+            state = adapter.new_state(resumed.object, resumed.probe, resumed.epochs, resumed.engine_state)
+            state.illumination = resumed.illumination
+        else:
+            state = adapter.new_state(obj, _initial_probe(probe, data, c, intensities, probe_modes, seed))
         chunked = prepare_data(c, intensities, frame_positions, chunk_length=chunk_length,
-                               modes=init_probe.shape[0], sort=sort, persist=persist)
-        state = lsqml.LSQMLState(object=obj, probe=init_probe)
-        adapter = LSQMLAdapter(options, valid)
-        state, history = run_epochs(c, chunked, adapter, state, epochs=epochs,
-                                    rounds_per_epoch=rounds_per_epoch, split_every=split_every,
-                                    callbacks=callbacks, initialise=rescale_probe)
-        del chunked
-
-    run_options = dict(engine=engine, epochs=epochs, rounds_per_epoch=rounds_per_epoch, seed=seed,
-                       chunk_length=chunk_length, split_every=split_every, **dataclasses.asdict(options))
-    return Reconstruction(object=state.object, probe=state.probe, positions=frame_positions,
-                          origin=origin, illumination=state.illumination, history=history,
-                          options=run_options)
+                               modes=state.probe.shape[0], sort=sort, persist=persist)
+        remaining = max(epochs - state.epoch, 0)
+        try:
+            with sigterm_as_interrupt():
+                state, _ = run_epochs(c, chunked, adapter, state, epochs=remaining,
+                                      rounds_per_epoch=rounds_per_epoch, split_every=split_every,
+                                      callbacks=callbacks, initialise=rescale_probe)
+        except KeyboardInterrupt:
+            checkpointer.write()
+            raise
+        finally:
+            del chunked
+    result = make_result(state, checkpointer.history)
+    if checkpoint is not None and checkpointer.written_epoch != state.epoch:
+        result.to_zarr(checkpoint, overwrite=True)
+    return result

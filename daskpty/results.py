@@ -32,10 +32,13 @@ class Reconstruction:
     illumination: np.ndarray | None = None
     history: list = field(default_factory=list)
     options: dict = field(default_factory=dict)
+    epoch: int = 0
+    engine_state: dict = field(default_factory=dict)
 
     @property
     def epochs(self) -> int:
-        return len(self.history)
+        """Completed epochs (including those of runs this one resumed)."""
+        return self.epoch or len(self.history)
 
     def illuminated(self, fraction: float = 0.1) -> np.ndarray:
         """Boolean mask of object pixels whose illumination exceeds ``fraction`` of its maximum."""
@@ -44,14 +47,34 @@ class Reconstruction:
         return self.illumination > fraction * self.illumination.max()
 
     def to_zarr(self, path: str, *, overwrite: bool = False) -> str:
-        """Write the reconstruction store atomically (write aside, then rename)."""
+        """Write the reconstruction store atomically.
+
+        The new store is written completely beside the target (``PATH.partial-*``), then swapped in
+        by renames: ``PATH`` → ``PATH.previous``, new → ``PATH``, then ``PATH.previous`` is removed.
+        A crash at any moment leaves a complete store at ``PATH`` or, between the two renames, at
+        ``PATH.previous`` (which :meth:`from_zarr` falls back to). No pickle is stored.
+        """
         import zarr
 
-        path = os.fspath(path)
-        if os.path.exists(path) and not overwrite:
+        path = os.fspath(path).rstrip("/")
+        if (os.path.exists(path) or os.path.exists(path + ".previous")) and not overwrite:
             raise FileExistsError(f"{path} exists; choose another output path or pass overwrite=True")
         tmp = f"{path}.partial-{uuid.uuid4().hex[:8]}"
-        root = zarr.open_group(tmp, mode="w", zarr_format=3)
+        try:
+            self._write(zarr.open_group(tmp, mode="w", zarr_format=3))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        previous = path + ".previous"
+        if os.path.exists(path):
+            if os.path.exists(previous):
+                shutil.rmtree(previous)
+            os.replace(path, previous)
+        os.replace(tmp, path)
+        shutil.rmtree(previous, ignore_errors=True)
+        return path
+
+    def _write(self, root) -> None:
         for name, arr in (("object", self.object), ("probe", self.probe), ("positions", self.positions)):
             a = root.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=_chunks_for(arr))
             a[...] = arr
@@ -59,23 +82,33 @@ class Reconstruction:
             a = root.create_array("illumination", shape=self.illumination.shape, dtype=np.float32,
                                   chunks=_chunks_for(self.illumination))
             a[...] = self.illumination
+        state = root.create_group("engine_state")
+        for name, arr in self.engine_state.items():
+            arr = np.asarray(arr)
+            a = state.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=_chunks_for(arr))
+            a[...] = arr
         root.attrs.update({
             "daskpty": {"format": RECON_FORMAT, "version": RECON_VERSION},
             "origin": [float(v) for v in self.origin],
+            "epoch": int(self.epochs),
             "history": _jsonable(self.history),
             "options": _jsonable(self.options),
         })
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        return path
 
     @classmethod
     def from_zarr(cls, path: str) -> "Reconstruction":
         """Read a reconstruction store written by :meth:`to_zarr`."""
         import zarr
 
-        root = zarr.open_group(os.fspath(path), mode="r")
+        path = os.fspath(path).rstrip("/")
+        if not os.path.exists(path) and os.path.exists(path + ".previous"):
+            path = path + ".previous"  # a swap was interrupted between its two renames
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"no reconstruction store at {path}")
+        try:
+            root = zarr.open_group(path, mode="r")
+        except Exception as exc:
+            raise ValueError(f"{path} is not a daskpty reconstruction store ({exc})") from None
         meta = dict(root.attrs).get("daskpty", {})
         if meta.get("format") != RECON_FORMAT:
             raise ValueError(f"{path} is not a daskpty reconstruction store")
@@ -83,9 +116,14 @@ class Reconstruction:
             raise ValueError(f"{path} has format version {meta['version']}, newer than this daskpty "
                              f"reads ({RECON_VERSION}); upgrade daskpty")
         illum = root["illumination"][...] if "illumination" in root else None
+        engine_state = {}
+        if "engine_state" in root:
+            group = root["engine_state"]
+            engine_state = {name: group[name][...] for name in group.array_keys()}
         return cls(object=root["object"][...], probe=root["probe"][...], positions=root["positions"][...],
                    origin=np.asarray(root.attrs["origin"], dtype=np.float64), illumination=illum,
-                   history=list(root.attrs.get("history", [])), options=dict(root.attrs.get("options", {})))
+                   history=list(root.attrs.get("history", [])), options=dict(root.attrs.get("options", {})),
+                   epoch=int(root.attrs.get("epoch", 0)), engine_state=engine_state)
 
 
 def _chunks_for(arr: np.ndarray):

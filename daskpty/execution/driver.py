@@ -58,6 +58,15 @@ class LSQMLAdapter:
     def end_epoch(self, state):
         return lsqml.end_epoch(state, self.options)
 
+    def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
+        """A state from an object, a probe and (when resuming) the saved engine arrays."""
+        engine_state = engine_state or {}
+        return lsqml.LSQMLState(object=obj, probe=probe, epoch=epoch, velocity=engine_state.get("velocity"))
+
+    def engine_state(self, state) -> dict:
+        """Arrays beyond object and probe needed to continue exactly (for checkpoints)."""
+        return {} if state.velocity is None else {"velocity": state.velocity}
+
     def initialise(self, client, data: ChunkedData, state, *, split_every: int):
         """First-epoch probe intensity rescale so that Σŷ = Σy."""
         sums = map_reduce(client, data, forward_sums_chunk, self.payload(state), split_every=split_every)
