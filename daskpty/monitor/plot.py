@@ -1,0 +1,384 @@
+"""Figures of a reconstruction: object, probe modes, loss curve and FRC against ground truth.
+
+Matplotlib is an optional dependency (``pip install 'daskpty[plot]'``); it is imported inside the
+functions, so importing this module costs nothing. Figures are built on
+:class:`matplotlib.figure.Figure` directly (no ``pyplot`` state, no GUI backend), which makes them
+safe in headless processes and threads.
+
+The panel-drawing functions take the axes to draw into, so they compose into any layout;
+:func:`summary_figure` puts them together and :func:`summary_panels` says which panels it makes.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = [
+    "MAX_PROBE_PANELS", "complex_to_rgb", "format_length", "panel_names", "plot_frc", "plot_history",
+    "plot_object", "plot_probe", "scale_bar", "scale_bar_length", "summary_figure", "summary_panels",
+    "truth_frame",
+]
+
+#: at most this many probe modes get a panel in :func:`summary_figure` (strongest first)
+MAX_PROBE_PANELS = 8
+#: illumination fraction (of the maximum) that delimits the displayed object region
+DISPLAY_FRACTION = 0.1
+#: illumination fraction that delimits the region compared with the truth (FRC)
+COMPARE_FRACTION = 0.3
+
+_PANEL_LABEL = "daskpty-panel:"
+
+
+def _mpl():
+    try:
+        import matplotlib
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError("daskpty figures need matplotlib: pip install 'daskpty[plot]'") from exc
+    return matplotlib
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def format_length(metres: float) -> str:
+    """``2e-6 -> '2 µm'``, ``5e-7 -> '500 nm'``: a length with the unit that gives a value ≥ 1."""
+    m = float(metres)
+    for unit, scale in (("m", 1.0), ("mm", 1e-3), ("µm", 1e-6), ("nm", 1e-9), ("pm", 1e-12)):
+        if abs(m) >= scale * (1 - 1e-9) or unit == "pm":
+            return f"{m / scale:.3g} {unit}"
+    return f"{m:g} m"  # pragma: no cover
+
+
+def scale_bar_length(width_m: float, target: float = 0.25) -> float:
+    """The largest round length (1, 2 or 5 × 10^k m) not longer than ``target`` × ``width_m``."""
+    if not (width_m > 0 and math.isfinite(width_m)):
+        raise ValueError(f"image width must be a positive length, got {width_m}")
+    goal = target * width_m
+    k = math.floor(math.log10(goal))
+    best = 10.0 ** k
+    for d in (1, 2, 5, 10):
+        if d * 10.0 ** k <= goal * (1 + 1e-9):
+            best = d * 10.0 ** k
+    return best
+
+
+def scale_bar(ax, pixel_size_m: float, width_px: float, *, origin=(0.0, 0.0), height_px=None,
+              color="white", fontsize=8):
+    """Draw a round-length scale bar at the lower left of an image shown with ``extent`` starting at
+    ``origin`` (y0, x0) in pixels and ``width_px`` wide. Returns the label's Text artist."""
+    from matplotlib import patheffects
+    from matplotlib.patches import Rectangle
+
+    length_m = scale_bar_length(width_px * pixel_size_m)
+    length_px = length_m / pixel_size_m
+    y0, x0 = origin
+    ylim = ax.get_ylim()
+    height_img = abs(ylim[1] - ylim[0])
+    bar_h = height_px if height_px is not None else max(height_img * 0.018, 0.5)
+    margin = 0.05 * width_px
+    # images are shown with origin="upper": y grows downwards, so the lower edge is max(ylim)
+    y_bottom = max(ylim) - 0.06 * height_img
+    outline = [patheffects.withStroke(linewidth=2.5, foreground="black")]
+    rect = Rectangle((x0 + margin, y_bottom - bar_h), length_px, bar_h, facecolor=color,
+                     edgecolor="black", linewidth=0.6, gid="scalebar")
+    ax.add_patch(rect)
+    text = ax.text(x0 + margin + length_px / 2, y_bottom - bar_h - 0.015 * height_img,
+                   format_length(length_m), color=color, ha="center", va="bottom", fontsize=fontsize,
+                   path_effects=outline, gid="scalebar")
+    return text
+
+
+def complex_to_rgb(z: np.ndarray) -> np.ndarray:
+    """RGB image of a complex array: hue = phase, brightness = amplitude (normalised to its max)."""
+    from matplotlib.colors import hsv_to_rgb
+
+    amp = np.abs(z)
+    top = float(amp.max()) if amp.size else 0.0
+    hsv = np.empty(z.shape + (3,), dtype=np.float64)
+    hsv[..., 0] = (np.angle(z) + np.pi) / (2 * np.pi)
+    hsv[..., 1] = 1.0
+    hsv[..., 2] = amp / top if top > 0 else 0.0
+    return hsv_to_rgb(np.clip(hsv, 0.0, 1.0))
+
+
+def _squeeze_image(x) -> np.ndarray:
+    x = np.asarray(x)
+    while x.ndim > 2 and x.shape[0] == 1:
+        x = x[0]
+    if x.ndim != 2:
+        raise ValueError(f"expected a 2-D object, got shape {x.shape}")
+    return x
+
+
+def _bbox(mask: np.ndarray):
+    """(y0, y1, x0, x1), end-exclusive, of the True pixels (the whole image when none)."""
+    rows = np.nonzero(mask.any(axis=1))[0]
+    cols = np.nonzero(mask.any(axis=0))[0]
+    if rows.size == 0:
+        return 0, mask.shape[0], 0, mask.shape[1]
+    return int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1
+
+
+def _robust_limits(values: np.ndarray, lo=0.5, hi=99.5):
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return 0.0, 1.0
+    a, b = np.percentile(values, [lo, hi])
+    if not b > a:
+        a, b = a - 0.5, b + 0.5
+    return float(a), float(b)
+
+
+def _mark(ax, name: str):
+    ax.set_label(_PANEL_LABEL + name)
+
+
+def panel_names(fig) -> list[str]:
+    """Names of the panels of a figure made by :func:`summary_figure` (colour bars excluded)."""
+    return [ax.get_label()[len(_PANEL_LABEL):] for ax in fig.axes
+            if ax.get_label().startswith(_PANEL_LABEL)]
+
+
+# ------------------------------------------------------------------------------------- panels
+
+
+def plot_object(ax_phase, ax_amp, rec, pixel_size_m=None, *, fraction=DISPLAY_FRACTION,
+                colorbar=True):
+    """Object phase (rad, global phase removed) and amplitude, cropped to the illuminated region.
+
+    ``rec`` is a :class:`~daskpty.results.Reconstruction`; ``fraction`` the illumination threshold
+    of :meth:`~daskpty.results.Reconstruction.illuminated`. With ``pixel_size_m`` each image gets a
+    scale bar in metres, otherwise the axes are in object pixels. Either axis may be ``None``.
+    Returns the two image artists (``None`` for a skipped axis).
+    """
+    _mpl()
+    obj = _squeeze_image(rec.object)
+    lit = rec.illuminated(fraction)
+    if lit.shape != obj.shape:
+        lit = np.ones(obj.shape, dtype=bool)
+    y0, y1, x0, x1 = _bbox(lit)
+    crop = obj[y0:y1, x0:x1].astype(np.complex128)
+    inside = lit[y0:y1, x0:x1]
+    # remove the global phase (a free constant of the reconstruction) before showing the phase
+    ref = np.sum(crop[inside])
+    if abs(ref) > 0:
+        crop = crop * np.exp(-1j * np.angle(ref))
+    extent = (x0 - 0.5, x1 - 0.5, y1 - 0.5, y0 - 0.5)
+    images = []
+    for ax, values, cmap, title, unit in (
+            (ax_phase, np.angle(crop), "viridis", "object phase", "rad"),
+            (ax_amp, np.abs(crop), "gray", "object amplitude", "|O|")):
+        if ax is None:
+            images.append(None)
+            continue
+        vmin, vmax = _robust_limits(values[inside])
+        im = ax.imshow(values, cmap=cmap, vmin=vmin, vmax=vmax, extent=extent, origin="upper",
+                       interpolation="nearest")
+        ax.set_title(title)
+        if pixel_size_m:
+            ax.set_xticks([])
+            ax.set_yticks([])
+            scale_bar(ax, float(pixel_size_m), x1 - x0, origin=(y0 - 0.5, x0 - 0.5))
+        else:
+            ax.set_xlabel("x [px]")
+            ax.set_ylabel("y [px]")
+        if colorbar:
+            cb = ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.02)
+            cb.set_label(unit)
+        images.append(im)
+    return tuple(images)
+
+
+def plot_probe(axes, probe, pixel_size_m=None, *, phase=True):
+    """Each probe mode in its own axis, titled with its share of the total power.
+
+    ``phase=True`` colour-encodes the phase (hue) with brightness = amplitude; ``False`` shows the
+    amplitude alone. Each mode is normalised to its own maximum so weak modes stay visible. Modes
+    beyond ``len(axes)`` are not drawn; surplus axes are hidden. Returns the power fractions.
+    """
+    _mpl()
+    from daskpty.physics import mode_powers
+
+    probe = np.asarray(probe)
+    if probe.ndim == 2:
+        probe = probe[None]
+    if probe.ndim != 3:
+        raise ValueError(f"probe must have shape (M, n, n), got {probe.shape}")
+    axes = list(np.ravel(np.asarray(axes, dtype=object)))
+    powers = np.asarray(mode_powers(probe))
+    n_modes = probe.shape[0]
+    for k, ax in enumerate(axes):
+        if k >= n_modes:
+            ax.set_visible(False)
+            continue
+        mode = probe[k]
+        if phase:
+            ax.imshow(complex_to_rgb(mode), origin="upper", interpolation="nearest")
+        else:
+            ax.imshow(np.abs(mode), cmap="magma", origin="upper", interpolation="nearest")
+        label = "probe" if n_modes == 1 else f"mode {k + 1}"
+        ax.set_title(f"{label}: {100 * powers[k]:.1f} %", fontsize=9)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if pixel_size_m:
+            scale_bar(ax, float(pixel_size_m), mode.shape[-1], origin=(-0.5, -0.5),
+                      fontsize=8 if n_modes == 1 else 6)
+    return powers
+
+
+def plot_history(ax, history):
+    """Data loss per epoch on a logarithmic axis. ``history`` is a list of dicts with ``loss``
+    (and ``epoch``; the position in the list otherwise)."""
+    _mpl()
+    ax.set_title("data loss")
+    ax.set_xlabel("epoch")
+    rows = [h for h in (history or []) if isinstance(h, dict) and "loss" in h]
+    epochs = np.array([float(h.get("epoch", i + 1)) for i, h in enumerate(rows)])
+    loss = np.array([float(h["loss"]) if h["loss"] is not None else np.nan for h in rows])
+    good = np.isfinite(loss) & (loss > 0)
+    if not good.any():
+        ax.text(0.5, 0.5, "no loss history", transform=ax.transAxes, ha="center", va="center")
+        ax.set_yticks([])
+        return
+    ax.plot(epochs[good], loss[good], marker="." if good.sum() < 40 else None, lw=1.2)
+    ax.set_yscale("log")
+    ax.set_ylabel("loss per pattern")
+    ax.grid(True, which="both", alpha=0.3)
+    last = loss[good][-1]
+    ax.text(0.98, 0.95, f"final {last:.4g}", transform=ax.transAxes, ha="right", va="top", fontsize=8)
+
+
+def truth_frame(rec, truth, fraction=COMPARE_FRACTION):
+    """The reconstruction's object in the ground truth's frame, and the illuminated mask there.
+
+    The integer offset between the frames is the median of ``rec.positions - truth.positions``
+    (rounded); without truth positions, ``rec.origin``. Pixels the reconstruction does not cover are
+    1 (and outside the mask). Returns ``(estimate, mask, offset)``.
+    """
+    t_obj = _squeeze_image(truth.object)
+    t_pos = getattr(truth, "positions", None)
+    if t_pos is not None and np.shape(t_pos) == np.shape(rec.positions):
+        offset = np.round(np.median(np.asarray(rec.positions) - np.asarray(t_pos), axis=0))
+    else:
+        offset = np.round(np.asarray(rec.origin, dtype=np.float64))
+    oy, ox = (int(v) for v in offset)
+    obj = _squeeze_image(rec.object)
+    lit_rec = rec.illuminated(fraction)
+    ty, tx = t_obj.shape
+    est = np.ones(t_obj.shape, dtype=np.result_type(obj.dtype, np.complex64))
+    lit = np.zeros(t_obj.shape, dtype=bool)
+    ys, xs = max(0, oy), max(0, ox)
+    ye, xe = min(obj.shape[0], ty + oy), min(obj.shape[1], tx + ox)
+    if ye > ys and xe > xs:
+        est[ys - oy:ye - oy, xs - ox:xe - ox] = obj[ys:ye, xs:xe]
+        lit[ys - oy:ye - oy, xs - ox:xe - ox] = lit_rec[ys:ye, xs:xe]
+    return est, lit, (oy, ox)
+
+
+def plot_frc(ax, rec, truth, pixel_size_m=None, *, fraction=COMPARE_FRACTION):
+    """FRC of the aligned object against the true object in the illuminated region, with the ½-bit
+    threshold. The reconstruction is put into the truth frame (:func:`truth_frame`), aligned
+    (:func:`daskpty.metrics.align`: shift, phase ramp, complex scale) and both images are cropped to
+    the bounding box of the illuminated region. Returns the :class:`~daskpty.metrics.FRCResult`."""
+    _mpl()
+    from daskpty.metrics import align, frc
+
+    est, lit, _ = truth_frame(rec, truth, fraction)
+    if not lit.any():
+        raise ValueError("the reconstruction's illuminated region does not overlap the true object")
+    t_obj = _squeeze_image(truth.object)
+    aligned = align(est, t_obj, mask=lit)
+    y0, y1, x0, x1 = _bbox(lit)
+    res = frc(aligned[y0:y1, x0:x1], t_obj[y0:y1, x0:x1])
+    ax.plot(res.frequency, res.frc, lw=1.4, label="FRC vs truth")
+    ax.plot(res.frequency, res.half_bit, lw=1.0, ls="--", color="gray", label="½-bit threshold")
+    ax.set_xlim(0, 0.5)
+    ax.set_ylim(min(-0.05, float(np.nanmin(res.frc)) - 0.05), 1.05)
+    ax.set_xlabel("spatial frequency [cycles / pixel]")
+    ax.set_ylabel("FRC")
+    ax.grid(True, alpha=0.3)
+    title = "FRC vs truth"
+    if res.resolution is not None:
+        ax.axvline(res.resolution, color="C3", lw=0.8)
+        period_px = 1.0 / res.resolution
+        where = (f"{format_length(period_px * pixel_size_m)}" if pixel_size_m
+                 else f"{period_px:.3g} px")
+        title += f": period {where}"
+    else:
+        title += ": above ½-bit to Nyquist"
+    ax.set_title(title)
+    ax.legend(loc="lower left", fontsize=8)
+    return res
+
+
+# ------------------------------------------------------------------------------------- summary
+
+
+def summary_panels(n_modes: int, has_truth: bool) -> list[str]:
+    """Names of the panels :func:`summary_figure` draws, in order — the single place that decides
+    the layout's content (colour bars are not panels)."""
+    shown = min(int(n_modes), MAX_PROBE_PANELS)
+    probe = ["probe"] if shown == 1 else [f"probe mode {k + 1}" for k in range(shown)]
+    return ["object phase", "object amplitude", *probe, "loss", *(["FRC"] if has_truth else [])]
+
+
+def _has_truth(truth) -> bool:
+    return truth is not None and getattr(truth, "object", None) is not None
+
+
+def summary_figure(rec, truth=None, pixel_size_m=None, *, figsize=None):
+    """One figure summarising a reconstruction.
+
+    Top row: object phase and amplitude (illuminated region, scale bar when ``pixel_size_m`` is
+    known). Bottom row: probe modes (up to :data:`MAX_PROBE_PANELS`), the loss curve and — with a
+    ``truth`` holding ``.object`` (and ``.positions``) — the FRC against it.
+    Returns a :class:`matplotlib.figure.Figure` (not registered with ``pyplot``).
+    """
+    _mpl()
+    from matplotlib.figure import Figure
+
+    probe = np.asarray(rec.probe)
+    if probe.ndim == 2:
+        probe = probe[None]
+    with_truth = _has_truth(truth)
+    names = summary_panels(probe.shape[0], with_truth)
+    probe_names = [n for n in names if n.startswith("probe")]
+    n_probe = len(probe_names)
+    p_rows = 1 if n_probe <= 2 else 2
+    p_cols = math.ceil(n_probe / p_rows)
+
+    fig = Figure(figsize=figsize or (12.0, 8.5), layout="constrained")
+    outer = fig.add_gridspec(2, 1, height_ratios=[1.25, 1.0])
+    top = outer[0].subgridspec(1, 2)
+    bottom_blocks = [max(1.0, p_cols / p_rows), 1.3] + ([1.3] if with_truth else [])
+    bottom = outer[1].subgridspec(1, len(bottom_blocks), width_ratios=bottom_blocks)
+
+    axes = {}
+    axes["object phase"] = fig.add_subplot(top[0, 0])
+    axes["object amplitude"] = fig.add_subplot(top[0, 1])
+    pgrid = bottom[0, 0].subgridspec(p_rows, p_cols)
+    for k, name in enumerate(probe_names):
+        axes[name] = fig.add_subplot(pgrid[divmod(k, p_cols)])
+    axes["loss"] = fig.add_subplot(bottom[0, 1])
+    if with_truth:
+        axes["FRC"] = fig.add_subplot(bottom[0, 2])
+    for name in names:  # panel order in fig.axes = summary_panels order; labels name them
+        _mark(axes[name], name)
+
+    plot_object(axes["object phase"], axes["object amplitude"], rec, pixel_size_m)
+    plot_probe([axes[n] for n in probe_names], probe, pixel_size_m)
+    plot_history(axes["loss"], rec.history)
+    if with_truth:
+        plot_frc(axes["FRC"], rec, truth, pixel_size_m)
+
+    obj = _squeeze_image(rec.object)
+    epochs = getattr(rec, "epochs", len(rec.history))
+    modes = f"{probe.shape[0]} probe mode(s)"
+    if n_probe < probe.shape[0]:
+        modes += f", first {n_probe} shown"
+    bits = [f"{epochs} epoch(s)", f"object {obj.shape[0]}×{obj.shape[1]}", modes]
+    if pixel_size_m:
+        bits.append(f"pixel {format_length(pixel_size_m)}")
+    fig.suptitle("daskpty reconstruction — " + ", ".join(bits), fontsize=11)
+    return fig
