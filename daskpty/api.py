@@ -10,7 +10,7 @@ from .checkpoint import Checkpointer, sigterm_as_interrupt
 from .engines import lsqml
 from .engines.initial import object_frame, probe_diameter_from_scan, probe_from_mean_pattern
 from .execution.cluster import client_context
-from .execution.data import prepare_data
+from .execution.data import prepare_data, workers_have_gpus
 from .execution.driver import LSQMLAdapter, run_epochs
 from .physics import check_windows_inside, split_positions
 from .results import Reconstruction
@@ -88,7 +88,7 @@ def _resume_from(path, positions, n):
 def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, object=None,
                 probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch: int = 1,
                 client=None, n_workers: int | None = None, seed: int = 0, callback=None,
-                progress: bool = False, chunk_length: int | None = None, persist: bool = True,
+                progress: bool = False, chunk_length: int | None = None, persist="auto", device: str = "auto",
                 split_every: int = 8, sort: bool = True, rescale_probe: bool = True,
                 checkpoint=None, checkpoint_every: int = 10, resume=None,
                 **engine_options) -> Reconstruction:
@@ -114,6 +114,10 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     progress : print a progress line per epoch to stderr.
     chunk_length : patterns per chunk (default from the probe size and a memory budget; it does
         not depend on the number of workers, so results do not either).
+    persist : keep the data chunks in worker memory (True), re-read them from the store every
+        round (False: out-of-core), or "auto" (persist when they take ≤ half the cluster memory).
+    device : "cpu" (NumPy chunks), "gpu" (CuPy chunks on dask-cuda workers) or "auto" (gpu when
+        every worker sees a CUDA device).
     checkpoint : path of a reconstruction store updated atomically every ``checkpoint_every``
         epochs, at the end, and on Ctrl-C / SIGTERM.
     resume : path of a reconstruction store (a checkpoint) to continue from; the same seed and
@@ -194,8 +198,10 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             state.illumination = resumed.illumination
         else:
             state = adapter.new_state(obj, _initial_probe(probe, data, c, intensities, probe_modes, seed))
+        if device == "auto":
+            device = "gpu" if workers_have_gpus(c) else "cpu"
         chunked = prepare_data(c, intensities, frame_positions, chunk_length=chunk_length,
-                               modes=state.probe.shape[0], sort=sort, persist=persist)
+                               modes=state.probe.shape[0], sort=sort, persist=persist, device=device)
         remaining = max(epochs - state.epoch, 0)
         try:
             with sigterm_as_interrupt():

@@ -25,6 +25,11 @@ def add_parser(subparsers):
     p.add_argument("--scheduler", default=None, help="address of a running dask scheduler")
     p.add_argument("--chunk-length", type=int, default=None, help="patterns per chunk")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-every", type=int, default=10, metavar="K",
+                   help="update the output store every K epochs (and at the end and on Ctrl-C/SIGTERM)")
+    p.add_argument("--resume", metavar="RECON", default=None,
+                   help="continue from this reconstruction store (e.g. the output of an interrupted run); "
+                        "--epochs counts the epochs already done")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output store")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
@@ -33,8 +38,14 @@ def add_parser(subparsers):
 def run(args) -> int:
     import daskpty
 
-    if os.path.exists(args.output) and not args.overwrite:
-        raise FileExistsError(f"{args.output} exists; choose another output or pass --overwrite")
+    if os.path.abspath(args.output) == os.path.abspath(args.data):
+        raise ValueError("the output store must not be the data store; choose another -o path")
+    resuming_in_place = args.resume is not None and os.path.abspath(args.resume) == os.path.abspath(args.output)
+    if os.path.exists(args.output) and not (args.overwrite or resuming_in_place):
+        raise FileExistsError(f"{args.output} exists; choose another output, pass --overwrite, "
+                              f"or --resume {args.output} to continue it")
+    if args.checkpoint_every < 1:
+        raise ValueError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if args.epochs < 0:
         raise ValueError(f"--epochs must be >= 0, got {args.epochs}")
     if args.workers is not None and args.workers < 1:
@@ -49,11 +60,18 @@ def run(args) -> int:
         rec = daskpty.reconstruct(data, engine=args.engine, epochs=args.epochs, noise=args.noise,
                                   rounds_per_epoch=args.rounds_per_epoch, probe_modes=args.probe_modes,
                                   client=client, n_workers=args.workers, seed=args.seed,
-                                  chunk_length=args.chunk_length, progress=not args.quiet)
+                                  chunk_length=args.chunk_length, progress=not args.quiet,
+                                  checkpoint=args.output, checkpoint_every=args.checkpoint_every,
+                                  resume=args.resume)
+    except KeyboardInterrupt:
+        if os.path.exists(args.output):
+            print(f"daskpty: interrupted; the last complete epoch is saved in {args.output} "
+                  f"(continue with --resume {args.output})", file=sys.stderr)
+            return 130
+        raise
     finally:
         if client is not None:
             client.close()
-    rec.to_zarr(args.output, overwrite=args.overwrite)
     last = rec.history[-1] if rec.history else {}
     line = f"wrote {args.output}: object {rec.object.shape}, probe {rec.probe.shape}"
     if last:

@@ -30,13 +30,51 @@ def _ifftshift_patterns(block):
     return xp.fft.ifftshift(block, axes=(-2, -1))
 
 
+def _to_device(block):
+    import cupy
+
+    return cupy.asarray(block)  # counts keep their integer dtype on the device
+
+
+def workers_have_gpus(client) -> bool:
+    """True when every worker of ``client`` sees a CUDA device through CuPy."""
+    def probe():
+        try:
+            import cupy
+
+            return cupy.cuda.runtime.getDeviceCount() > 0
+        except Exception:
+            return False
+
+    answers = client.run(probe)
+    return bool(answers) and all(answers.values())
+
+
+def cluster_memory_bytes(client) -> int:
+    """Sum of the workers' memory limits (0 when unknown/unlimited)."""
+    workers = client.scheduler_info(n_workers=-1).get("workers", {})
+    return int(sum(w.get("memory_limit") or 0 for w in workers.values()))
+
+
+def should_persist(client, nbytes: int, fraction: float = 0.5) -> bool:
+    """Persist the data when it takes at most ``fraction`` of the cluster's memory."""
+    total = cluster_memory_bytes(client)
+    return total == 0 or nbytes <= fraction * total
+
+
 def prepare_data(client, intensities, positions, *, chunk_length: int | None = None, modes: int = 1,
-                 sort: bool = True, persist: bool = True) -> ChunkedData:
+                 sort: bool = True, persist: bool | str = "auto", device: str = "cpu") -> ChunkedData:
     """Chunk along N, order chunks spatially, move the zero frequency to index 0, persist.
 
     intensities: dask or NumPy array (N, n, n), DC at the centre (as recorded), counts stay in
     their dtype. positions: (N, 2) float64 in the object frame.
+    persist: True keeps the chunks in worker memory (spilled by dask when needed); False re-reads
+    them from their source (e.g. Zarr) every round — the out-of-core mode; "auto" persists when
+    the data take at most half of the cluster's memory.
+    device: "cpu" (NumPy chunks) or "gpu" (CuPy chunks on dask-cuda workers).
     """
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
     positions = np.asarray(positions, dtype=np.float64)
     if not isinstance(intensities, da.Array):
         intensities = da.from_array(intensities, chunks=(chunk_length or len(positions), -1, -1))
@@ -48,9 +86,16 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
         intensities = intensities[order]
         positions = positions[order]
     intensities = intensities.rechunk((chunk_length, -1, -1))
+    if device == "gpu":
+        import cupy
+
+        intensities = intensities.map_blocks(_to_device, dtype=intensities.dtype,
+                                             meta=cupy.empty((0, 0, 0), dtype=intensities.dtype))
     intensities = intensities.map_blocks(_ifftshift_patterns, dtype=intensities.dtype,
                                          meta=intensities._meta)
     pos = da.from_array(positions, chunks=(intensities.chunks[0], 2))
+    if persist == "auto":
+        persist = should_persist(client, intensities.nbytes)
     if persist:
         intensities, pos = client.persist([intensities, pos])
         from distributed import wait

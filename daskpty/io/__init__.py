@@ -1,0 +1,38 @@
+"""Input/output: the Zarr v3 data-set store, its validation, scan-geometry helpers.
+
+Names are imported lazily (PEP 562) so ``import daskpty`` stays cheap and dask/zarr load only
+when a store is used.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "PtychoData": ".store",
+    "Truth": ".store",
+    "open_data": ".store",
+    "from_arrays": ".store",
+    "shard_layout": ".store",
+    "DEFAULT_SHARD_BYTES": ".store",
+    "DEFAULT_INNER_BYTES": ".store",
+    "DataError": ".validate",
+    "ValueReport": ".validate",
+    "check_values": ".validate",
+    "FORMAT_NAME": ".validate",
+    "FORMAT_VERSION": ".validate",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

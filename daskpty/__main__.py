@@ -1,0 +1,7 @@
+"""``python -m daskpty``: the daskpty command line."""
+import sys
+
+from daskpty.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

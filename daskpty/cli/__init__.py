@@ -1,0 +1,73 @@
+"""The ``daskpty`` command line.
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)`` and ``run(args) -> int``;
+adding one means importing it and appending it to :data:`COMMANDS`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+
+from . import info, reconstruct, show, simulate
+
+#: subcommand modules, in the order ``daskpty --help`` lists them
+COMMANDS = [simulate, info, reconstruct, show]
+
+#: exceptions that mean "bad input": reported as one line on stderr with exit code 2
+USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError,
+               IsADirectoryError, PermissionError)
+
+
+class _Parser(argparse.ArgumentParser):
+    """ArgumentParser whose usage errors are one line: ``daskpty: error: ...``."""
+
+    def error(self, message):
+        self.exit(2, f"daskpty: error: {one_line(message)} (see '{self.prog} --help')\n")
+
+
+def one_line(message) -> str:
+    return " ".join(str(message).split()) or "unknown error"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from daskpty import __version__
+
+    parser = _Parser(prog="daskpty",
+                     description="Out-of-core ptychographic reconstruction on chunked Zarr data "
+                                 "over dask clusters.")
+    parser.add_argument("--version", action="version", version=f"daskpty {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for module in COMMANDS:
+        p = module.add_parser(sub)
+        p.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv=None) -> int:
+    """Run the command line; return the exit code (0 ok, 2 bad input or usage, 130 interrupted)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    if getattr(args, "run", None) is None:
+        print("daskpty: error: choose a command (see 'daskpty --help')", file=sys.stderr)
+        return 2
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            code = args.run(args)
+        for w in caught:
+            if issubclass(w.category, UserWarning) and w.filename.find("daskpty") >= 0:
+                print(f"daskpty: warning: {one_line(w.message)}", file=sys.stderr)
+        return int(code or 0)
+    except USER_ERRORS as exc:
+        print(f"daskpty: error: {one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("daskpty: interrupted; no output was left behind", file=sys.stderr)
+        return 130
+
+
+__all__ = ["COMMANDS", "build_parser", "main"]

@@ -1,0 +1,179 @@
+"""``daskpty info STORE``: describe a data-set store (optionally check every value)."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+
+from ._format import human_bytes, human_metres
+
+NAME = "info"
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        NAME, help="describe a data-set store (shape, chunking, scan, metadata)",
+        description="Print the layout of a daskpty data-set store: patterns, dtype, shard and "
+                    "inner-chunk shapes, size on disk, scan extent, step and probe overlap, "
+                    "geometry, provenance and ground truth. --check also reads every intensity "
+                    "once and fails on NaN, infinite or negative values.")
+    p.add_argument("store", metavar="STORE", help="path of a data-set store (.zarr)")
+    p.add_argument("--check", action="store_true",
+                   help="read all intensities once; exit 2 on NaN / infinite / negative values")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    return p
+
+
+def _probe_size_estimate(data):
+    """(diameter in pixels, where it came from): 90 %-power diameter of the true probe, else of
+    the initial guess, else the simulator's record, else n/2."""
+    from daskpty.io.scan import probe_diameter
+
+    if data.truth is not None and data.truth.probe is not None:
+        return probe_diameter(data.truth.probe), "truth probe"
+    if data.probe is not None:
+        return probe_diameter(data.probe), "initial probe"
+    sim = data.metadata.get("simulation") or {}
+    if isinstance(sim.get("probe_diameter_px"), (int, float)):
+        return float(sim["probe_diameter_px"]), "simulation attributes"
+    return data.pattern_shape[-1] / 2.0, "assumed n/2 (no probe stored)"
+
+
+def describe(data) -> dict:
+    """A JSON-able description of an opened data set (:class:`~daskpty.io.store.PtychoData`)."""
+    import zarr
+
+    from daskpty.io.scan import linear_overlap, nearest_neighbour_steps
+    from daskpty.io.store import store_size_bytes
+
+    group = zarr.open_group(data.path, mode="r")
+    arr = group["intensities"]
+    n, (h, w) = data.n_patterns, data.pattern_shape
+    itemsize = np.dtype(data.dtype).itemsize
+    shard = tuple(int(s) for s in (arr.shards or arr.chunks))
+    inner = tuple(int(s) for s in arr.chunks)
+    raw = n * h * w * itemsize
+    disk = store_size_bytes(data.path)
+    meta = data.metadata
+    px = meta.get("object_pixel_size_m")
+    pos = data.positions
+    lo, hi = pos.min(axis=0), pos.max(axis=0)
+    span = hi - lo
+    steps = nearest_neighbour_steps(pos)
+    step = float(np.median(steps)) if np.isfinite(steps).any() else float("nan")
+    diameter, source = _probe_size_estimate(data)
+    overlap = linear_overlap(step, diameter)
+    out = {
+        "path": data.path,
+        "format": meta.get("daskpty"),
+        "n_patterns": n,
+        "pattern_shape": [h, w],
+        "dtype": str(data.dtype),
+        "uncompressed_bytes": raw,
+        "disk_bytes": disk,
+        "compression_ratio": raw / disk if disk else None,
+        "shard_shape": list(shard),
+        "shard_bytes": int(np.prod(shard)) * itemsize,
+        "inner_chunk_shape": list(inner),
+        "inner_chunk_bytes": int(np.prod(inner)) * itemsize,
+        "n_shards": len(data.intensities.chunks[0]),
+        "dask_chunks": [int(data.intensities.chunks[0][0]), h, w],
+        "compressors": [str(c) for c in (arr.compressors or ())],
+        "positions": {
+            "y_range_px": [float(lo[0]), float(hi[0])],
+            "x_range_px": [float(lo[1]), float(hi[1])],
+            "extent_px": [float(span[0]), float(span[1])],
+            "extent_m": [float(span[0] * px), float(span[1] * px)] if px else None,
+            "median_step_px": step,
+            "probe_diameter_px": diameter,
+            "probe_diameter_source": source,
+            "linear_overlap": overlap,
+        },
+        "mask": None if data.mask is None else {
+            "valid_fraction": float(data.mask.mean())},
+        "probe": None if data.probe is None else {
+            "shape": list(data.probe.shape), "dtype": str(data.probe.dtype)},
+        "geometry": {k: meta.get(k) for k in ("wavelength_m", "detector_distance_m",
+                                              "detector_pixel_size_m", "object_pixel_size_m")},
+        "units": meta.get("units"),
+        "provenance": meta.get("provenance"),
+        "truth": None if data.truth is None else {
+            k: {"shape": list(s), "dtype": d} for k, (s, d) in data.truth.shapes().items()},
+        "other_metadata": {k: v for k, v in meta.items() if k not in (
+            "daskpty", "wavelength_m", "detector_distance_m", "detector_pixel_size_m",
+            "object_pixel_size_m", "units", "provenance")},
+    }
+    return out
+
+
+def _fmt_num(v, fmt=".4g"):
+    return "—" if v is None else format(v, fmt)
+
+
+def format_text(d: dict) -> str:
+    p = d["positions"]
+    geo = d["geometry"]
+    fmt = d["format"] or {}
+    lines = [
+        f"store        {d['path']}  ({fmt.get('format')} v{fmt.get('version')})",
+        f"patterns     {d['n_patterns']:,} x {d['pattern_shape'][0]} x {d['pattern_shape'][1]}  "
+        f"{d['dtype']}",
+        f"chunking     shards {tuple(d['shard_shape'])} ({human_bytes(d['shard_bytes'])}) = "
+        f"dask chunks, {d['n_shards']} shard(s); inner chunks {tuple(d['inner_chunk_shape'])} "
+        f"({human_bytes(d['inner_chunk_bytes'])})",
+        f"size         {human_bytes(d['uncompressed_bytes'])} uncompressed, "
+        f"{human_bytes(d['disk_bytes'])} on disk"
+        + (f" (ratio {d['compression_ratio']:.2f})" if d["compression_ratio"] else ""),
+        f"scan         y {p['y_range_px'][0]:.1f} .. {p['y_range_px'][1]:.1f} px, "
+        f"x {p['x_range_px'][0]:.1f} .. {p['x_range_px'][1]:.1f} px; extent "
+        f"{p['extent_px'][0]:.1f} x {p['extent_px'][1]:.1f} px"
+        + (f" = {human_metres(p['extent_m'][0])} x {human_metres(p['extent_m'][1])}"
+           if p["extent_m"] else ""),
+        f"overlap      median nearest-neighbour step {p['median_step_px']:.2f} px, probe "
+        f"diameter {p['probe_diameter_px']:.1f} px ({p['probe_diameter_source']}), linear "
+        f"overlap " + ("?" if not math.isfinite(p["linear_overlap"])
+                       else f"{100 * p['linear_overlap']:.0f} %"),
+        f"geometry     wavelength {human_metres(geo['wavelength_m'])}, distance "
+        f"{human_metres(geo['detector_distance_m'])}, detector pixel "
+        f"{human_metres(geo['detector_pixel_size_m'])}, object pixel "
+        f"{human_metres(geo['object_pixel_size_m'])}",
+        "mask         " + ("none" if d["mask"] is None
+                           else f"{100 * d['mask']['valid_fraction']:.1f} % valid pixels"),
+        "probe        " + ("none (no initial guess)" if d["probe"] is None
+                           else f"initial guess {tuple(d['probe']['shape'])} {d['probe']['dtype']}"),
+        "truth        " + ("none" if d["truth"] is None else ", ".join(
+            f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in d["truth"].items())),
+        f"provenance   {d['provenance'] or '—'}",
+    ]
+    for key, value in d["other_metadata"].items():
+        text = json.dumps(value) if not isinstance(value, str) else value
+        if len(text) > 300:
+            text = text[:297] + "..."
+        lines.append(f"{key:<12} {text}")
+    if "check" in d:
+        c = d["check"]
+        lines.append(
+            f"check        {'OK' if c['ok'] else 'FAILED'}: {c['n_nan']} NaN, {c['n_inf']} "
+            f"infinite, {c['n_negative']} negative; min {_fmt_num(c['minimum'])}, max "
+            f"{_fmt_num(c['maximum'])}, mean {c['total'] / d['n_patterns']:,.1f} counts/pattern")
+    return "\n".join(lines)
+
+
+def run(args) -> int:
+    from daskpty.io.store import open_data
+    from daskpty.io.validate import check_values
+
+    data = open_data(args.store, validate="metadata")
+    d = describe(data)
+    report = None
+    if args.check:
+        report = check_values(data)
+        d["check"] = report.as_dict()
+    if args.json:
+        print(json.dumps(d, indent=2, default=str, allow_nan=True))
+    else:
+        print(format_text(d))
+    if report is not None:
+        report.raise_if_bad()
+    return 0

@@ -1,0 +1,119 @@
+"""``daskpty show RECON.zarr -o fig.png``: a summary figure of a reconstruction store."""
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+
+NAME = "show"
+
+#: output formats by file suffix
+FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
+
+
+def add_parser(subparsers):
+    p = subparsers.add_parser(
+        NAME, help="draw a summary figure of a reconstruction store (needs matplotlib)",
+        description="Draw the object phase and amplitude (illuminated region), the probe modes "
+                    "with their power fractions, the loss per epoch and — when --data points at "
+                    "a data set with truth/ — the FRC against the true object. --data also "
+                    "supplies the object pixel size for scale bars. Needs the 'plot' extra: "
+                    "pip install 'daskpty[plot]'.")
+    p.add_argument("recon", metavar="RECON", help="reconstruction store (.zarr)")
+    p.add_argument("-o", "--output", required=True, metavar="FIG",
+                   help="figure to write (.png; .pdf and .svg also work)")
+    p.add_argument("--data", default=None, metavar="DATA",
+                   help="the data-set store that was reconstructed (ground truth, pixel size)")
+    p.add_argument("--dpi", type=int, default=100, help="resolution of a PNG (default 100)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing figure")
+    return p
+
+
+def _check_output(path: str, overwrite: bool) -> str:
+    suffix = os.path.splitext(path)[1].lower()
+    if suffix not in FORMATS:
+        raise ValueError(f"{path}: unsupported figure type {suffix or '(no suffix)'!r}; "
+                         f"use one of {', '.join(FORMATS)}")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path} is a directory; give a file name such as fig.png")
+    if os.path.exists(path) and not overwrite:
+        raise FileExistsError(f"{path} exists; choose another output or pass --overwrite")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"output directory {parent} does not exist")
+    return FORMATS[suffix]
+
+
+def _read_reconstruction(path: str):
+    from daskpty.results import Reconstruction
+
+    path = os.fspath(path).rstrip("/") or path
+    if not os.path.exists(path) and not os.path.isdir(path + ".previous"):  # see Reconstruction.to_zarr
+        raise FileNotFoundError(f"{path}: no such reconstruction store")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{path} is not a daskpty reconstruction store (not a Zarr directory)")
+    try:
+        return Reconstruction.from_zarr(path)
+    except ValueError as exc:
+        fmt = _store_format(path)
+        if fmt == "daskpty-dataset":
+            raise ValueError(f"{path} is a daskpty data set, not a reconstruction; pass it as "
+                             f"--data and give the reconstruction store first") from exc
+        raise
+    except Exception as exc:  # zarr's own errors for missing or damaged groups/arrays
+        raise ValueError(f"{path} is not a readable daskpty reconstruction store "
+                         f"({type(exc).__name__}: {exc})") from exc
+
+
+def _store_format(path: str):
+    try:
+        import zarr
+
+        return dict(zarr.open_group(path, mode="r").attrs).get("daskpty", {}).get("format")
+    except Exception:
+        return None
+
+
+def _read_data(path: str, rec):
+    """(truth or None, object pixel size in metres or None) from a data-set store."""
+    from daskpty.io.store import open_data
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such data-set store")
+    data = open_data(path, validate="metadata")
+    if data.n_patterns != len(rec.positions):
+        raise ValueError(f"{path} has {data.n_patterns} patterns but the reconstruction has "
+                         f"{len(rec.positions)} positions; was it reconstructed from this data set?")
+    px = data.metadata.get("object_pixel_size_m")
+    px = float(px) if isinstance(px, (int, float)) and px > 0 else None
+    truth = data.truth if data.truth is not None and data.truth.object is not None else None
+    return truth, px
+
+
+def run(args) -> int:
+    if not 1 <= args.dpi <= 1200:
+        raise ValueError(f"--dpi must lie in 1 .. 1200, got {args.dpi}")
+    fmt = _check_output(args.output, args.overwrite)
+    try:
+        from daskpty.monitor.plot import summary_figure
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ValueError("daskpty show needs matplotlib: pip install 'daskpty[plot]'") from exc
+
+    rec = _read_reconstruction(args.recon)
+    truth, px = (None, None) if args.data is None else _read_data(args.data, rec)
+    fig = summary_figure(rec, truth=truth, pixel_size_m=px)
+
+    out = os.path.abspath(args.output)
+    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        fig.savefig(tmp, format=fmt, dpi=args.dpi)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    w, h = (round(v * args.dpi) for v in fig.get_size_inches())
+    extra = " with FRC vs truth" if truth is not None else ""
+    epochs = getattr(rec, "epochs", len(rec.history))
+    print(f"wrote {args.output}: {w}×{h} px, {epochs} epoch(s){extra}", file=sys.stdout)
+    return 0

@@ -1,0 +1,105 @@
+"""GPU clusters: one dask-cuda worker per GPU or per MIG slice.
+
+dask-cuda's memory *fractions* refer to the parent GPU, so on MIG slices every limit must be
+absolute bytes: :func:`cuda_cluster` converts them from the slice's own memory.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+_GPU_LINE = re.compile(r"^GPU (\d+): (.+?) \(UUID: (GPU-[0-9a-fA-F-]+)\)")
+_MIG_LINE = re.compile(r"^\s+MIG (\S+)\s+Device\s+(\d+): \(UUID: (MIG-[0-9a-zA-Z/-]+)\)")
+
+
+@dataclass(frozen=True)
+class CudaDevice:
+    """A schedulable CUDA device: a whole GPU or one MIG slice."""
+
+    uuid: str
+    name: str
+    parent: str
+    memory_bytes: int | None = None
+
+    @property
+    def is_mig(self) -> bool:
+        return self.uuid.startswith("MIG-")
+
+
+def _mig_memory_bytes(profile: str) -> int | None:
+    """Memory of a MIG profile such as ``3g.20gb`` or ``1g.10gb`` (bytes), from its name."""
+    m = re.search(r"(\d+)gb", profile)
+    return int(m.group(1)) * 10**9 if m else None
+
+
+def parse_nvidia_smi_list(text: str) -> list[CudaDevice]:
+    """Devices from ``nvidia-smi -L`` output: MIG slices where a GPU has them, else the GPU."""
+    devices: list[CudaDevice] = []
+    current = None
+    migs: list[CudaDevice] = []
+
+    def flush():
+        if current is not None:
+            devices.extend(migs if migs else [CudaDevice(current[1], current[0], current[1])])
+
+    for line in text.splitlines():
+        g = _GPU_LINE.match(line)
+        if g:
+            flush()
+            current, migs = (g.group(2), g.group(3)), []
+            continue
+        m = _MIG_LINE.match(line)
+        if m and current is not None:
+            migs.append(CudaDevice(m.group(3), f"{current[0]} MIG {m.group(1)}", current[1],
+                                   _mig_memory_bytes(m.group(1))))
+    flush()
+    return devices
+
+
+def list_cuda_devices() -> list[CudaDevice]:
+    """Visible GPUs / MIG slices via ``nvidia-smi -L`` (empty list when there is none)."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return []
+    return parse_nvidia_smi_list(out)
+
+
+def worker_memory_settings(device: CudaDevice, device_fraction: float = 0.8,
+                           rmm_fraction: float | None = None) -> dict:
+    """Absolute ``device_memory_limit`` (spill threshold) and optional RMM pool size for a device."""
+    if device.memory_bytes is None:
+        return {"device_memory_limit": device_fraction}  # whole GPU: fractions are fine
+    settings = {"device_memory_limit": int(device.memory_bytes * device_fraction)}
+    if rmm_fraction:
+        settings["rmm_pool_size"] = int(device.memory_bytes * rmm_fraction)
+    return settings
+
+
+def cuda_cluster(devices=None, *, device_fraction: float = 0.8, rmm_fraction: float | None = None,
+                 dashboard_address: str = "127.0.0.1:0", **kwargs):
+    """Start a dask-cuda ``LocalCUDACluster`` with one worker per GPU or MIG slice.
+
+    devices: None (all from ``nvidia-smi -L``; MIG slices when enabled), or a list of UUIDs /
+    indices. On MIG all slices must share one profile (one absolute memory limit for all workers).
+    """
+    try:
+        from dask_cuda import LocalCUDACluster
+    except ImportError as exc:
+        raise ImportError("GPU clusters need the gpu extra: pip install 'daskpty[gpu]'") from exc
+    found = list_cuda_devices()
+    if devices is None:
+        chosen = found
+    else:
+        by_id = {d.uuid: d for d in found}
+        chosen = [by_id.get(str(d), CudaDevice(str(d), str(d), str(d))) for d in devices]
+    if not chosen:
+        raise RuntimeError("no CUDA device found (nvidia-smi -L lists none); use the CPU cluster")
+    settings = worker_memory_settings(chosen[0], device_fraction, rmm_fraction)
+    return LocalCUDACluster(CUDA_VISIBLE_DEVICES=[d.uuid for d in chosen], ip="127.0.0.1",
+                            dashboard_address=dashboard_address, **settings, **kwargs)

@@ -1,0 +1,242 @@
+"""Validation of daskpty data sets: structural checks (cheap) and value checks (one pass).
+
+Every problem raises :class:`DataError` with one line that names the problem and the fix.
+Structural checks look at attributes, shapes, dtypes and the (small) positions array; they run
+whenever a data set is opened or built. Value checks read every intensity once (a dask reduction)
+and run on request: ``open_data(path, validate="full")``, :func:`check_values`, ``daskpty info --check``.
+
+NumPy only at import time; dask is imported inside :func:`check_values`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+FORMAT_NAME = "daskpty-dataset"
+FORMAT_VERSION = 1
+INTENSITY_DTYPES = (np.dtype("uint16"), np.dtype("uint32"), np.dtype("float32"))
+GEOMETRY_KEYS = ("wavelength_m", "detector_distance_m", "detector_pixel_size_m", "object_pixel_size_m")
+
+
+class DataError(ValueError):
+    """A data set (store or arrays) is not usable; the message says what is wrong and how to fix it."""
+
+
+def _one_line(msg: str) -> str:
+    return " ".join(str(msg).split())
+
+
+def fail(msg: str):
+    raise DataError(_one_line(msg))
+
+
+# --------------------------------------------------------------------------- store attributes
+
+def check_format_attrs(attrs, where: str) -> None:
+    """Check the ``daskpty`` format marker of a store's root attributes."""
+    marker = attrs.get("daskpty") if hasattr(attrs, "get") else None
+    if not isinstance(marker, dict) or "format" not in marker:
+        fail(f"{where} is a Zarr group but not a daskpty data set (no 'daskpty' format attribute); "
+             f"create one with daskpty.from_arrays(...).to_zarr(path) or 'daskpty simulate'")
+    fmt = marker.get("format")
+    if fmt != FORMAT_NAME:
+        fail(f"{where} is a '{fmt}' store, not a '{FORMAT_NAME}'; pass the path of a data set store")
+    version = marker.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        fail(f"{where} has an invalid format version {version!r}; rewrite the store with this daskpty")
+    if version > FORMAT_VERSION:
+        fail(f"{where} was written in data-set format version {version}, newer than the version "
+             f"{FORMAT_VERSION} this daskpty reads; upgrade daskpty")
+
+
+def check_geometry(meta: dict) -> None:
+    """Geometry values must be None or positive finite numbers."""
+    for key in GEOMETRY_KEYS:
+        v = meta.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
+                or not math.isfinite(float(v)) or float(v) <= 0:
+            fail(f"metadata '{key}' is {v!r}; give a positive number in metres or None")
+
+
+# --------------------------------------------------------------------------- shapes and dtypes
+
+def check_intensity_layout(shape, dtype) -> None:
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != 3:
+        fail(f"intensities have shape {shape}; expected (N, H, W): one 2-D pattern per scan position")
+    dtype = np.dtype(dtype)
+    if dtype not in INTENSITY_DTYPES:
+        fail(f"intensities have dtype {dtype}; expected uint16, uint32 or float32 "
+             f"(convert with .astype(numpy.float32) or .astype(numpy.uint32))")
+    n, h, w = shape
+    if n == 0:
+        fail("the data set is empty (0 patterns); record or simulate at least one pattern")
+    if h == 0 or w == 0:
+        fail(f"patterns have shape {(h, w)}; expected non-empty square patterns")
+    if h != w:
+        fail(f"patterns are {h} x {w}; daskpty needs square patterns, crop or pad them to n x n")
+
+
+def check_positions(positions, n_patterns: int):
+    """Return positions as (N, 2) float64, or raise DataError."""
+    positions = np.asarray(positions)
+    if positions.dtype.kind not in "fiu":
+        fail(f"positions have dtype {positions.dtype}; expected real numbers (float64 object pixels)")
+    if positions.ndim != 2 or positions.shape[1] != 2:
+        fail(f"positions have shape {positions.shape}; expected (N, 2) with columns (y, x) in "
+             f"object pixels")
+    if positions.shape[0] != n_patterns:
+        fail(f"there are {n_patterns} patterns but {positions.shape[0]} positions; "
+             f"give exactly one (y, x) position per pattern")
+    positions = positions.astype(np.float64, copy=False)
+    bad = ~np.isfinite(positions).all(axis=1)
+    if bad.any():
+        idx = np.flatnonzero(bad)
+        fail(f"{idx.size} position(s) are NaN or infinite (first at pattern {int(idx[0])}); "
+             f"fix or drop those patterns and their positions")
+    return positions
+
+
+def check_mask(mask, pattern_shape):
+    """Return the mask as a bool (H, W) array, or raise DataError."""
+    if mask is None:
+        return None
+    mask = np.asarray(mask)
+    if mask.shape != tuple(pattern_shape):
+        fail(f"mask has shape {mask.shape} but patterns are {tuple(pattern_shape)}; give one "
+             f"boolean per detector pixel (True = valid)")
+    if mask.dtype != np.bool_:
+        if mask.dtype.kind in "iu" and np.isin(mask, (0, 1)).all():
+            mask = mask.astype(bool)
+        else:
+            fail(f"mask has dtype {mask.dtype}; expected bool (True = valid pixel), "
+                 f"convert with mask.astype(bool)")
+    if not mask.any():
+        fail("the mask marks no detector pixel as valid; True means 'valid pixel'")
+    return mask
+
+
+def check_probe(probe, pattern_shape, what: str = "probe"):
+    """Return the probe as complex64 (M, H, W), or raise DataError."""
+    if probe is None:
+        return None
+    probe = np.asarray(probe)
+    if probe.ndim == 2:
+        probe = probe[None]
+    if probe.ndim != 3 or probe.shape[0] == 0 or probe.shape[1:] != tuple(pattern_shape):
+        fail(f"{what} has shape {probe.shape} but patterns are {tuple(pattern_shape)}; "
+             f"expected (modes, H, W) matching the detector")
+    if probe.dtype.kind not in "fc":
+        fail(f"{what} has dtype {probe.dtype}; expected complex64")
+    probe = probe.astype(np.complex64, copy=False)
+    if not np.isfinite(probe.view(np.float32)).all():
+        fail(f"{what} contains NaN or infinite values; replace the initial guess")
+    return probe
+
+
+# --------------------------------------------------------------------------- value checks
+
+@dataclasses.dataclass
+class ValueReport:
+    """Counts from one pass over the intensities (see :func:`check_values`)."""
+
+    n_values: int
+    n_nan: int = 0
+    n_inf: int = 0
+    n_negative: int = 0
+    minimum: float = math.nan
+    maximum: float = math.nan
+    total: float = 0.0
+    first_bad_pattern: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.n_nan == 0 and self.n_inf == 0 and self.n_negative == 0
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["ok"] = self.ok
+        return d
+
+    def raise_if_bad(self) -> None:
+        if self.ok:
+            return
+        parts = []
+        if self.n_nan:
+            parts.append(f"{self.n_nan} NaN")
+        if self.n_inf:
+            parts.append(f"{self.n_inf} infinite")
+        if self.n_negative:
+            parts.append(f"{self.n_negative} negative")
+        fail(f"intensities contain {', '.join(parts)} value(s) (first in pattern "
+             f"{self.first_bad_pattern}); replace them (e.g. with 0) and mark those detector pixels "
+             f"invalid in the mask")
+
+
+def _block_stats(block, offset):
+    """Per-chunk counts: (nan, inf, negative, min, max, sum, first bad pattern or -1)."""
+    block = np.asarray(block)
+    n_nan = n_inf = n_neg = 0
+    bad_rows = None
+    if block.dtype.kind == "f":
+        nan = np.isnan(block)
+        inf = np.isinf(block)
+        neg = block < 0
+        n_nan, n_inf, n_neg = int(nan.sum()), int(inf.sum()), int(neg.sum())
+        if n_nan or n_inf or n_neg:
+            bad_rows = np.flatnonzero((nan | inf | neg).any(axis=(1, 2)))
+        finite = block[np.isfinite(block)] if (n_nan or n_inf) else block
+    else:
+        finite = block
+    if finite.size:
+        lo, hi = float(finite.min()), float(finite.max())
+        total = float(finite.sum(dtype=np.float64))
+    else:
+        lo, hi, total = math.inf, -math.inf, 0.0
+    first = int(offset + bad_rows[0]) if bad_rows is not None and bad_rows.size else -1
+    return (n_nan, n_inf, n_neg, lo, hi, total, first)
+
+
+def check_values(data, client=None) -> ValueReport:
+    """Count NaN, infinite and negative intensities, and the min/max/sum, in one pass.
+
+    ``data`` is a :class:`~daskpty.io.store.PtychoData` or a dask/NumPy array (N, H, W). Runs on
+    ``client`` if given, else on the current distributed client, else on dask's local threads.
+    Returns a :class:`ValueReport`; call ``report.raise_if_bad()`` to turn problems into a DataError.
+    """
+    import dask
+    import dask.array as da
+
+    x = getattr(data, "intensities", data)
+    if not isinstance(x, da.Array):
+        x = da.from_array(np.asarray(x), chunks=(max(1, min(len(x), 1024)), -1, -1))
+    if x.ndim != 3:
+        fail(f"intensities have shape {x.shape}; expected (N, H, W)")
+    x = x.rechunk({1: -1, 2: -1})
+    offsets = np.concatenate([[0], np.cumsum(x.chunks[0])[:-1]])
+    blocks = x.to_delayed().ravel()
+    parts = [dask.delayed(_block_stats, pure=True)(b, int(o)) for b, o in zip(blocks, offsets)]
+    if client is None:
+        from daskpty.execution.cluster import current_client
+
+        client = current_client()
+    if client is not None:
+        results = client.gather(client.compute(parts))
+    else:
+        results = dask.compute(*parts, scheduler="threads")
+    report = ValueReport(n_values=int(np.prod(x.shape)))
+    firsts = [r[6] for r in results if r[6] >= 0]
+    report.n_nan = sum(r[0] for r in results)
+    report.n_inf = sum(r[1] for r in results)
+    report.n_negative = sum(r[2] for r in results)
+    lo = min(r[3] for r in results)
+    hi = max(r[4] for r in results)
+    report.minimum = lo if math.isfinite(lo) else math.nan
+    report.maximum = hi if math.isfinite(hi) else math.nan
+    report.total = float(sum(r[5] for r in results))
+    report.first_bad_pattern = min(firsts) if firsts else None
+    return report

@@ -1,0 +1,157 @@
+"""The daskpty command line: real subprocess runs and in-process ``main([...])`` calls."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import daskpty
+from daskpty.cli import COMMANDS, main
+
+from conftest import corrupt, leftovers
+
+
+def _cli(*args, timeout=180):
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    return subprocess.run([sys.executable, "-m", "daskpty", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def _assert_one_line_error(err: str, pattern: str | None = None):
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("daskpty: error: "), err
+    assert "Traceback" not in err
+    if pattern is not None:
+        assert pattern in lines[0], lines[0]
+
+
+def test_subprocess_help_and_version():
+    r = _cli("--help")
+    assert r.returncode == 0 and "simulate" in r.stdout and "info" in r.stdout
+    r = _cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"daskpty {daskpty.__version__}"
+
+
+def test_subprocess_simulate_then_info(tmp_path):
+    out = tmp_path / "cli.zarr"
+    r = _cli("simulate", out, "--grid", "6x5", "--probe-size", "32", "--workers", "1", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    r = _cli("info", out, "--json", "--check")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["n_patterns"] == 30 and d["pattern_shape"] == [32, 32] and d["dtype"] == "uint16"
+    assert d["check"]["ok"] is True
+    assert d["truth"]["object"]["dtype"] == "complex64"
+    r = _cli("simulate", out, "--grid", "2x2", "--probe-size", "32", "--quiet")
+    assert r.returncode == 2
+    _assert_one_line_error(r.stderr, "already exists")
+    assert daskpty.open_data(out).n_patterns == 30
+
+
+def test_commands_are_pluggable():
+    names = [m.NAME for m in COMMANDS]
+    assert names[:2] == ["simulate", "info"] and len(set(names)) == len(names)
+    for module in COMMANDS:
+        assert callable(module.add_parser) and callable(module.run)
+
+
+def test_simulate_and_info_in_process(tmp_path, use_client, capsys):
+    out = tmp_path / "sim.zarr"
+    rc = main(["simulate", str(out), "--scan", "fermat", "--n-patterns", "40", "--probe-size", "32",
+               "--modes", "2", "--dose", "1e5", "--seed", "3", "--shard-mib", "0.05"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "wrote" in captured.out and "patterns/s" in captured.out
+    d = daskpty.open_data(out)
+    assert d.n_patterns == 40 and d.truth.probe.shape[0] == 2
+    assert d.metadata["simulation"]["scan"] == "fermat" and d.metadata["simulation"]["seed"] == 3
+    assert len(d.intensities.chunks[0]) > 1
+    rc = main(["info", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 0
+    for key in ("patterns", "chunking", "shards", "inner chunks", "on disk", "scan", "µm",
+                "linear overlap", "geometry", "truth", "provenance", "simulation"):
+        assert key in text, key
+    # --overwrite replaces; noise-free float32
+    rc = main(["simulate", str(out), "--grid", "3x3", "--probe-size", "32", "--dose", "none",
+               "--overwrite", "--quiet"])
+    assert rc == 0 and capsys.readouterr().out == ""
+    assert daskpty.open_data(out).dtype == np.float32
+    assert leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("kind,pattern", [
+    ("missing_positions", "no 'positions' array"),
+    ("n_mismatch", "but 11 positions"),
+    ("nan_positions", "NaN or infinite"),
+    ("newer_version", "upgrade daskpty"),
+    ("no_format", "not a daskpty data set"),
+])
+def test_info_structural_errors(store_path, kind, pattern, capsys):
+    corrupt(store_path, kind)
+    assert main(["info", str(store_path)]) == 2
+    _assert_one_line_error(capsys.readouterr().err, pattern)
+
+
+@pytest.mark.parametrize("kind", ["nan_intensity", "inf_intensity", "negative_intensity"])
+def test_info_check_value_errors(store_path, kind, capsys):
+    corrupt(store_path, kind)
+    assert main(["info", str(store_path)]) == 0  # values are only read with --check
+    capsys.readouterr()
+    assert main(["info", str(store_path), "--check"]) == 2
+    captured = capsys.readouterr()
+    _assert_one_line_error(captured.err, "intensities contain 1")
+    assert "FAILED" in captured.out
+
+
+def test_info_not_a_store(tmp_path, capsys):
+    assert main(["info", str(tmp_path / "missing.zarr")]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "does not exist")
+    (tmp_path / "plain").mkdir()
+    assert main(["info", str(tmp_path / "plain")]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "not a Zarr store")
+
+
+def test_simulate_bad_input(tmp_path, store_path, capsys):
+    before = daskpty.open_data(store_path).intensities.compute()
+    assert main(["simulate", str(store_path), "--quiet"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "already exists")
+    np.testing.assert_array_equal(daskpty.open_data(store_path).intensities.compute(), before)
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("x")
+    assert main(["simulate", str(tmp_path / "notes"), "--overwrite", "--quiet"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "not a Zarr store")
+    assert (tmp_path / "notes" / "a.txt").exists()
+    usage_errors = [
+        ["simulate", str(tmp_path / "x.zarr"), "--grid", "ten"],
+        ["simulate", str(tmp_path / "x.zarr"), "--dose", "-3"],
+        ["simulate", str(tmp_path / "x.zarr"), "--grid", "2x2", "--n-patterns", "4"],
+        ["simulate", str(tmp_path / "x.zarr"), "--preset", "huge"],
+        ["simulate"],
+        ["frobnicate"],
+        [],
+    ]
+    for argv in usage_errors:
+        assert main(argv) == 2, argv
+        _assert_one_line_error(capsys.readouterr().err)
+    # value errors found by the simulator itself, before any computation
+    assert main(["simulate", str(tmp_path / "x.zarr"), "--probe-size", "33", "--quiet"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "even number")
+    assert main(["simulate", str(tmp_path / "x.zarr"), "--dose", "none", "--dtype", "uint16",
+                 "--quiet"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, "float32")
+    assert not (tmp_path / "x.zarr").exists()
+    assert leftovers(tmp_path) == []
+
+
+def test_help_of_subcommands(capsys):
+    for name in ("simulate", "info"):
+        assert main([name, "--help"]) == 0
+        out = capsys.readouterr().out
+        assert "usage: daskpty " + name in out
