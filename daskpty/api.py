@@ -90,7 +90,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
                 client=None, n_workers: int | None = None, seed: int = 0, callback=None,
                 progress: bool = False, chunk_length: int | None = None, persist="auto", device: str = "auto",
                 split_every: int = 8, sort: bool = True, rescale_probe: bool = True,
-                checkpoint=None, checkpoint_every: int = 10, resume=None,
+                checkpoint=None, checkpoint_every: int = 10, resume=None, dashboard: bool = False,
                 **engine_options) -> Reconstruction:
     """Reconstruct object and probe from a ptychography data set on a dask cluster.
 
@@ -122,6 +122,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         epochs, at the end, and on Ctrl-C / SIGTERM.
     resume : path of a reconstruction store (a checkpoint) to continue from; the same seed and
         settings give the same result as an uninterrupted run.
+    dashboard : publish progress, loss, object and probe images to the dask dashboard's
+        ``/daskpty`` page (and dask events, Prometheus gauges); the link is printed to stderr.
     **engine_options : fields of :class:`daskpty.engines.lsqml.LSQMLOptions` (beta, delta, ...).
     """
     if engine not in ENGINES:
@@ -189,6 +191,17 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         callbacks.append(callback)
 
     with client_context(client, n_workers=n_workers) as c:
+        publisher = None
+        if dashboard:
+            from .monitor.dashboard import DashboardPublisher
+
+            publisher = DashboardPublisher(c, epochs=epochs, rounds_per_epoch=rounds_per_epoch,
+                                           n_patterns=len(positions))
+            if publisher.link:  # also installs the scheduler plugin before the first round
+                import sys
+
+                print(f"daskpty dashboard: {publisher.link}", file=sys.stderr)
+            callbacks.insert(1, publisher)
         if not hasattr(intensities, "dask"):
             import dask.array as da
 
@@ -213,6 +226,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             raise
         finally:
             del chunked
+            if publisher is not None:
+                publisher.flush()
     result = make_result(state, checkpointer.history)
     if checkpoint is not None and checkpointer.written_epoch != state.epoch:
         result.to_zarr(checkpoint, overwrite=True)

@@ -31,6 +31,8 @@ def add_parser(subparsers):
                    help="continue from this reconstruction store (e.g. the output of an interrupted run); "
                         "--epochs counts the epochs already done")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output store")
+    p.add_argument("--dashboard", action="store_true",
+                   help="publish progress and images to the dask dashboard's /daskpty page")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
@@ -62,7 +64,7 @@ def run(args) -> int:
                                   client=client, n_workers=args.workers, seed=args.seed,
                                   chunk_length=args.chunk_length, progress=not args.quiet,
                                   checkpoint=args.output, checkpoint_every=args.checkpoint_every,
-                                  resume=args.resume)
+                                  resume=args.resume, dashboard=args.dashboard)
     except KeyboardInterrupt:
         if os.path.exists(args.output):
             print(f"daskpty: interrupted; the last complete epoch is saved in {args.output} "
