@@ -15,7 +15,7 @@ from .execution.driver import LSQMLAdapter, run_epochs
 from .physics import check_windows_inside, split_positions
 from .results import Reconstruction
 
-ENGINES = ("lsqml",)
+ENGINES = ("lsqml", "ad")
 
 
 def _load(data):
@@ -85,12 +85,35 @@ def _resume_from(path, positions, n):
     return rec
 
 
+def _engine(engine, noise, loss, optimizer, lr, engine_options):
+    """Validated options and the execution adapter of ``engine``."""
+    if engine == "ad":
+        from .engines import ad
+        from .execution.ad_adapter import ADAdapter
+
+        options_cls = ad.ADOptions
+    else:
+        options_cls = lsqml.LSQMLOptions
+        if loss is not None or optimizer is not None or lr is not None:
+            raise TypeError("loss, optimizer and lr apply to engine='ad' only")
+    valid_names = {f.name for f in dataclasses.fields(options_cls)}
+    unknown = set(engine_options) - valid_names
+    if unknown:
+        raise TypeError(f"unknown option(s) {sorted(unknown)} for engine {engine!r}; valid: {sorted(valid_names)}")
+    if engine == "ad":
+        options = ad.ADOptions(loss=loss or noise, optimizer=optimizer or "adam", lr=lr, **engine_options)
+        return options, ADAdapter(options)
+    options = lsqml.LSQMLOptions(noise=noise, **engine_options)
+    return options, LSQMLAdapter(options)
+
+
 def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, object=None,
                 probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch: int = 1,
                 client=None, n_workers: int | None = None, seed: int = 0, callback=None,
                 progress: bool = False, chunk_length: int | None = None, persist="auto", device: str = "auto",
                 split_every: int = 8, sort: bool = True, rescale_probe: bool = True,
                 checkpoint=None, checkpoint_every: int = 10, resume=None, dashboard: bool = False,
+                loss: str | None = None, optimizer: str | None = None, lr: float | None = None,
                 **engine_options) -> Reconstruction:
     """Reconstruct object and probe from a ptychography data set on a dask cluster.
 
@@ -98,7 +121,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     ----------
     data : str or PtychoData
         A daskpty data-set store path (see :func:`daskpty.open_data`) or an opened data set.
-    engine : "lsqml"
+    engine : "lsqml" (least-squares maximum likelihood, Odstrčil et al. 2018) or "ad"
+        (gradient descent with exact hand-written adjoints; see ``loss``, ``optimizer``, ``lr``).
     epochs : total number of passes over all patterns (when resuming, including those already done).
     probe : initial probe (n, n) or (M, n, n); default: the store's ``probe`` if present, else
         derived from the mean diffraction pattern (see :func:`daskpty.engines.initial.probe_from_mean_pattern`).
@@ -124,7 +148,10 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         settings give the same result as an uninterrupted run.
     dashboard : publish progress, loss, object and probe images to the dask dashboard's
         ``/daskpty`` page (and dask events, Prometheus gauges); the link is printed to stderr.
-    **engine_options : fields of :class:`daskpty.engines.lsqml.LSQMLOptions` (beta, delta, ...).
+    loss, optimizer, lr : AD engine only — "gaussian" | "poisson" | "intensity" (default: ``noise``),
+        "adam" | "sgd" | "cg", and the object step size (relative to the object's scale).
+    **engine_options : fields of :class:`daskpty.engines.lsqml.LSQMLOptions` (beta, delta, ...)
+        or, for engine="ad", of :class:`daskpty.engines.ad.ADOptions` (probe_lr, ...).
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
@@ -136,12 +163,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         raise ValueError(f"chunk_length must be >= 1, got {chunk_length}")
     if split_every < 2:
         raise ValueError(f"split_every must be >= 2, got {split_every}")
-    valid_names = {f.name for f in dataclasses.fields(lsqml.LSQMLOptions)}
-    unknown = set(engine_options) - valid_names
-    if unknown:
-        raise TypeError(f"unknown option(s) {sorted(unknown)} for engine {engine!r}; valid: {sorted(valid_names)}")
-    options = lsqml.LSQMLOptions(noise=noise, **engine_options)
-    adapter = LSQMLAdapter(options)
+    options, adapter = _engine(engine, noise, loss, optimizer, lr, engine_options)
 
     data = _load(data)
     intensities = data.intensities

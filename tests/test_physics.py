@@ -712,3 +712,19 @@ def test_mode_powers():
     wq = mode_powers(q)
     np.testing.assert_allclose(wq.sum(), 1.0, rtol=1e-12)
     assert np.all(np.diff(wq) <= 0)
+
+
+@pytest.mark.parametrize("noise", ["gaussian", "poisson"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_far_field_update_matches_correction_and_loss(noise, masked):
+    from daskpty.physics.noise import CORRECTIONS, LOSSES, far_field_update
+
+    rng = np.random.default_rng(5)
+    far = (rng.normal(size=(4, 2, 8, 8)) + 1j * rng.normal(size=(4, 2, 8, 8))).astype(np.complex64)
+    y = rng.poisson(3.0, size=(4, 8, 8)).astype(np.uint16)
+    valid = rng.random((8, 8)) > 0.2 if masked else None
+    delta, yhat, loss = far_field_update(noise, far, y, valid)
+    corrected, yhat_ref = CORRECTIONS[noise](far, y, valid)
+    np.testing.assert_allclose(delta, corrected - far, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(yhat, yhat_ref, rtol=1e-6)
+    np.testing.assert_allclose(loss, LOSSES[noise](yhat_ref, y, valid), rtol=1e-4)

@@ -130,3 +130,14 @@ def test_embedded_default_cluster_starts_and_closes():
     with client_context(None, n_workers=1, processes=False, dashboard=False) as client:
         rec = daskpty.reconstruct(ds, epochs=1, client=client)
     assert np.isfinite(rec.object).all()
+
+
+def test_ad_engine_through_the_public_api(threads_client):
+    ds = make_dataset(grid=8, seed=6)
+    rec = daskpty.reconstruct(ds, engine="ad", epochs=6, object=np.ones_like(ds.truth.object),
+                              client=threads_client, rounds_per_epoch=2, optimizer="adam", lr=0.05)
+    losses = [h["loss"] for h in rec.history]
+    assert losses[-1] < losses[0]
+    assert rec.options["optimizer"] == "adam" and rec.options["engine"] == "ad"
+    with pytest.raises(TypeError, match="engine='ad' only"):
+        daskpty.reconstruct(ds, engine="lsqml", optimizer="adam", client=threads_client)

@@ -15,9 +15,14 @@ def add_parser(subparsers):
                     "reconstruction store. Prints the object NRMSE when the store holds truth/.")
     p.add_argument("data", metavar="DATA", help="data-set store (.zarr)")
     p.add_argument("-o", "--output", required=True, metavar="RECON", help="reconstruction store to write")
-    p.add_argument("--engine", default="lsqml", choices=["lsqml"])
+    p.add_argument("--engine", default="lsqml", choices=["lsqml", "ad"])
     p.add_argument("--epochs", type=int, default=100)
     p.add_argument("--noise", default="gaussian", choices=["gaussian", "poisson"])
+    p.add_argument("--loss", default=None, choices=["gaussian", "poisson", "intensity"],
+                   help="AD loss (default: --noise)")
+    p.add_argument("--optimizer", default=None, choices=["adam", "sgd", "cg"], help="AD optimiser (default adam)")
+    p.add_argument("--lr", type=float, default=None, help="AD object step size (relative)")
+    p.add_argument("--probe-lr", type=float, default=None, help="AD probe step size (relative)")
     p.add_argument("--rounds-per-epoch", type=int, default=1,
                    help="1 = compact LSQML; R > 1 = R minibatch updates per epoch")
     p.add_argument("--probe-modes", type=int, default=None, help="incoherent probe modes")
@@ -52,6 +57,12 @@ def run(args) -> int:
         raise ValueError(f"--epochs must be >= 0, got {args.epochs}")
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    ad_args = {}
+    if args.engine == "ad":
+        ad_args = {k: v for k, v in (("loss", args.loss), ("optimizer", args.optimizer), ("lr", args.lr),
+                                     ("probe_lr", args.probe_lr)) if v is not None}
+    elif any(v is not None for v in (args.loss, args.optimizer, args.lr, args.probe_lr)):
+        raise ValueError("--loss, --optimizer, --lr and --probe-lr apply to --engine ad only")
     data = daskpty.open_data(args.data)
     client = None
     if args.scheduler:
@@ -64,7 +75,7 @@ def run(args) -> int:
                                   client=client, n_workers=args.workers, seed=args.seed,
                                   chunk_length=args.chunk_length, progress=not args.quiet,
                                   checkpoint=args.output, checkpoint_every=args.checkpoint_every,
-                                  resume=args.resume, dashboard=args.dashboard)
+                                  resume=args.resume, dashboard=args.dashboard, **ad_args)
     except KeyboardInterrupt:
         if os.path.exists(args.output):
             print(f"daskpty: interrupted; the last complete epoch is saved in {args.output} "

@@ -20,7 +20,6 @@ import numpy as np
 
 from ..physics import (
     CORRECTIONS,
-    LOSSES,
     exit_waves,
     extract_patches,
     fft2,
@@ -34,7 +33,8 @@ from ..physics import (
     shift_ramps,
     split_positions,
 )
-from ..physics.backend import asarray_like, to_numpy
+from ..physics.backend import asarray_like, ifft2_inplace, to_numpy
+from ..physics.noise import far_field_update
 from .partials import BoxedArray, Partial
 
 
@@ -131,10 +131,12 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
 
     psi, shifted_probe, obj_patches = exit_waves(obj_box, probe, local, ramps)
     far = fft2(psi)
-    corrected, yhat = CORRECTIONS[options.noise](far, intensities, valid, options.eps)
-    loss = LOSSES[options.noise](yhat, intensities, valid).sum()
-    chi = ifft2(corrected - far)  # exit-wave residual χ (B, M, n, n)
-    del psi, far, corrected
+    del psi
+    far_delta, yhat, loss = far_field_update(options.noise, far, intensities, valid, options.eps)
+    loss = loss.sum()
+    del far
+    chi = ifft2_inplace(far_delta)  # exit-wave residual χ = F⁻¹(Ψ' − Ψ) (B, M, n, n)
+    del far_delta
 
     # Object direction and illumination on the chunk's bounding box.
     conj_probe = xp.conj(shifted_probe)

@@ -89,9 +89,13 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
         state = adapter.begin_epoch(state)
         scalars: dict[str, float] = {}
         for r in range(rounds_per_epoch):
-            total = map_reduce(client, data, adapter.chunk_function, adapter.payload(state),
-                               round_index=r, rounds=rounds_per_epoch, split_every=split_every)
-            state = adapter.apply(state, total)
+            if hasattr(adapter, "run_round"):  # engines that need extra evaluations (line searches)
+                state, total = adapter.run_round(client, data, state, round_index=r,
+                                                 rounds=rounds_per_epoch, split_every=split_every)
+            else:
+                total = map_reduce(client, data, adapter.chunk_function, adapter.payload(state),
+                                   round_index=r, rounds=rounds_per_epoch, split_every=split_every)
+                state = adapter.apply(state, total)
             for k, v in total.scalars.items():
                 scalars[k] = scalars.get(k, 0.0) + v
         state = adapter.end_epoch(state)
@@ -105,6 +109,7 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
             "alpha_object": scalars.get("alpha_object", 0.0) / n,
             "alpha_probe": scalars.get("alpha_probe", 0.0) / n,
             "reduced_bytes_per_round": scalars.get("reduced_bytes", 0.0) / rounds_per_epoch,
+            "loss_evaluations": scalars.get("loss_evaluations", 0.0),
         }
         history.append(metrics)
         stop = False

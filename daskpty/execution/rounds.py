@@ -13,6 +13,7 @@ import dask.array as da
 import numpy as np
 
 from ..engines.partials import Partial, sum_partials
+from .tuning import tune_allocator
 
 
 @dataclass
@@ -40,13 +41,14 @@ class ChunkedData:
 
 
 def _run_chunk(block, positions, payload, func, round_index, rounds):
+    tune_allocator()
     if rounds > 1:
         block = block[round_index::rounds]
         positions = positions[round_index::rounds]
     part = func(block, positions, payload)
     if part is not None:
         part.scalars["reduced_bytes"] = float(part.nbytes)
-    return np.array([part], dtype=object)
+    return part  # the block of an object-dtype array: dask passes it through untouched
 
 
 def _combine(*parts):
@@ -56,13 +58,11 @@ def _combine(*parts):
     return total
 
 
-def _unwrap(block):
-    return block[0]
-
-
 def tree_reduce(blocks, split_every: int):
     """Fixed-shape tree of ``_combine`` over a list of delayed partials (left to right)."""
-    level = [dask.delayed(_unwrap)(b) for b in blocks]
+    level = list(blocks)
+    if len(level) == 1:
+        return dask.delayed(_combine)(level[0])
     while len(level) > 1:
         level = [dask.delayed(_combine)(*level[i:i + split_every])
                  for i in range(0, len(level), split_every)]

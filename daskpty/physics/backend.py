@@ -72,5 +72,14 @@ def ifft2(a):
     return scipy.fft.ifft2(a, norm="ortho", workers=_FFT_WORKERS, overwrite_x=False)
 
 
+def ifft2_inplace(a):
+    """Like :func:`ifft2` but may overwrite ``a`` (use for temporaries)."""
+    if is_cupy(a):
+        import cupy
+
+        return cupy.fft.ifft2(a, norm="ortho")
+    return scipy.fft.ifft2(a, norm="ortho", workers=_FFT_WORKERS, overwrite_x=True)
+
+
 def fftfreq(n: int, xp=np):
     return xp.fft.fftfreq(n).astype(np.float32)

@@ -97,3 +97,32 @@ def poisson_loss(yhat, y, valid=None, eps: float = DEFAULT_EPS):
 
 CORRECTIONS = {"gaussian": gaussian_correction, "poisson": poisson_correction}
 LOSSES = {"gaussian": gaussian_loss, "poisson": poisson_loss}
+
+
+def far_field_update(noise: str, far, y, valid=None, eps: float = DEFAULT_EPS):
+    """The far-field correction as an update ΔΨ = Ψ' − Ψ, with ŷ and the per-pattern loss.
+
+    Same mathematics as :func:`gaussian_correction` / :func:`poisson_correction` and the matching
+    loss, fused so that each pixel is visited a few times in float32 (sums in float64) and no
+    corrected copy of Ψ is kept. Returns ``(delta, yhat, loss)`` with ``loss`` of shape (B,).
+    """
+    xp = get_xp(far)
+    yhat = model_intensity(far)
+    y = y.astype(np.float32, copy=False)
+    if noise == "gaussian":
+        sqrt_y = xp.sqrt(y)
+        sqrt_model = xp.sqrt(yhat + np.float32(eps))
+        residual = sqrt_model - sqrt_y
+        if valid is not None:
+            residual = residual * valid
+        loss = (residual * residual).sum(axis=(-2, -1), dtype=np.float64)
+        factor = sqrt_y / sqrt_model - np.float32(1.0)
+    elif noise == "poisson":
+        loss = poisson_loss(yhat, y, valid, eps)
+        alpha = poisson_step_lengths(yhat, y, valid, eps).astype(np.float32)
+        factor = -alpha[:, None, None] * (np.float32(1.0) - y / (yhat + np.float32(eps)))
+    else:
+        raise ValueError(f"noise must be one of {sorted(CORRECTIONS)}, got {noise!r}")
+    if valid is not None:
+        factor = factor * valid
+    return far * factor[:, None].astype(np.float32, copy=False), yhat, loss

@@ -1,0 +1,111 @@
+"""Binds the AD engine (:mod:`daskpty.engines.ad`) to the round loop of :mod:`daskpty.execution.driver`.
+
+Same protocol as ``LSQMLAdapter``: ``chunk_function`` (module-level, picklable), ``payload``,
+``apply``, ``begin_epoch``, ``end_epoch``, ``initialise``, ``new_state``, ``engine_state``. Every round is one optimiser step on the
+gradient of that round's patterns (slice ``round_index::rounds`` of every chunk — minibatches).
+
+The CG optimiser's line search needs extra loss-only map-reduces on the same slice. For that the
+adapter offers :meth:`ADAdapter.run_round`, which does the gradient map-reduce, the line-search
+evaluations and the apply; a driver that finds ``run_round`` on an adapter calls it instead of
+``map_reduce`` + ``apply``. Adam and SGD need no extra evaluations and work with either path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..engines import ad
+from .rounds import ChunkedData, map_reduce
+
+
+@dataclass
+class ADPayload:
+    object: np.ndarray
+    probe: np.ndarray
+    options: ad.ADOptions
+    want_object: bool
+    want_probe: bool
+    valid: np.ndarray | None
+
+
+def ad_gradient_chunk(intensities, positions, payload: ADPayload):
+    return ad.chunk_gradient(payload.object, payload.probe, intensities, positions, options=payload.options,
+                             valid=payload.valid, want_object=payload.want_object,
+                             want_probe=payload.want_probe)
+
+
+def ad_loss_chunk(intensities, positions, payload: ADPayload):
+    return ad.chunk_loss(payload.object, payload.probe, intensities, positions, options=payload.options,
+                         valid=payload.valid)
+
+
+def ad_forward_sums_chunk(intensities, positions, payload: ADPayload):
+    return ad.forward_sums(payload.object, payload.probe, intensities, positions, valid=payload.valid)
+
+
+class ADAdapter:
+    """Binds :mod:`daskpty.engines.ad` to the round loop."""
+
+    name = "ad"
+    chunk_function = staticmethod(ad_gradient_chunk)
+    loss_function = staticmethod(ad_loss_chunk)
+
+    def __init__(self, options: ad.ADOptions | None = None, valid: np.ndarray | None = None):
+        self.options = options if options is not None else ad.ADOptions()
+        self.valid = valid
+
+    @property
+    def needs_evaluations(self) -> bool:
+        """True when ``apply`` needs loss evaluations (CG line search): use :meth:`run_round`."""
+        return self.options.optimizer == "cg"
+
+    def payload(self, state: ad.ADState, object=None, probe=None) -> ADPayload:
+        return ADPayload(state.object if object is None else object,
+                         state.probe if probe is None else probe, self.options,
+                         state.active("object", self.options), state.active("probe", self.options),
+                         self.valid)
+
+    def apply(self, state, total, evaluate=None):
+        return ad.apply(state, total, self.options, evaluate=evaluate)
+
+    def begin_epoch(self, state):
+        return ad.begin_epoch(state, self.options)
+
+    def end_epoch(self, state):
+        return ad.end_epoch(state, self.options)
+
+    def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None) -> ad.ADState:
+        """A state from an object, a probe and (when resuming) the saved engine arrays."""
+        return ad.ADState.from_arrays(obj, probe, epoch, engine_state)
+
+    def engine_state(self, state: ad.ADState) -> dict:
+        """Arrays beyond object and probe needed to continue exactly (optimiser memory; for checkpoints)."""
+        return state.to_arrays()
+
+    def initialise(self, client, data: ChunkedData, state, *, split_every: int):
+        """First-epoch probe intensity rescale so that Σŷ = Σy."""
+        sums = map_reduce(client, data, ad_forward_sums_chunk, self.payload(state), split_every=split_every)
+        return ad.rescale_probe(state, sums)
+
+    def run_round(self, client, data: ChunkedData, state, *, round_index: int = 0, rounds: int = 1,
+                  split_every: int = 8):
+        """Gradient map-reduce, then apply — with loss-only map-reduces on the same slice when the
+        optimiser asks for them. Returns ``(state, total)``; ``total.scalars["loss_evaluations"]``
+        counts the extra map-reduces."""
+        total = map_reduce(client, data, self.chunk_function, self.payload(state),
+                           round_index=round_index, rounds=rounds, split_every=split_every)
+        count = 0
+
+        def evaluate(params):
+            nonlocal count
+            count += 1
+            part = map_reduce(client, data, self.loss_function,
+                              self.payload(state, params.get("object"), params.get("probe")),
+                              round_index=round_index, rounds=rounds, split_every=split_every)
+            return part.scalars.get("loss", float("nan"))
+
+        state = self.apply(state, total, evaluate=evaluate if self.needs_evaluations else None)
+        if total is not None:
+            total.scalars["loss_evaluations"] = float(count)
+        return state, total
