@@ -10,8 +10,9 @@ from .checkpoint import Checkpointer, sigterm_as_interrupt
 from .engines import lsqml
 from .engines.initial import object_frame, probe_diameter_from_scan, probe_from_mean_pattern
 from .execution.cluster import client_context
-from .execution.data import prepare_data, workers_have_gpus
+from .execution.data import prepare_data, should_persist, workers_have_gpus
 from .execution.driver import LSQMLAdapter, run_epochs
+from .execution.latency import enable_low_latency
 from .physics import check_windows_inside, split_positions
 from .results import Reconstruction
 
@@ -108,7 +109,7 @@ def _engine(engine, noise, loss, optimizer, lr, engine_options):
 
 
 def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, object=None,
-                probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch: int = 1,
+                probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
                 client=None, n_workers: int | None = None, seed: int = 0, callback=None,
                 progress: bool = False, chunk_length: int | None = None, persist="auto", device: str = "auto",
                 split_every: int = 8, sort: bool = True, rescale_probe: bool = True,
@@ -131,7 +132,9 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     probe_modes : number of incoherent probe modes (default: those of ``probe``, else 1).
     noise : "gaussian" (amplitude) or "poisson".
     rounds_per_epoch : 1 = compact LSQML (one update per epoch from all patterns); R > 1 =
-        minibatch semantics, every round using slice r of every chunk.
+        minibatch semantics, every round using slice r of every chunk. "auto": N // 150 clipped
+        to 1…16 when the data are persisted (≈ 150 patterns per update converge per epoch like
+        Pty-Chi's default batches), 1 out of core (each round re-reads every chunk).
     client : a ``distributed.Client``; default: the current client, else an embedded LocalCluster
         (``n_workers`` processes) that is closed at the end.
     callback : ``callback(epoch, state, metrics)`` after every epoch; return False to stop.
@@ -157,8 +160,11 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if not isinstance(epochs, (int, np.integer)) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
-    if not isinstance(rounds_per_epoch, (int, np.integer)) or rounds_per_epoch < 1:
-        raise ValueError(f"rounds_per_epoch must be an integer >= 1, got {rounds_per_epoch!r}")
+    if rounds_per_epoch != "auto" and (not isinstance(rounds_per_epoch, (int, np.integer))
+                                       or rounds_per_epoch < 1):
+        raise ValueError(f"rounds_per_epoch must be an integer >= 1 or 'auto', got {rounds_per_epoch!r}")
+    if persist not in (True, False, "auto"):
+        raise ValueError(f"persist must be True, False or 'auto', got {persist!r}")
     if chunk_length is not None and chunk_length < 1:
         raise ValueError(f"chunk_length must be >= 1, got {chunk_length}")
     if split_every < 2:
@@ -213,6 +219,12 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         callbacks.append(callback)
 
     with client_context(client, n_workers=n_workers) as c:
+        enable_low_latency(c)
+        if persist == "auto":
+            persist = should_persist(c, intensities.nbytes)
+        if rounds_per_epoch == "auto":
+            rounds_per_epoch = int(np.clip(len(positions) // 150, 1, 16)) if persist else 1
+        run_options.update(rounds_per_epoch=rounds_per_epoch, persist=bool(persist))
         publisher = None
         if dashboard:
             from .monitor.dashboard import DashboardPublisher

@@ -23,8 +23,9 @@ def add_parser(subparsers):
     p.add_argument("--optimizer", default=None, choices=["adam", "sgd", "cg"], help="AD optimiser (default adam)")
     p.add_argument("--lr", type=float, default=None, help="AD object step size (relative)")
     p.add_argument("--probe-lr", type=float, default=None, help="AD probe step size (relative)")
-    p.add_argument("--rounds-per-epoch", type=int, default=1,
-                   help="1 = compact LSQML; R > 1 = R minibatch updates per epoch")
+    p.add_argument("--rounds-per-epoch", type=_rounds, default="auto",
+                   help="1 = compact LSQML; R > 1 = R minibatch updates per epoch; "
+                        "auto (default) = N // 150 clipped to 1..16 for data held in memory")
     p.add_argument("--probe-modes", type=int, default=None, help="incoherent probe modes")
     p.add_argument("--workers", type=int, default=None, help="local worker processes (default: one per core)")
     p.add_argument("--scheduler", default=None, help="address of a running dask scheduler")
@@ -40,6 +41,15 @@ def add_parser(subparsers):
                    help="publish progress and images to the dask dashboard's /daskpty page")
     p.add_argument("--quiet", action="store_true", help="no progress output")
     return p
+
+
+def _rounds(text):
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--rounds-per-epoch must be an integer or 'auto', got {text!r}") from None
 
 
 def run(args) -> int:

@@ -81,7 +81,12 @@ def client_context(client: Client | None = None, n_workers: int | None = None, *
     if found is not None:
         yield found
         return
-    cluster = start_local_cluster(n_workers=n_workers, **cluster_kwargs)
+    import dask
+
+    # The embedded cluster runs no statistical profiler in the workers (it costs CPU on small
+    # machines); reconstruct() switches any cluster to low-latency messaging (see .latency).
+    with dask.config.set({"distributed.worker.profile.enabled": False}):
+        cluster = start_local_cluster(n_workers=n_workers, **cluster_kwargs)
     new_client = Client(cluster)
     try:
         yield new_client

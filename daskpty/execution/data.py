@@ -15,7 +15,7 @@ WORKING_BYTES_PER_PIXEL = 80
 
 
 def default_chunk_length(n_patterns: int, n: int, modes: int = 1, memory_budget: int = 512 * 2**20,
-                         min_len: int = 32, target_chunks: int = 16) -> int:
+                         min_len: int = 64, target_chunks: int = 8) -> int:
     """Patterns per chunk: small enough for ``memory_budget`` per chunk step, and about
     ``target_chunks`` chunks for small data sets. Independent of the worker count, so the
     reduction order (and so the result) does not change with the cluster size.
