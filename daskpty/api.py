@@ -121,40 +121,74 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     Parameters
     ----------
     data : str or PtychoData
-        A daskpty data-set store path (see :func:`daskpty.open_data`) or an opened data set.
-    engine : "lsqml" (least-squares maximum likelihood, Odstrčil et al. 2018) or "ad"
-        (gradient descent with exact hand-written adjoints; see ``loss``, ``optimizer``, ``lr``).
-    epochs : total number of passes over all patterns (when resuming, including those already done).
-    probe : initial probe (n, n) or (M, n, n); default: the store's ``probe`` if present, else
-        derived from the mean diffraction pattern (see :func:`daskpty.engines.initial.probe_from_mean_pattern`).
-    object : initial object (H, W); positions are then in its pixel frame. Default: ones, sized
-        to cover every probe window plus a margin; ``result.origin`` says where position (0, 0) lies.
-    probe_modes : number of incoherent probe modes (default: those of ``probe``, else 1).
-    noise : "gaussian" (amplitude) or "poisson".
-    rounds_per_epoch : 1 = compact LSQML (one update per epoch from all patterns); R > 1 =
-        minibatch semantics, every round using slice r of every chunk. "auto": N // 150 clipped
-        to 1…16 when the data are persisted (≈ 150 patterns per update converge per epoch like
-        Pty-Chi's default batches), 1 out of core (each round re-reads every chunk).
-    client : a ``distributed.Client``; default: the current client, else an embedded LocalCluster
-        (``n_workers`` processes) that is closed at the end.
-    callback : ``callback(epoch, state, metrics)`` after every epoch; return False to stop.
-    progress : print a progress line per epoch to stderr.
-    chunk_length : patterns per chunk (default from the probe size and a memory budget; it does
-        not depend on the number of workers, so results do not either).
-    persist : keep the data chunks in worker memory (True), re-read them from the store every
-        round (False: out-of-core), or "auto" (persist when they take ≤ half the cluster memory).
-    device : "cpu" (NumPy chunks), "gpu" (CuPy chunks on dask-cuda workers) or "auto" (gpu when
-        every worker sees a CUDA device).
-    checkpoint : path of a reconstruction store updated atomically every ``checkpoint_every``
-        epochs, at the end, and on Ctrl-C / SIGTERM.
-    resume : path of a reconstruction store (a checkpoint) to continue from; the same seed and
-        settings give the same result as an uninterrupted run.
-    dashboard : publish progress, loss, object and probe images to the dask dashboard's
-        ``/daskpty`` page (and dask events, Prometheus gauges); the link is printed to stderr.
-    loss, optimizer, lr : AD engine only — "gaussian" | "poisson" | "intensity" (default: ``noise``),
-        "adam" | "sgd" | "cg", and the object step size (relative to the object's scale).
-    **engine_options : fields of :class:`daskpty.engines.lsqml.LSQMLOptions` (beta, delta, ...)
-        or, for engine="ad", of :class:`daskpty.engines.ad.ADOptions` (probe_lr, ...).
+        A daskpty data-set store path (see `daskpty.open_data`) or an opened data set.
+    engine : {"lsqml", "ad"}
+        LSQML (least-squares maximum likelihood, Odstrčil et al. 2018) or AD (gradient descent
+        with exact hand-written adjoints; see ``loss``, ``optimizer``, ``lr``).
+    epochs : int
+        Total number of passes over all patterns (when resuming, including those already done).
+    probe : array, optional
+        Initial probe (n, n) or (M, n, n). Default: the store's ``probe`` if present, else derived
+        from the mean diffraction pattern (`daskpty.engines.initial.probe_from_mean_pattern`).
+    object : array, optional
+        Initial object (H, W); positions are then in its pixel frame. Default: ones, sized to
+        cover every probe window plus a margin; ``result.origin`` says where position (0, 0) lies.
+    probe_modes : int, optional
+        Number of incoherent probe modes (default: those of ``probe``, else 1).
+    noise : {"gaussian", "poisson"}
+        Noise model of the LSQML far-field correction (and the default AD loss).
+    rounds_per_epoch : int or "auto"
+        1 = compact LSQML (one update per epoch from all patterns); R > 1 = minibatch semantics,
+        round r using slice r::R of every chunk. "auto": N // 150 clipped to 1…16 when the data
+        are persisted (about 150 patterns per update, like Pty-Chi's default batches), 1 out of
+        core (each round re-reads every chunk).
+    client : distributed.Client, optional
+        Default: the current client, else an embedded LocalCluster of ``n_workers`` processes
+        (127.0.0.1 only) that is closed at the end.
+    n_workers : int, optional
+        Worker processes of the embedded cluster (default: one per core).
+    seed : int
+        Seed of every random choice (extra probe modes); the engines are deterministic.
+    callback : callable, optional
+        ``callback(epoch, state, metrics)`` after every epoch; return False to stop.
+    progress : bool
+        Print epoch, loss, patterns/s and ETA to stderr.
+    chunk_length : int, optional
+        Patterns per chunk (default from the probe size and a memory budget; it does not depend
+        on the number of workers, so results do not either).
+    persist : bool or "auto"
+        Keep the data chunks in worker memory (True), re-read them from the store every round
+        (False: out of core), or "auto" (persist when they take at most half the cluster memory).
+    device : {"auto", "cpu", "gpu"}
+        NumPy chunks, CuPy chunks on dask-cuda workers, or gpu when every worker sees a GPU.
+    split_every : int
+        Fan-in of the tree reduction.
+    sort : bool
+        Order patterns along a Morton curve when that makes chunks spatially more compact.
+    rescale_probe : bool
+        Scale the probe so that the model's total intensity matches the data before epoch 1.
+    checkpoint : path, optional
+        Reconstruction store updated atomically every ``checkpoint_every`` epochs, at the end,
+        and on Ctrl-C / SIGTERM.
+    checkpoint_every : int
+        Epochs between checkpoint writes.
+    resume : path, optional
+        Reconstruction store (a checkpoint) to continue from; the same settings give a result
+        bit-identical to an uninterrupted run.
+    dashboard : bool
+        Publish progress, loss, object and probe images to the dask dashboard's ``/daskpty`` page
+        (and dask events, Prometheus gauges); the link is printed to stderr.
+    loss, optimizer, lr : str, str, float, optional
+        AD engine only: "gaussian" | "poisson" | "intensity" (default: ``noise``), "adam" | "sgd"
+        | "cg", and the object step size (relative to the object's scale).
+    **engine_options
+        Fields of `daskpty.engines.lsqml.LSQMLOptions` (beta, delta, momentum, ...) or, for
+        engine="ad", of `daskpty.engines.ad.ADOptions` (probe_lr, schedule, ...).
+
+    Returns
+    -------
+    Reconstruction
+        Object, probe, positions in the object frame, origin, illumination and history.
     """
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")

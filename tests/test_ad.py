@@ -18,7 +18,7 @@ FD_TOLERANCE = 1e-6
 
 @pytest.fixture(scope="module")
 def threads_client():
-    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster, \
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address="127.0.0.1:0") as cluster, \
             Client(cluster) as client:
         yield client
 
@@ -291,7 +291,7 @@ def test_n_workers_equal_one_worker():
     probe = None
     for workers in (1, 2):
         with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                          dashboard_address=None) as cluster, Client(cluster) as client:
+                          dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
             if probe is None:
                 probe = _initial_probe(ds, client)
             data = prepare_data(client, ds.intensities, ds.positions, chunk_length=12)

@@ -63,7 +63,7 @@ def test_reconstruct_on_cupy_chunks_matches_cpu():
     from synthetic import make_dataset
 
     ds = make_dataset(grid=8)
-    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cl, Client(cl) as c:
+    with LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0") as cl, Client(cl) as c:
         cpu = daskpty.reconstruct(ds, epochs=5, object=np.ones_like(ds.truth.object), client=c, device="cpu")
         gpu = daskpty.reconstruct(ds, epochs=5, object=np.ones_like(ds.truth.object), client=c, device="gpu")
     assert np.linalg.norm(gpu.object - cpu.object) / np.linalg.norm(cpu.object) < 1e-3

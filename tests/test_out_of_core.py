@@ -10,7 +10,7 @@ import daskpty
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     path = tmp_path_factory.mktemp("ooc") / "scan.zarr"
-    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cl, \
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address="127.0.0.1:0") as cl, \
             Client(cl) as c:
         daskpty.simulate(path, preset="small", grid=(12, 12), probe_size=32, shard_bytes=64 * 1024, client=c)
     return path
@@ -29,7 +29,7 @@ def test_out_of_core_equals_in_memory(store):
     def watch(epoch, state, metrics):
         held.append(sum(len(v) for v in client.run(data_keys).values()))
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cl, \
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0") as cl, \
             Client(cl) as client:
         in_memory = daskpty.reconstruct(data, epochs=3, client=client, persist=True, chunk_length=24)
         out_of_core = daskpty.reconstruct(data, epochs=3, client=client, persist=False, chunk_length=24,
@@ -43,6 +43,6 @@ def test_persist_auto_chooses_out_of_core_when_data_exceed_half_the_memory(store
     from daskpty.execution.data import should_persist
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, memory_limit="100MB",
-                      dashboard_address=None) as cl, Client(cl) as client:
+                      dashboard_address="127.0.0.1:0") as cl, Client(cl) as client:
         assert should_persist(client, 50 * 10**6)
         assert not should_persist(client, 150 * 10**6)

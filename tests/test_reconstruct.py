@@ -14,7 +14,7 @@ from synthetic import make_dataset
 
 @pytest.fixture(scope="module")
 def threads_client():
-    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster, \
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address="127.0.0.1:0") as cluster, \
             Client(cluster) as client:
         yield client
 
@@ -33,7 +33,7 @@ def test_n_workers_equal_one_worker():
     results = {}
     for workers in (1, 2, 4):
         with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                          dashboard_address=None) as cluster, Client(cluster) as client:
+                          dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
             results[workers] = _run(ds, client, epochs=4, rounds_per_epoch=2, chunk_length=16, split_every=3)
     for workers in (2, 4):
         assert _relative_difference(results[workers].object, results[1].object) <= 1e-5

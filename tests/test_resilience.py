@@ -21,7 +21,7 @@ HERE = os.path.dirname(__file__)
 
 @pytest.fixture(scope="module")
 def client():
-    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster, \
+    with LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address="127.0.0.1:0") as cluster, \
             Client(cluster) as c:
         yield c
 
@@ -74,7 +74,7 @@ def test_crash_during_checkpoint_write_keeps_previous(tmp_path):
         Reconstruction._write = dying_write
         ds = make_dataset(grid=6, seed=2)
         from distributed import Client, LocalCluster
-        with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cl, Client(cl) as c:
+        with LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0") as cl, Client(cl) as c:
             daskpty.reconstruct(ds, epochs=8, object=np.ones_like(ds.truth.object), client=c,
                                 checkpoint={str(ckpt)!r}, checkpoint_every=1)
     """)
@@ -83,7 +83,7 @@ def test_crash_during_checkpoint_write_keeps_previous(tmp_path):
     saved = Reconstruction.from_zarr(ckpt)
     assert saved.epochs == 3
     ds = make_dataset(grid=6, seed=2)
-    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cl, Client(cl) as c:
+    with LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0") as cl, Client(cl) as c:
         resumed = daskpty.reconstruct(ds, epochs=8, client=c, resume=ckpt)
         full = daskpty.reconstruct(ds, epochs=8, object=np.ones_like(ds.truth.object), client=c)
     np.testing.assert_array_equal(resumed.object, full.object)
@@ -125,7 +125,7 @@ def test_worker_killed_mid_round_gives_the_same_result(tmp_path):
 
     os.environ["DASKPTY_KILL_TEST"] = "1"
     try:
-        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cl, \
+        with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0") as cl, \
                 Client(cl) as c:
             disturbed = run(KillingAdapter, c)
             undisturbed = run(LSQMLAdapter, c)

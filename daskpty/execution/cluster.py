@@ -44,7 +44,9 @@ def start_local_cluster(n_workers: int | None = None, threads_per_worker: int = 
     """
     if gpu is None:
         gpu = gpu_count() > 0 and _has_dask_cuda()
-    address = "127.0.0.1:0" if dashboard else None
+    # Always bind to loopback: dashboard_address=None would make distributed listen on all
+    # interfaces (0.0.0.0:8787). dashboard=False keeps a loopback-only, random-port dashboard.
+    address = "127.0.0.1:0"
     if gpu:
         from dask_cuda import LocalCUDACluster
 
