@@ -27,19 +27,9 @@ def simulated(path: str, preset: str = "small", **kw):
 def object_nrmse_in_truth_frame(obj, positions, truth, illumination, fraction: float = 0.3) -> float:
     """NRMSE of an object (in a frame where the scan sits at ``positions``) against ``truth``,
     on the region illuminated above ``fraction`` of the maximum."""
-    from daskpty.metrics import nrmse
+    from daskpty.metrics import nrmse_vs_truth
 
-    offset = np.round(np.median(np.asarray(positions) - np.asarray(truth.positions), axis=0)).astype(int)
-    t = np.asarray(truth.object)
-    est = np.ones_like(t)
-    lit = np.zeros(t.shape, bool)
-    ty, tx = t.shape
-    ys, xs = max(0, offset[0]), max(0, offset[1])
-    ye, xe = min(obj.shape[0], ty + offset[0]), min(obj.shape[1], tx + offset[1])
-    est[ys - offset[0]:ye - offset[0], xs - offset[1]:xe - offset[1]] = obj[ys:ye, xs:xe]
-    lit_full = illumination > fraction * illumination.max()
-    lit[ys - offset[0]:ye - offset[0], xs - offset[1]:xe - offset[1]] = lit_full[ys:ye, xs:xe]
-    return float(nrmse(est, t, mask=lit))
+    return float(nrmse_vs_truth(obj, positions, illumination, truth, fraction))
 
 
 class Timer:

@@ -518,3 +518,37 @@ def probe_error(estimate, truth) -> float:
     get = np.linalg.norm(np.conj(E) @ T.T) ** 2
     cos = min(max(get / (gee * gtt), 0.0), 1.0)
     return float(np.sqrt(1.0 - cos))
+
+
+def truth_frame(obj, positions, illuminated, truth_object, truth_positions=None, origin=None):
+    """Place a reconstructed object into the ground truth's pixel frame.
+
+    The integer offset between the frames is the median of ``positions - truth_positions``
+    (rounded), or ``origin`` when truth positions are not given. Pixels the reconstruction does not
+    cover are 1 and lie outside the returned mask. Returns ``(estimate, mask, (dy, dx))``.
+    """
+    t_obj = np.asarray(truth_object)
+    if truth_positions is not None and np.shape(truth_positions) == np.shape(positions):
+        offset = np.round(np.median(np.asarray(positions) - np.asarray(truth_positions), axis=0))
+    else:
+        offset = np.round(np.asarray(origin if origin is not None else (0, 0), dtype=np.float64))
+    oy, ox = (int(v) for v in offset)
+    obj = np.asarray(obj)
+    ty, tx = t_obj.shape
+    est = np.ones(t_obj.shape, dtype=np.result_type(obj.dtype, np.complex64))
+    mask = np.zeros(t_obj.shape, dtype=bool)
+    ys, xs = max(0, oy), max(0, ox)
+    ye, xe = min(obj.shape[0], ty + oy), min(obj.shape[1], tx + ox)
+    if ye > ys and xe > xs:
+        est[ys - oy:ye - oy, xs - ox:xe - ox] = obj[ys:ye, xs:xe]
+        mask[ys - oy:ye - oy, xs - ox:xe - ox] = np.asarray(illuminated)[ys:ye, xs:xe]
+    return est, mask, (oy, ox)
+
+
+def nrmse_vs_truth(obj, positions, illumination, truth, fraction: float = 0.3) -> float:
+    """Object NRMSE against a ground truth (``truth.object``, ``truth.positions``) on the region
+    whose illumination exceeds ``fraction`` of its maximum, after :func:`truth_frame`."""
+    illumination = np.asarray(illumination)
+    lit = illumination > fraction * illumination.max()
+    est, mask, _ = truth_frame(obj, positions, lit, truth.object, getattr(truth, "positions", None))
+    return nrmse(est, np.asarray(truth.object), mask=mask)

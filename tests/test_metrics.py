@@ -286,3 +286,24 @@ def test_probe_error_shape_mismatch():
         probe_error(random_modes(rng, 2, 16), random_modes(rng, 2, 32))
     with pytest.raises(ValueError, match="zero"):
         probe_error(np.zeros((1, 8, 8)), random_modes(rng, 1, 8))
+
+
+def test_truth_frame_places_an_offset_reconstruction_and_nrmse_vs_truth_scores_it():
+    from types import SimpleNamespace
+
+    from daskpty.metrics import nrmse_vs_truth, truth_frame
+
+    rng = np.random.default_rng(3)
+    truth_obj = (rng.random((40, 40)) + 1j * rng.random((40, 40))).astype(np.complex64)
+    truth_pos = rng.random((10, 2)) * 10 + 15
+    rec_obj = np.ones((50, 50), np.complex64)
+    rec_obj[5:45, 7:47] = 2 * truth_obj  # offset (5, 7), complex scale 2
+    illumination = np.zeros((50, 50), np.float32)
+    illumination[10:40, 12:42] = 1
+    est, mask, offset = truth_frame(rec_obj, truth_pos + (5, 7), illumination > 0.5, truth_obj, truth_pos)
+    assert offset == (5, 7)
+    np.testing.assert_array_equal(est, 2 * truth_obj)
+    assert mask.sum() == 30 * 30 and mask[5:35, 5:35].all()
+    truth = SimpleNamespace(object=truth_obj, positions=truth_pos)
+    assert nrmse_vs_truth(rec_obj, truth_pos + (5, 7), illumination, truth) < 1e-5
+    assert nrmse_vs_truth(np.roll(rec_obj, 9, axis=0), truth_pos + (5, 7), illumination, truth) > 0.1

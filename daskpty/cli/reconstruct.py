@@ -108,18 +108,6 @@ def run(args) -> int:
 
 def _nrmse_vs_truth(rec, data) -> float:
     """NRMSE of the reconstruction against truth/ on the well-illuminated region, truth frame."""
-    import numpy as np
+    from daskpty.metrics import nrmse_vs_truth
 
-    from daskpty.metrics import nrmse
-
-    truth = data.truth
-    # Place the reconstruction in the truth object's frame: truth positions ↔ reconstruction positions.
-    offset = np.round(np.median(rec.positions - np.asarray(truth.positions), axis=0)).astype(int)
-    ty, tx = truth.object.shape
-    est = np.ones_like(truth.object)
-    lit = np.zeros(truth.object.shape, bool)
-    ys, xs = max(0, offset[0]), max(0, offset[1])
-    ye, xe = min(rec.object.shape[0], ty + offset[0]), min(rec.object.shape[1], tx + offset[1])
-    est[ys - offset[0]:ye - offset[0], xs - offset[1]:xe - offset[1]] = rec.object[ys:ye, xs:xe]
-    lit[ys - offset[0]:ye - offset[0], xs - offset[1]:xe - offset[1]] = rec.illuminated(0.3)[ys:ye, xs:xe]
-    return nrmse(est, truth.object, mask=lit)
+    return nrmse_vs_truth(rec.object, rec.positions, rec.illumination, data.truth)

@@ -3,24 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-
-def _interleave_bits(v: np.ndarray) -> np.ndarray:
-    v = v.astype(np.uint64) & np.uint64(0xFFFFFFFF)
-    for shift, mask in ((16, 0x0000FFFF0000FFFF), (8, 0x00FF00FF00FF00FF), (4, 0x0F0F0F0F0F0F0F0F),
-                        (2, 0x3333333333333333), (1, 0x5555555555555555)):
-        v = (v | (v << np.uint64(shift))) & np.uint64(mask)
-    return v
-
-
-def morton_order(positions: np.ndarray, tile: float) -> np.ndarray:
-    """Permutation sorting positions by the Z-order (Morton) index of ``tile``-sized cells.
-
-    Within a cell the original order is kept (stable sort), so raster scans stay rasters.
-    """
-    p = np.asarray(positions, dtype=np.float64)
-    cells = np.floor((p - p.min(axis=0)) / max(tile, 1e-9)).astype(np.int64)
-    code = (_interleave_bits(cells[:, 0]) << np.uint64(1)) | _interleave_bits(cells[:, 1])
-    return np.argsort(code, kind="stable")
+from ..io.scan import morton_order
 
 
 def footprint_area(positions: np.ndarray, chunk_len: int, n: int) -> float:

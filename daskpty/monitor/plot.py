@@ -250,30 +250,12 @@ def plot_history(ax, history):
 
 
 def truth_frame(rec, truth, fraction=COMPARE_FRACTION):
-    """The reconstruction's object in the ground truth's frame, and the illuminated mask there.
+    """The reconstruction's object in the ground truth's frame, and the illuminated mask there
+    (see :func:`daskpty.metrics.truth_frame`). Returns ``(estimate, mask, offset)``."""
+    from ..metrics import truth_frame as _truth_frame
 
-    The integer offset between the frames is the median of ``rec.positions - truth.positions``
-    (rounded); without truth positions, ``rec.origin``. Pixels the reconstruction does not cover are
-    1 (and outside the mask). Returns ``(estimate, mask, offset)``.
-    """
-    t_obj = _squeeze_image(truth.object)
-    t_pos = getattr(truth, "positions", None)
-    if t_pos is not None and np.shape(t_pos) == np.shape(rec.positions):
-        offset = np.round(np.median(np.asarray(rec.positions) - np.asarray(t_pos), axis=0))
-    else:
-        offset = np.round(np.asarray(rec.origin, dtype=np.float64))
-    oy, ox = (int(v) for v in offset)
-    obj = _squeeze_image(rec.object)
-    lit_rec = rec.illuminated(fraction)
-    ty, tx = t_obj.shape
-    est = np.ones(t_obj.shape, dtype=np.result_type(obj.dtype, np.complex64))
-    lit = np.zeros(t_obj.shape, dtype=bool)
-    ys, xs = max(0, oy), max(0, ox)
-    ye, xe = min(obj.shape[0], ty + oy), min(obj.shape[1], tx + ox)
-    if ye > ys and xe > xs:
-        est[ys - oy:ye - oy, xs - ox:xe - ox] = obj[ys:ye, xs:xe]
-        lit[ys - oy:ye - oy, xs - ox:xe - ox] = lit_rec[ys:ye, xs:xe]
-    return est, lit, (oy, ox)
+    return _truth_frame(_squeeze_image(rec.object), rec.positions, rec.illuminated(fraction),
+                        _squeeze_image(truth.object), getattr(truth, "positions", None), rec.origin)
 
 
 def plot_frc(ax, rec, truth, pixel_size_m=None, *, fraction=COMPARE_FRACTION):
