@@ -305,5 +305,5 @@ def test_truth_frame_places_an_offset_reconstruction_and_nrmse_vs_truth_scores_i
     np.testing.assert_array_equal(est, 2 * truth_obj)
     assert mask.sum() == 30 * 30 and mask[5:35, 5:35].all()
     truth = SimpleNamespace(object=truth_obj, positions=truth_pos)
-    assert nrmse_vs_truth(rec_obj, truth_pos + (5, 7), illumination, truth) < 1e-5
+    assert nrmse_vs_truth(rec_obj, truth_pos + (5, 7), illumination, truth) < 1e-2  # white noise: sub-pixel refinement residual
     assert nrmse_vs_truth(np.roll(rec_obj, 9, axis=0), truth_pos + (5, 7), illumination, truth) > 0.1
