@@ -21,19 +21,18 @@ import numpy as np
 from ..physics import (
     CORRECTIONS,
     exit_waves,
-    extract_patches,
     fft2,
     get_xp,
     ifft2,
     model_intensity,
     orthogonalize_modes,
-    scatter_add_patches,
     shift_probe,
     shift_probe_adjoint,
     shift_ramps,
     split_positions,
 )
-from ..physics.backend import asarray_like, ifft2_inplace, to_numpy
+from ..physics.backend import asarray_like, to_numpy
+from ..physics.patches import PatchIndex
 from ..physics.noise import far_field_update
 from .partials import BoxedArray, Partial
 
@@ -126,16 +125,16 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     probe = asarray_like(probe, intensities)
     if valid is not None:
         valid = asarray_like(valid, intensities)
-    local = xp.asarray(corners - box0)
+    index = PatchIndex(corners - box0, n, obj_box.shape, xp)  # reused by every gather/scatter
     ramps = shift_ramps(fractions, n, xp)
 
-    psi, shifted_probe, obj_patches = exit_waves(obj_box, probe, local, ramps)
-    far = fft2(psi)
-    del psi
+    obj_patches = index.extract(obj_box)
+    shifted_probe = shift_probe(probe, ramps)
+    far = fft2(shifted_probe * obj_patches[:, None], overwrite=True)
     far_delta, yhat, loss = far_field_update(options.noise, far, intensities, valid, options.eps)
     loss = loss.sum()
     del far
-    chi = ifft2_inplace(far_delta)  # exit-wave residual χ = F⁻¹(Ψ' − Ψ) (B, M, n, n)
+    chi = ifft2(far_delta, overwrite=True)  # exit-wave residual χ = F⁻¹(Ψ' − Ψ) (B, M, n, n)
     del far_delta
 
     # Object direction and illumination on the chunk's bounding box.
@@ -143,18 +142,18 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     obj_grad = (conj_probe * chi).sum(axis=1)
     illum_patches = (shifted_probe.real**2 + shifted_probe.imag**2).sum(axis=1)
     obj_num = xp.zeros(obj_box.shape, dtype=np.complex64)
-    scatter_add_patches(obj_num, local, obj_grad)
+    index.scatter_add(obj_num, obj_grad)
     illum = xp.zeros(obj_box.shape, dtype=np.float32)
-    scatter_add_patches(illum, local, illum_patches)
+    index.scatter_add(illum, illum_patches)
     obj_dir = obj_num / _preconditioner(illum, options.delta)
 
     # Step-length system per pattern: a = ΔÔ_j · S_f P_k, b = S_f ΔP̂_k · O_j.
-    a = extract_patches(obj_dir, local, n)[:, None] * shifted_probe
+    a = index.extract(obj_dir)[:, None] * shifted_probe
     a_chi = (xp.conj(a) * chi).real.sum(axis=(1, 2, 3), dtype=np.float64)
     a_a = (a.real**2 + a.imag**2).sum(axis=(1, 2, 3), dtype=np.float64)
     probe_sum = None
     if update_probe:
-        probe_sum = shift_probe_adjoint(xp.conj(obj_patches)[:, None] * chi, ramps)
+        probe_sum = shift_probe_adjoint(xp.conj(obj_patches)[:, None] * chi, ramps, overwrite=True)
         b = shift_probe(probe_sum / np.float32(n_patterns), ramps) * obj_patches[:, None]
         b_chi = (xp.conj(b) * chi).real.sum(axis=(1, 2, 3), dtype=np.float64)
         b_b = (b.real**2 + b.imag**2).sum(axis=(1, 2, 3), dtype=np.float64)

@@ -52,8 +52,11 @@ def enable_low_latency(client) -> bool:
     Best effort: returns False (and changes nothing) when this distributed version lacks the hooks.
     """
     try:
-        client.register_plugin(_SchedulerLatency(), name=_SchedulerLatency.name)
-        client.register_plugin(_WorkerLatency(), name=_WorkerLatency.name)
+        installed = client.run_on_scheduler(
+            lambda dask_scheduler: _SchedulerLatency.name in dask_scheduler.plugins)
+        if not installed:
+            client.register_plugin(_SchedulerLatency(), name=_SchedulerLatency.name)
+            client.register_plugin(_WorkerLatency(), name=_WorkerLatency.name)
         comm = getattr(client, "scheduler_comm", None)
         if comm is not None and hasattr(comm, "interval"):
             comm.interval = INTERVAL_S

@@ -54,31 +54,25 @@ def asarray_like(a, like):
     return xp.asarray(a)
 
 
-def fft2(a):
-    """Orthonormal 2-D FFT over the last two axes, batched over the leading axes."""
+def fft2(a, overwrite: bool = False):
+    """Orthonormal 2-D FFT over the last two axes, batched over the leading axes.
+
+    ``overwrite=True`` lets the CPU transform reuse ``a``'s memory (pass temporaries only).
+    """
     if is_cupy(a):
         import cupy
 
         return cupy.fft.fft2(a, norm="ortho")
-    return scipy.fft.fft2(a, norm="ortho", workers=_FFT_WORKERS, overwrite_x=False)
+    return scipy.fft.fft2(a, norm="ortho", workers=_FFT_WORKERS, overwrite_x=overwrite)
 
 
-def ifft2(a):
+def ifft2(a, overwrite: bool = False):
     """Orthonormal inverse 2-D FFT over the last two axes (the adjoint of :func:`fft2`)."""
     if is_cupy(a):
         import cupy
 
         return cupy.fft.ifft2(a, norm="ortho")
-    return scipy.fft.ifft2(a, norm="ortho", workers=_FFT_WORKERS, overwrite_x=False)
-
-
-def ifft2_inplace(a):
-    """Like :func:`ifft2` but may overwrite ``a`` (use for temporaries)."""
-    if is_cupy(a):
-        import cupy
-
-        return cupy.fft.ifft2(a, norm="ortho")
-    return scipy.fft.ifft2(a, norm="ortho", workers=_FFT_WORKERS, overwrite_x=True)
+    return scipy.fft.ifft2(a, norm="ortho", workers=_FFT_WORKERS, overwrite_x=overwrite)
 
 
 def fftfreq(n: int, xp=np):

@@ -31,6 +31,27 @@ def check_windows_inside(corners, n: int, shape) -> None:
         )
 
 
+class PatchIndex:
+    """Flat indices of the windows at ``corners`` (B, 2) of size n in arrays of shape ``shape``.
+
+    Build once per batch and reuse for every gather and scatter on arrays of that shape (an
+    index array of B·n² integers is as large as a batch of patches).
+    """
+
+    def __init__(self, corners, n: int, shape, xp=np):
+        self.n = n
+        self.shape = tuple(shape[-2:])
+        self.flat = _flat_indices(corners, n, self.shape[-1], xp)  # (B, n, n)
+
+    def extract(self, obj):
+        """Gather the windows of ``obj`` (H, W) → (B, n, n)."""
+        return obj.reshape(-1)[self.flat]
+
+    def scatter_add(self, target, patches) -> None:
+        """Add patches (B, n, n) into ``target`` (H, W) in place (adjoint of :meth:`extract`)."""
+        _scatter_add_flat(target, self.flat.reshape(-1), patches.reshape(-1))
+
+
 def extract_patches(obj, corners, n: int):
     """Gather windows ``obj[r:r+n, c:c+n]`` for corners (B, 2) → (B, n, n)."""
     xp = get_xp(obj)
@@ -46,15 +67,18 @@ def scatter_add_patches(target, corners, patches) -> None:
     xp = get_xp(target, patches)
     n = patches.shape[-1]
     idx = _flat_indices(corners, n, target.shape[-1], xp).reshape(-1)
-    vals = patches.reshape(-1)
+    _scatter_add_flat(target, idx, patches.reshape(-1))
+
+
+def _scatter_add_flat(target, idx, vals) -> None:
+    xp = get_xp(target, vals)
     size = target.size
     if xp is np:
-        if np.iscomplexobj(target):
-            acc = (np.bincount(idx, weights=vals.real, minlength=size)
-                   + 1j * np.bincount(idx, weights=vals.imag, minlength=size))
+        if np.iscomplexobj(target):  # .real / .imag are writable views of the complex target
+            target.real += np.bincount(idx, weights=vals.real, minlength=size).reshape(target.shape)
+            target.imag += np.bincount(idx, weights=vals.imag, minlength=size).reshape(target.shape)
         else:
-            acc = np.bincount(idx, weights=vals, minlength=size)
-        target += acc.reshape(target.shape).astype(target.dtype, copy=False)
+            target += np.bincount(idx, weights=vals, minlength=size).reshape(target.shape)
     else:  # CuPy: one atomic scatter kernel per real component
         import cupyx
 

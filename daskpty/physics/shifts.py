@@ -34,14 +34,18 @@ def shift_ramps(fractions, n: int, xp=np):
 def shift_probe(probe, ramps):
     """Shifted probes S_f P: probe (M, n, n), ramps (B, n, n) → (B, M, n, n)."""
     probe_ft = fft2(probe)
-    return ifft2(ramps[:, None] * probe_ft[None]).astype(np.complex64, copy=False)
+    return ifft2(ramps[:, None] * probe_ft[None], overwrite=True).astype(np.complex64, copy=False)
 
 
-def shift_probe_adjoint(waves, ramps):
-    """Adjoint of :func:`shift_probe` summed over the batch: (B, M, n, n) → (M, n, n)."""
+def shift_probe_adjoint(waves, ramps, overwrite: bool = False):
+    """Adjoint of :func:`shift_probe` summed over the batch: (B, M, n, n) → (M, n, n).
+
+    ``overwrite=True`` lets it reuse ``waves``' memory (pass temporaries only).
+    """
     xp = get_xp(waves, ramps)
-    spectra = fft2(waves)
-    return ifft2((xp.conj(ramps)[:, None] * spectra).sum(axis=0)).astype(np.complex64, copy=False)
+    spectra = fft2(waves, overwrite=overwrite)
+    spectra *= xp.conj(ramps)[:, None]
+    return ifft2(spectra.sum(axis=0)).astype(np.complex64, copy=False)
 
 
 def shift_images(images, fractions):
