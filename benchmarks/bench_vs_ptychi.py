@@ -29,8 +29,11 @@ def main():
     ap.add_argument("--data", default=None, help="existing data store (default: simulate the preset)")
     ap.add_argument("--epochs", default="10,30,100")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rounds-per-epoch", type=int, default=6)
+    ap.add_argument("--rounds-per-epoch", type=int, default=3)
     ap.add_argument("--noise", default="gaussian")
+    ap.add_argument("--engine", default="lsqml", choices=["lsqml", "ad"],
+                    help="lsqml: both LSQML; ad: daskpty AD (defaults) vs Pty-Chi Autodiff with Adam")
+    ap.add_argument("--peer-lr", type=float, default=0.01, help="Pty-Chi Adam step size (engine ad)")
     ap.add_argument("--peer-python", default="/work/peer-venv/bin/python")
     ap.add_argument("--peer-batch", type=int, default=100)
     ap.add_argument("--peer-threads", type=int, default=2)
@@ -50,7 +53,7 @@ def main():
     positions = data.positions + origin
     probe = probe_from_mean_pattern(intensities.mean(axis=0), diameter=probe_diameter_from_scan(data.positions, n))
     obj = np.ones(shape, np.complex64)
-    print(f"data: {len(positions)} patterns of {n}x{n}, object {shape}, {args.noise} model")
+    print(f"data: {len(positions)} patterns of {n}x{n}, object {shape}, {args.noise} model, engine {args.engine}")
 
     # --- Pty-Chi ------------------------------------------------------------------------------
     peer_in, peer_out = os.path.join(tmp, "peer_in.npz"), os.path.join(tmp, "peer_out.npz")
@@ -58,8 +61,10 @@ def main():
     peer = None
     if os.path.exists(args.peer_python):
         cmd = [args.peer_python, os.path.join(os.path.dirname(__file__), "ptychi_peer.py"), peer_in, peer_out,
-               "--engine", "lsqml", "--epochs-list", args.epochs, "--batch-size", str(args.peer_batch),
+               "--engine", args.engine, "--epochs-list", args.epochs, "--batch-size", str(args.peer_batch),
                "--noise", args.noise, "--threads", str(args.peer_threads)]
+        if args.engine == "ad":
+            cmd += ["--lr", str(args.peer_lr)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode == 0:
             peer = np.load(peer_out)
@@ -77,9 +82,9 @@ def main():
 
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True) as cluster, \
             Client(cluster) as client:
-        rec = daskpty.reconstruct(_shifted(data, origin), epochs=epochs, object=obj, probe=probe,
-                                  client=client, rounds_per_epoch=args.rounds_per_epoch, noise=args.noise,
-                                  callback=keep, rescale_probe=False)
+        rec = daskpty.reconstruct(_shifted(data, origin), engine=args.engine, epochs=epochs, object=obj,
+                                  probe=probe, client=client, rounds_per_epoch=args.rounds_per_epoch,
+                                  noise=args.noise, callback=keep, rescale_probe=False)
     seconds = np.array([h["seconds"] for h in rec.history])
     ours_spe = float(np.median(seconds[1:] if len(seconds) > 1 else seconds))
 
