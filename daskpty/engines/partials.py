@@ -95,14 +95,46 @@ class Partial:
         return sum(b.nbytes for b in self.boxes.values()) + sum(int(a.nbytes) for a in self.arrays.values())
 
 
+def _sum_boxes(boxes: list) -> BoxedArray:
+    """Sum of boxed arrays into one union box allocated once, added left to right."""
+    if len(boxes) == 1:
+        return BoxedArray(boxes[0].offset, boxes[0].data.copy())
+    y0 = min(b.offset[0] for b in boxes)
+    x0 = min(b.offset[1] for b in boxes)
+    y1 = max(b.stop[0] for b in boxes)
+    x1 = max(b.stop[1] for b in boxes)
+    first = boxes[0].data
+    out = get_xp(first).zeros(first.shape[:-2] + (y1 - y0, x1 - x0), dtype=first.dtype)
+    for b in boxes:
+        out[..., b.offset[0] - y0:b.stop[0] - y0, b.offset[1] - x0:b.stop[1] - x0] += b.data
+    return BoxedArray((y0, x0), out)
+
+
 def sum_partials(*parts: Partial) -> Partial:
-    """Left-to-right sum of partials (the fixed order keeps results worker-count independent)."""
-    total = None
+    """Sum of partials, left to right (the fixed order keeps results worker-count independent).
+
+    Each boxed quantity is accumulated into its union box allocated once (no growing copies).
+    """
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    boxes = {}
+    for key in dict.fromkeys(k for p in parts for k in p.boxes):
+        boxes[key] = _sum_boxes([p.boxes[key] for p in parts if key in p.boxes])
+    arrays = {}
+    for key in dict.fromkeys(k for p in parts for k in p.arrays):
+        values = [p.arrays[key] for p in parts if key in p.arrays]
+        total = values[0]
+        for v in values[1:]:
+            total = total + v
+        arrays[key] = total
+    scalars = {}
     for p in parts:
-        if p is None:
-            continue
-        total = p if total is None else total + p
-    return total
+        for k, v in p.scalars.items():
+            scalars[k] = scalars.get(k, 0.0) + v
+    return Partial(boxes, arrays, scalars)
 
 
 def replace(obj, **changes):

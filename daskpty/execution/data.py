@@ -22,7 +22,10 @@ def default_chunk_length(n_patterns: int, n: int, modes: int = 1, memory_budget:
     """
     by_memory = max(1, memory_budget // (WORKING_BYTES_PER_PIXEL * modes * n * n))
     by_count = max(min_len, math.ceil(n_patterns / target_chunks))
-    return int(max(1, min(by_memory, by_count, n_patterns)))
+    longest = int(max(1, min(by_memory, by_count, n_patterns)))
+    # Near-equal chunks: N = 4,096 with at most 409 gives 10 × 410 − … rather than 10 × 409 + 6,
+    # balancing workers and keeping the number of distinct FFT batch shapes (cuFFT plans) at two.
+    return int(math.ceil(n_patterns / math.ceil(n_patterns / longest)))
 
 
 def _ifftshift_patterns(block):
@@ -48,6 +51,13 @@ def workers_have_gpus(client) -> bool:
 
     answers = client.run(probe)
     return bool(answers) and all(answers.values())
+
+
+def smallest_worker_memory(client) -> int:
+    """The smallest memory limit among the workers (0 when unknown or unlimited)."""
+    workers = client.scheduler_info(n_workers=-1).get("workers", {})
+    limits = [w.get("memory_limit") or 0 for w in workers.values()]
+    return int(min(limits)) if limits and all(limits) else 0
 
 
 def cluster_memory_bytes(client) -> int:
@@ -80,7 +90,11 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
         intensities = da.from_array(intensities, chunks=(chunk_length or len(positions), -1, -1))
     n_patterns, n = intensities.shape[0], intensities.shape[-1]
     if chunk_length is None:
-        chunk_length = default_chunk_length(n_patterns, n, modes)
+        budget = 512 * 2**20
+        smallest = smallest_worker_memory(client)
+        if smallest:
+            budget = min(budget, smallest // 4)  # a chunk step may take a quarter of a worker
+        chunk_length = default_chunk_length(n_patterns, n, modes, memory_budget=budget)
     order = compact_order(positions, chunk_length, n) if sort else None
     if order is not None:
         intensities = intensities[order]

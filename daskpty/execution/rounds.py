@@ -13,7 +13,7 @@ import dask.array as da
 import numpy as np
 
 from ..engines.partials import Partial, sum_partials
-from .tuning import tune_allocator
+from .tuning import release_memory, tune_allocator
 
 
 @dataclass
@@ -45,7 +45,10 @@ def _run_chunk(block, positions, payload, func, round_index, rounds):
     if rounds > 1:
         block = block[round_index::rounds]
         positions = positions[round_index::rounds]
-    part = func(block, positions, payload)
+    try:
+        part = func(block, positions, payload)
+    finally:
+        release_memory()
     if part is not None:
         part.scalars["reduced_bytes"] = float(part.nbytes)
     return part  # the block of an object-dtype array: dask passes it through untouched

@@ -4,7 +4,10 @@ dask's nanny starts workers with ``MALLOC_TRIM_THRESHOLD_=65536``, which also fi
 threshold: every array above 128 KiB is then a fresh ``mmap`` whose pages fault in on first
 touch, and is unmapped again on free. A chunk step allocates a dozen such arrays, so page faults
 cost more than the FFTs (measured: 24.5 ms → 5.5 ms per 36 × 64² LSQML chunk step). Raising both
-thresholds lets freed arrays be reused from the heap. Set ``DASKPTY_MALLOC_TUNE=0`` to disable.
+thresholds lets freed arrays be reused from the heap within a chunk step; :func:`release_memory`
+(``malloc_trim``) after each step hands the freed heap back, so workers with small memory limits
+are not pushed over dask's pause threshold. The threshold is at most 1/16 of the worker's memory
+limit. Set ``DASKPTY_MALLOC_TUNE=0`` to disable.
 """
 from __future__ import annotations
 
@@ -14,22 +17,49 @@ import os
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_THRESHOLD = 256 * 2**20
+_MAX_THRESHOLD = 256 * 2**20
 _done = False
+_libc = None
+
+
+def _load_libc():
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _libc.mallopt  # noqa: B018 - glibc only
+            _libc.malloc_trim  # noqa: B018
+        except (OSError, AttributeError):  # not glibc (macOS, Windows, musl): nothing to do
+            _libc = False
+    return _libc
+
+
+def _worker_memory_limit() -> int | None:
+    try:
+        from distributed import get_worker
+
+        return get_worker().memory_manager.memory_limit or None
+    except Exception:
+        return None
 
 
 def tune_allocator() -> bool:
     """Raise glibc's trim and mmap thresholds once per process; True when applied."""
     global _done
     if _done:
-        return True
+        return _libc not in (None, False)
     _done = True
-    if os.environ.get("DASKPTY_MALLOC_TUNE", "1") == "0":
+    if os.environ.get("DASKPTY_MALLOC_TUNE", "1") == "0" or not _load_libc():
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        ok = libc.mallopt(_M_TRIM_THRESHOLD, _THRESHOLD) == 1
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, _THRESHOLD) == 1 and ok
-        return ok
-    except (OSError, AttributeError):  # not glibc (macOS, Windows, musl): nothing to do
-        return False
+    threshold = _MAX_THRESHOLD
+    limit = _worker_memory_limit()
+    if limit:
+        threshold = int(min(threshold, limit // 16))
+    ok = _libc.mallopt(_M_TRIM_THRESHOLD, threshold) == 1
+    return _libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1 and ok
+
+
+def release_memory() -> None:
+    """Return freed heap memory to the operating system (after a chunk step)."""
+    if _done and _libc:
+        _libc.malloc_trim(0)

@@ -13,9 +13,11 @@ _FFT_WORKERS = int(os.environ.get("DASKPTY_FFT_WORKERS", "1"))
 
 
 def set_fft_workers(n: int) -> None:
-    """Set the number of threads scipy.fft uses for batched CPU FFTs (default 1).
+    """Set the number of threads scipy.fft uses for batched CPU FFTs (default 1, or the
+    ``DASKPTY_FFT_WORKERS`` environment variable).
 
-    Inside a dask worker the execution layer sets it to the worker's thread count.
+    One thread per FFT suits the usual layout of one dask worker thread per core, where chunks
+    already run in parallel; raise it for a worker with several threads and few chunks.
     """
     global _FFT_WORKERS
     _FFT_WORKERS = max(1, int(n))
