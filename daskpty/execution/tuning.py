@@ -59,7 +59,21 @@ def tune_allocator() -> bool:
     return _libc.mallopt(_M_MMAP_THRESHOLD, threshold) == 1 and ok
 
 
+_limit = None
+
+
 def release_memory() -> None:
-    """Return freed heap memory to the operating system (after a chunk step)."""
-    if _done and _libc:
+    """Return freed heap memory to the operating system after a chunk step, when the worker's
+    resident memory exceeds half its limit (trimming always would cost the page faults the
+    thresholds save: 10 → 21 ms per 72 × 64² step)."""
+    global _limit
+    if not (_done and _libc):
+        return
+    if _limit is None:
+        _limit = _worker_memory_limit() or 0
+    if not _limit:
+        return
+    import psutil
+
+    if psutil.Process().memory_info().rss > _limit // 2:
         _libc.malloc_trim(0)
