@@ -14,6 +14,7 @@ from .execution.data import prepare_data, should_persist, workers_have_gpus
 from .execution.driver import LSQMLAdapter, run_epochs
 from .execution.latency import enable_low_latency
 from .physics import check_windows_inside, split_positions
+from .io.validate import check_intensity_layout, check_values
 from .results import Reconstruction
 
 ENGINES = ("lsqml", "ad")
@@ -114,6 +115,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
                 progress: bool = False, chunk_length: int | None = None, persist="auto", device: str = "auto",
                 split_every: int = 8, sort: bool = True, rescale_probe: bool = True,
                 checkpoint=None, checkpoint_every: int = 10, resume=None, dashboard: bool = False,
+                check_data: bool = True,
                 loss: str | None = None, optimizer: str | None = None, lr: float | None = None,
                 **engine_options) -> Reconstruction:
     """Reconstruct object and probe from a ptychography data set on a dask cluster.
@@ -175,6 +177,9 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     resume : path, optional
         Reconstruction store (a checkpoint) to continue from; the same settings give a result
         bit-identical to an uninterrupted run.
+    check_data : bool
+        Read every intensity once before starting and refuse NaN, infinite or negative values and
+        damaged chunks with a clear message (one extra pass over the data).
     dashboard : bool
         Publish progress, loss, object and probe images to the dask dashboard's ``/daskpty`` page
         (and dask events, Prometheus gauges); the link is printed to stderr.
@@ -197,6 +202,10 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     if rounds_per_epoch != "auto" and (not isinstance(rounds_per_epoch, (int, np.integer))
                                        or rounds_per_epoch < 1):
         raise ValueError(f"rounds_per_epoch must be an integer >= 1 or 'auto', got {rounds_per_epoch!r}")
+    if n_workers is not None and (not isinstance(n_workers, (int, np.integer)) or n_workers < 1):
+        raise ValueError(f"n_workers must be an integer >= 1, got {n_workers!r}")
+    if probe_modes is not None and (not isinstance(probe_modes, (int, np.integer)) or probe_modes < 1):
+        raise ValueError(f"probe_modes must be an integer >= 1, got {probe_modes!r}")
     if persist not in (True, False, "auto"):
         raise ValueError(f"persist must be True, False or 'auto', got {persist!r}")
     if chunk_length is not None and chunk_length < 1:
@@ -207,6 +216,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
 
     data = _load(data)
     intensities = data.intensities
+    check_intensity_layout(tuple(intensities.shape), np.dtype(intensities.dtype))
     positions = np.asarray(data.positions, dtype=np.float64)
     _check_positions(positions)
     if len(positions) == 0 or intensities.shape[0] == 0:
@@ -254,6 +264,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
 
     with client_context(client, n_workers=n_workers) as c:
         enable_low_latency(c)
+        if check_data:
+            check_values(data if hasattr(data, "path") else intensities, client=c).raise_if_bad()
         if persist == "auto":
             persist = should_persist(c, intensities.nbytes)
         if rounds_per_epoch == "auto":

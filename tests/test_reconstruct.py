@@ -141,3 +141,14 @@ def test_ad_engine_through_the_public_api(threads_client):
     assert rec.options["optimizer"] == "adam" and rec.options["engine"] == "ad"
     with pytest.raises(TypeError, match="engine='ad' only"):
         daskpty.reconstruct(ds, engine="lsqml", optimizer="adam", client=threads_client)
+
+
+def test_a_client_that_is_not_the_default_is_used():
+    ds = make_dataset(grid=4, seed=8)
+    with LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0") as cluster:
+        client = Client(cluster, set_as_default=False)
+        try:
+            rec = daskpty.reconstruct(ds, epochs=2, client=client)
+        finally:
+            client.close()
+    assert len(rec.history) == 2 and np.isfinite(rec.object).all()

@@ -44,12 +44,14 @@ def add_parser(subparsers):
 
 
 def _rounds(text):
+    import argparse
+
     if text == "auto":
         return text
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"--rounds-per-epoch must be an integer or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {text!r}") from None
 
 
 def run(args) -> int:

@@ -77,7 +77,8 @@ def client_context(client: Client | None = None, n_workers: int | None = None, *
     A cluster started here is closed on exit; a client passed in or found is left alone.
     """
     if client is not None:
-        yield client
+        with client.as_current():  # dask calls without an explicit client use this one too
+            yield client
         return
     found = current_client() if n_workers is None else None
     if found is not None:

@@ -112,7 +112,7 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
         persist = should_persist(client, intensities.nbytes)
     if persist:
         intensities, pos = client.persist([intensities, pos])
-        from distributed import wait
+        from distributed import futures_of, wait
 
-        wait([intensities, pos])
+        wait(futures_of([intensities, pos]))  # the futures' own client, default or not
     return ChunkedData(intensities, pos, positions, order, persist)

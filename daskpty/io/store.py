@@ -382,6 +382,10 @@ def open_data(path, validate: str | None = "metadata", client=None) -> PtychoDat
     inten = arrays["intensities"]
     if validate is not None:
         check_intensity_layout(inten.shape, inten.dtype)
+        stored, expected = inten.nchunks_initialized, inten.nchunks
+        if stored < expected:  # a missing shard would silently read as zeros
+            fail(f"{where}: {expected - stored} of {expected} shards of 'intensities' are missing; the "
+                 f"store is incomplete (interrupted copy?) — re-copy or re-create it")
     chunks = inten.shards or inten.chunks
     x = da.from_zarr(inten, chunks=chunks)
     if len(x.chunks[1]) > 1 or len(x.chunks[2]) > 1:

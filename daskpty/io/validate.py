@@ -135,6 +135,9 @@ def check_probe(probe, pattern_shape, what: str = "probe"):
     probe = probe.astype(np.complex64, copy=False)
     if not np.isfinite(probe.view(np.float32)).all():
         fail(f"{what} contains NaN or infinite values; replace the initial guess")
+    if not np.abs(probe).any():
+        fail(f"{what} is all zeros; store a non-zero initial guess or none at all (daskpty then "
+             f"derives one from the data)")
     return probe
 
 
@@ -185,7 +188,7 @@ def _block_stats(block, offset):
     if block.dtype.kind == "f":
         nan = np.isnan(block)
         inf = np.isinf(block)
-        neg = block < 0
+        neg = (block < 0) & ~inf  # -inf counts as infinite only
         n_nan, n_inf, n_neg = int(nan.sum()), int(inf.sum()), int(neg.sum())
         if n_nan or n_inf or n_neg:
             bad_rows = np.flatnonzero((nan | inf | neg).any(axis=(1, 2)))
@@ -224,10 +227,16 @@ def check_values(data, client=None) -> ValueReport:
         from daskpty.execution.cluster import current_client
 
         client = current_client()
-    if client is not None:
-        results = client.gather(client.compute(parts))
-    else:
-        results = dask.compute(*parts, scheduler="threads")
+    try:
+        if client is not None:
+            results = client.gather(client.compute(parts))
+        else:
+            results = dask.compute(*parts, scheduler="threads")
+    except (ValueError, RuntimeError, OSError, KeyError) as exc:  # zarr / numcodecs decode errors
+        where = getattr(data, "path", None) or "the data set"
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        fail(f"could not read the intensities of {where}: a chunk is damaged ({type(exc).__name__}: "
+             f"{first[:200]}); re-copy or re-create the store")
     report = ValueReport(n_values=int(np.prod(x.shape)))
     firsts = [r[6] for r in results if r[6] >= 0]
     report.n_nan = sum(r[0] for r in results)
