@@ -10,7 +10,7 @@ from .checkpoint import Checkpointer, sigterm_as_interrupt
 from .engines import lsqml
 from .engines.initial import object_frame, probe_diameter_from_scan, probe_from_mean_pattern
 from .execution.cluster import client_context
-from .execution.data import prepare_data, should_persist, workers_have_gpus
+from .execution.data import choose_chunk_length, prepare_data, should_persist, workers_have_gpus
 from .execution.driver import LSQMLAdapter, run_epochs
 from .execution.latency import enable_low_latency
 from .physics import check_windows_inside, split_positions
@@ -293,6 +293,11 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             state = adapter.new_state(obj, _initial_probe(probe, data, c, intensities, probe_modes, seed))
         if device == "auto":
             device = "gpu" if workers_have_gpus(c) else "cpu"
+        if chunk_length is None:
+            chunk_length = choose_chunk_length(c, len(positions), n, state.probe.shape[0])
+        run_options.update(chunk_length=int(chunk_length))
+        if hasattr(data, "intensities_in_chunks") and not persist:
+            intensities = data.intensities_in_chunks(chunk_length)  # out of core: read sub-shards
         chunked = prepare_data(c, intensities, frame_positions, chunk_length=chunk_length,
                                modes=state.probe.shape[0], sort=sort, persist=persist, device=device)
         remaining = max(epochs - state.epoch, 0)

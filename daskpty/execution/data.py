@@ -28,6 +28,16 @@ def default_chunk_length(n_patterns: int, n: int, modes: int = 1, memory_budget:
     return int(math.ceil(n_patterns / math.ceil(n_patterns / longest)))
 
 
+def choose_chunk_length(client, n_patterns: int, n: int, modes: int = 1) -> int:
+    """:func:`default_chunk_length` with a per-step budget of at most a quarter of the smallest
+    worker's memory limit (512 MiB when unlimited)."""
+    budget = 512 * 2**20
+    smallest = smallest_worker_memory(client)
+    if smallest:
+        budget = min(budget, smallest // 4)
+    return default_chunk_length(n_patterns, n, modes, memory_budget=budget)
+
+
 def _ifftshift_patterns(block):
     xp = np if type(block).__module__.split(".")[0] == "numpy" else __import__("cupy")
     return xp.fft.ifftshift(block, axes=(-2, -1))
@@ -90,11 +100,7 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
         intensities = da.from_array(intensities, chunks=(chunk_length or len(positions), -1, -1))
     n_patterns, n = intensities.shape[0], intensities.shape[-1]
     if chunk_length is None:
-        budget = 512 * 2**20
-        smallest = smallest_worker_memory(client)
-        if smallest:
-            budget = min(budget, smallest // 4)  # a chunk step may take a quarter of a worker
-        chunk_length = default_chunk_length(n_patterns, n, modes, memory_budget=budget)
+        chunk_length = choose_chunk_length(client, n_patterns, n, modes)
     order = compact_order(positions, chunk_length, n) if sort else None
     if order is not None:
         intensities = intensities[order]

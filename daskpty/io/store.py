@@ -253,6 +253,19 @@ class PtychoData:
     def n_patterns(self) -> int:
         return int(self.intensities.shape[0])
 
+    def intensities_in_chunks(self, length: int) -> da.Array:
+        """The intensities as a dask array of ``length``-pattern chunks read straight from the
+        store (each task reads only the inner chunks it needs, not whole shards); in-memory data
+        sets are rechunked."""
+        if self.path is not None:
+            try:
+                arr = zarr.open_group(self.path, mode="r")["intensities"]
+                if arr.shape == self.intensities.shape:
+                    return da.from_zarr(arr, chunks=(int(length), *arr.shape[1:]))
+            except Exception:  # fall back to rechunking the opened array
+                pass
+        return self.intensities.rechunk((int(length), -1, -1))
+
     @property
     def pattern_shape(self) -> tuple[int, int]:
         return tuple(int(s) for s in self.intensities.shape[1:])
