@@ -103,7 +103,7 @@ def _engine(engine, noise, loss, optimizer, lr, engine_options):
     if unknown:
         raise TypeError(f"unknown option(s) {sorted(unknown)} for engine {engine!r}; valid: {sorted(valid_names)}")
     if engine == "ad":
-        options = ad.ADOptions(loss=loss or noise, optimizer=optimizer or "adam", lr=lr, **engine_options)
+        options = ad.ADOptions(loss=loss or noise, optimizer=optimizer, lr=lr, **engine_options)
         return options, ADAdapter(options)
     options = lsqml.LSQMLOptions(noise=noise, **engine_options)
     return options, LSQMLAdapter(options)
@@ -184,8 +184,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         Publish progress, loss, object and probe images to the dask dashboard's ``/daskpty`` page
         (and dask events, Prometheus gauges); the link is printed to stderr.
     loss, optimizer, lr : str, str, float, optional
-        AD engine only: "gaussian" | "poisson" | "intensity" (default: ``noise``), "adam" | "sgd"
-        | "cg", and the object step size (relative to the object's scale).
+        AD engine only: "gaussian" | "poisson" | "intensity" (default: ``noise``), "sgd" (Nesterov;
+        default) | "adam" (default for the intensity loss) | "cg", and the object step size.
     **engine_options
         Fields of `daskpty.engines.lsqml.LSQMLOptions` (beta, delta, momentum, ...) or, for
         engine="ad", of `daskpty.engines.ad.ADOptions` (probe_lr, schedule, ...).

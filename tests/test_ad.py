@@ -373,7 +373,7 @@ def test_resume_from_a_checkpoint_continues_exactly(threads_client, tmp_path):
     ds = make_dataset(grid=6, seed=8)
     probe = _initial_probe(ds, threads_client)
     data = prepare_data(threads_client, ds.intensities, ds.positions)
-    adapter = ADAdapter(ad.ADOptions(probe_start_epoch=1))
+    adapter = ADAdapter(ad.ADOptions(optimizer="adam", probe_start_epoch=1))
     straight, _ = run_epochs(threads_client, data, adapter, adapter.new_state(np.ones_like(ds.truth.object),
                                                                               probe.copy()),
                              epochs=4, rounds_per_epoch=2)

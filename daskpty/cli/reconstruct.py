@@ -20,7 +20,7 @@ def add_parser(subparsers):
     p.add_argument("--noise", default="gaussian", choices=["gaussian", "poisson"])
     p.add_argument("--loss", default=None, choices=["gaussian", "poisson", "intensity"],
                    help="AD loss (default: --noise)")
-    p.add_argument("--optimizer", default=None, choices=["adam", "sgd", "cg"], help="AD optimiser (default adam)")
+    p.add_argument("--optimizer", default=None, choices=["adam", "sgd", "cg"], help="AD optimiser (default sgd; adam for --loss intensity)")
     p.add_argument("--lr", type=float, default=None, help="AD object step size (relative)")
     p.add_argument("--probe-lr", type=float, default=None, help="AD probe step size (relative)")
     p.add_argument("--rounds-per-epoch", type=_rounds, default="auto",
