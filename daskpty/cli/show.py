@@ -94,14 +94,14 @@ def run(args) -> int:
     if not 1 <= args.dpi <= 1200:
         raise ValueError(f"--dpi must lie in 1 .. 1200, got {args.dpi}")
     fmt = _check_output(args.output, args.overwrite)
+    rec = _read_reconstruction(args.recon)  # bad inputs are reported before a missing matplotlib
+    truth, px = (None, None) if args.data is None else _read_data(args.data, rec)
     try:
         from daskpty.monitor.plot import summary_figure
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise ValueError("daskpty show needs matplotlib: pip install 'daskpty[plot]'") from exc
 
-    rec = _read_reconstruction(args.recon)
-    truth, px = (None, None) if args.data is None else _read_data(args.data, rec)
     fig = summary_figure(rec, truth=truth, pixel_size_m=px)
 
     out = os.path.abspath(args.output)
