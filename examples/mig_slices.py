@@ -45,19 +45,10 @@ def parse_args(argv=None):
 
 
 def nrmse_vs_truth(rec, data) -> float:
-    """Object NRMSE against the truth on the region lit by >= 30 % of the maximum illumination
-    (truth pixel ``t`` is reconstruction pixel ``t + rec.origin``; compare where the frames overlap)."""
-    import numpy as np
+    """Object NRMSE against the truth on the region lit by >= 30 % of the maximum illumination."""
+    from daskpty.metrics import nrmse_vs_truth as _nrmse_vs_truth
 
-    from daskpty.metrics import nrmse
-
-    truth = np.asarray(data.truth.object)
-    oy, ox = (int(round(v)) for v in rec.origin)
-    y0, x0 = max(0, -oy), max(0, -ox)
-    y1, x1 = min(truth.shape[0], rec.object.shape[0] - oy), min(truth.shape[1], rec.object.shape[1] - ox)
-    est = rec.object[y0 + oy:y1 + oy, x0 + ox:x1 + ox]
-    lit = rec.illuminated(0.3)[y0 + oy:y1 + oy, x0 + ox:x1 + ox]
-    return nrmse(est, truth[y0:y1, x0:x1], mask=lit)
+    return _nrmse_vs_truth(rec.object, rec.positions, rec.illumination, data.truth)
 
 
 def main(argv=None) -> int:
