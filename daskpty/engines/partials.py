@@ -6,7 +6,6 @@ Adding two partials is associative: boxes merge into their union.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -135,11 +134,3 @@ def sum_partials(*parts: Partial) -> Partial:
         for k, v in p.scalars.items():
             scalars[k] = scalars.get(k, 0.0) + v
     return Partial(boxes, arrays, scalars)
-
-
-def replace(obj, **changes):
-    return dataclasses.replace(obj, **changes)
-
-
-def as_float64(x) -> float:
-    return float(np.asarray(to_numpy(x), dtype=np.float64).sum())
