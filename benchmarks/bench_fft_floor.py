@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_epoch  # noqa: E402
 from _util import (add_cluster_arguments, add_data_arguments, bench_cluster, chunk_plan, dataset,  # noqa: E402
-                   fmt_bytes, print_json, resolved_shape, round_slices, worker_names)
+                   print_json, resolved_shape, round_slices, worker_names)
 
 
 def _fft_floor_task(batches, n, modes, repeats, threads, update_probe, seed, gpu=False):

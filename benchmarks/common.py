@@ -5,7 +5,6 @@ import os
 import resource
 import time
 
-import numpy as np
 
 
 def peak_rss_mib() -> float:

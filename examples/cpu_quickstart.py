@@ -27,7 +27,6 @@ import sys
 import tempfile
 import time
 
-import numpy as np
 
 
 def parse_args(argv=None):
