@@ -49,14 +49,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def nrmse_vs_truth(rec, data) -> float:
-    """Object NRMSE against the truth on the region lit by >= 30 % of the maximum illumination."""
-    from daskpty.metrics import nrmse_vs_truth as _nrmse_vs_truth
-
-    return _nrmse_vs_truth(rec.object, rec.positions, rec.illumination, data.truth)
-
-
 def main(argv=None) -> int:
+    from daskpty.metrics import nrmse_vs_truth
+
     args = parse_args(argv)
     import daskpty
     from distributed import Client, LocalCluster
@@ -82,7 +77,7 @@ def main(argv=None) -> int:
                                   noise=args.noise, client=client, callback=report,
                                   dashboard=args.dashboard)
         rec.to_zarr(os.path.join(workdir, "recon.zarr"), overwrite=True)
-    error = nrmse_vs_truth(rec, data)
+    error = nrmse_vs_truth(rec.object, rec.positions, rec.illumination, data.truth)
     print(f"wrote {os.path.join(workdir, 'recon.zarr')}: object {rec.object.shape}, "
           f"probe {rec.probe.shape}, {time.perf_counter() - t0:.1f} s in total")
     if args.out is None:

@@ -60,14 +60,9 @@ def gpu_unavailable() -> str | None:
     return None
 
 
-def nrmse_vs_truth(rec, data) -> float:
-    """Object NRMSE against the truth on the region lit by >= 30 % of the maximum illumination."""
-    from daskpty.metrics import nrmse_vs_truth as _nrmse_vs_truth
-
-    return _nrmse_vs_truth(rec.object, rec.positions, rec.illumination, data.truth)
-
-
 def main(argv=None) -> int:
+    from daskpty.metrics import nrmse_vs_truth
+
     args = parse_args(argv)
     why = gpu_unavailable()
     if why:
@@ -106,7 +101,7 @@ def main(argv=None) -> int:
             rec.to_zarr(args.output, overwrite=True)
             print(f"wrote {args.output}")
     if data.truth is not None:
-        print(f"object NRMSE vs truth: {nrmse_vs_truth(rec, data):.4f}")
+        print(f"object NRMSE vs truth: {nrmse_vs_truth(rec.object, rec.positions, rec.illumination, data.truth):.4f}")
     if tmp:
         import shutil
 

@@ -44,14 +44,9 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def nrmse_vs_truth(rec, data) -> float:
-    """Object NRMSE against the truth on the region lit by >= 30 % of the maximum illumination."""
-    from daskpty.metrics import nrmse_vs_truth as _nrmse_vs_truth
-
-    return _nrmse_vs_truth(rec.object, rec.positions, rec.illumination, data.truth)
-
-
 def main(argv=None) -> int:
+    from daskpty.metrics import nrmse_vs_truth
+
     args = parse_args(argv)
     from daskpty.execution.gpu import list_cuda_devices, worker_memory_settings
 
@@ -113,7 +108,7 @@ def main(argv=None) -> int:
     if args.output:
         print(f"wrote {args.output}")
     if data.truth is not None:
-        print(f"object NRMSE vs truth: {nrmse_vs_truth(rec, data):.4f}")
+        print(f"object NRMSE vs truth: {nrmse_vs_truth(rec.object, rec.positions, rec.illumination, data.truth):.4f}")
     if tmp:
         import shutil
 
