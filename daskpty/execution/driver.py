@@ -5,6 +5,11 @@ An *adapter* binds an engine's pure functions to this loop:
 * ``chunk_function(intensities, positions, payload) -> Partial`` (module-level, picklable)
 * ``payload(state) -> object`` broadcast once per round
 * ``apply(state, total) -> state``, ``begin_epoch(state)``, ``end_epoch(state)``
+* optionally ``copy_state(state)``: a copy that ``apply`` may change (default ``copy.deepcopy``)
+
+With persisted data an epoch's rounds run as one graph (:func:`~.rounds.run_epoch_graph`, ``apply``
+on a worker); otherwise round by round (``map_reduce`` on the cluster, ``apply`` on the client).
+Both give the same result.
 """
 from __future__ import annotations
 
@@ -14,7 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engines import lsqml
-from .rounds import ChunkedData, map_reduce
+import copy
+
+from .rounds import ChunkedData, map_reduce, run_epoch_graph
 
 
 @dataclass
@@ -52,6 +59,11 @@ class LSQMLAdapter:
     def apply(self, state, total):
         return lsqml.apply(state, total, self.options)
 
+    @staticmethod
+    def copy_state(state):
+        """``lsqml.apply`` only rebinds the state's arrays, so a shallow copy protects the original."""
+        return copy.copy(state)
+
     def begin_epoch(self, state):
         return lsqml.begin_epoch(state, self.options)
 
@@ -73,6 +85,23 @@ class LSQMLAdapter:
         return lsqml.rescale_probe(state, sums)
 
 
+def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_every: int):
+    """One epoch round by round from the client: returns ``(state, summed scalars)``."""
+    scalars: dict[str, float] = {}
+    for r in range(rounds):
+        if hasattr(adapter, "run_round"):  # engines that need extra evaluations (line searches)
+            state, total = adapter.run_round(client, data, state, round_index=r, rounds=rounds,
+                                             split_every=split_every)
+        else:
+            total = map_reduce(client, data, adapter.chunk_function, adapter.payload(state),
+                               round_index=r, rounds=rounds, split_every=split_every)
+            state = adapter.apply(state, total)
+        if total is not None:
+            for k, v in total.scalars.items():
+                scalars[k] = scalars.get(k, 0.0) + v
+    return state, scalars
+
+
 def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds_per_epoch: int = 1,
                split_every: int = 8, callbacks=(), initialise: bool = True):
     """Run ``epochs`` epochs of ``rounds_per_epoch`` rounds each. Returns ``(state, history)``.
@@ -87,17 +116,11 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
     for _ in range(epochs):
         start = time.perf_counter()
         state = adapter.begin_epoch(state)
-        scalars: dict[str, float] = {}
-        for r in range(rounds_per_epoch):
-            if hasattr(adapter, "run_round"):  # engines that need extra evaluations (line searches)
-                state, total = adapter.run_round(client, data, state, round_index=r,
-                                                 rounds=rounds_per_epoch, split_every=split_every)
-            else:
-                total = map_reduce(client, data, adapter.chunk_function, adapter.payload(state),
-                                   round_index=r, rounds=rounds_per_epoch, split_every=split_every)
-                state = adapter.apply(state, total)
-            for k, v in total.scalars.items():
-                scalars[k] = scalars.get(k, 0.0) + v
+        if data.persisted and not getattr(adapter, "needs_evaluations", False):
+            state, scalars = run_epoch_graph(client, data, adapter, state, rounds=rounds_per_epoch,
+                                             split_every=split_every)
+        else:
+            state, scalars = _run_rounds(client, data, adapter, state, rounds_per_epoch, split_every)
         state = adapter.end_epoch(state)
         seconds = time.perf_counter() - start
         n = max(scalars.get("n", 0.0), 1.0)

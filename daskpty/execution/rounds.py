@@ -1,12 +1,23 @@
-"""One round on the cluster: ``blockwise`` chunk steps over the data chunks + a fixed-order tree reduce.
+"""Rounds on the cluster: chunk steps over the data chunks + a fixed-order tree reduce.
 
-This is the only module that turns engine functions into dask graphs. Each round builds a fresh,
-small graph over the persisted (or Zarr-backed) data chunks and one broadcast payload future, and
-gathers the reduced partial to the client, so no lineage accumulates between rounds.
+This is the only module that turns engine functions into dask graphs. Two ways to run rounds:
+
+* :func:`map_reduce` — one round: a ``blockwise`` map over the (persisted or Zarr-backed) data
+  chunks with one broadcast payload, tree-reduced and gathered to the client.
+* :func:`run_epoch_graph` — all rounds of one epoch as one graph: round ``r``'s chunk tasks take
+  the state produced by round ``r − 1``'s root task, which reduces that round and applies the
+  update on a worker. The client submits once per epoch and gathers only the final state, so the
+  rounds are not separated by client round trips (for persisted data only: a Zarr-backed chunk
+  read once for several rounds would stay in memory between them).
+
+Either way every graph is fresh and small, so no lineage accumulates between epochs, and the
+reduction tree depends only on the chunks, never on the cluster.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import uuid
+from dataclasses import dataclass, field
 
 import dask
 import dask.array as da
@@ -61,15 +72,31 @@ def _combine(*parts):
     return total
 
 
-def tree_reduce(blocks, split_every: int):
-    """Fixed-shape tree of ``_combine`` over a list of delayed partials (left to right)."""
+ROUND_PREFIX = "daskpty-round"
+"""Key prefix of the task that ends a round (its reduced partial, or the state after the round);
+the dashboard counts rounds by these keys reaching memory."""
+CHUNK_PREFIX = "daskpty-chunk"
+"""Key prefix of an epoch graph's chunk tasks (keys ``(f"{CHUNK_PREFIX}-{round}-{token}", chunk)``,
+so that each round's chunk tasks form one task group)."""
+
+
+def _reduce_levels(blocks, split_every: int) -> list:
+    """Combine delayed partials level by level (left to right) until at most ``split_every`` remain."""
     level = list(blocks)
-    if len(level) == 1:
-        return dask.delayed(_combine)(level[0])
-    while len(level) > 1:
+    while len(level) > split_every:
         level = [dask.delayed(_combine)(*level[i:i + split_every])
                  for i in range(0, len(level), split_every)]
-    return level[0]
+    return level
+
+
+def tree_reduce(blocks, split_every: int, name: str | None = None):
+    """Fixed-shape tree of ``_combine`` over a list of delayed partials (left to right).
+
+    ``name`` is the key of the root task (default: dask's).
+    """
+    level = _reduce_levels(blocks, split_every)
+    kwargs = {} if name is None else {"dask_key_name": name}
+    return dask.delayed(_combine)(*level, **kwargs)
 
 
 def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0, rounds: int = 1,
@@ -88,10 +115,77 @@ def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0
         concatenate=True, dtype=object, adjust_chunks={"i": 1},
         meta=np.empty((0,), dtype=object),
     )
-    root = tree_reduce(list(parts.to_delayed().ravel()), max(2, int(split_every)))
+    root = tree_reduce(list(parts.to_delayed().ravel()), max(2, int(split_every)),
+                       name=f"{ROUND_PREFIX}-{uuid.uuid4().hex}")
     future = client.compute(root, optimize_graph=False)
     try:
         return future.result()
     finally:
         future.release()
         payload_future.release()
+
+
+@dataclass
+class EpochCarry:
+    """What one round hands to the next inside an epoch graph: the engine state and the sums of
+    the rounds' scalars so far."""
+
+    state: object
+    scalars: dict = field(default_factory=dict)
+
+
+def _payload_of(carry: EpochCarry, adapter):
+    return adapter.payload(carry.state)
+
+
+def _chunk_of_round(block, positions, payload, adapter, round_index, rounds):
+    return _run_chunk(block, positions, payload, adapter.chunk_function, round_index, rounds)
+
+
+def copy_state(adapter, state):
+    """A copy of ``state`` that ``adapter.apply`` may change without touching the original
+    (adapters whose ``apply`` only rebinds attributes offer a cheap ``copy_state``)."""
+    own = getattr(adapter, "copy_state", None)
+    return own(state) if own is not None else copy.deepcopy(state)
+
+
+def _finish_round(carry: EpochCarry, adapter, *parts) -> EpochCarry:
+    total = _combine(*parts)
+    # The input carry may be read again (a recomputation after a lost worker, or the client's own
+    # object on an in-process cluster), so the update goes to a copy.
+    state = adapter.apply(copy_state(adapter, carry.state), total)
+    scalars = dict(carry.scalars)
+    if total is not None:
+        for k, v in total.scalars.items():
+            scalars[k] = scalars.get(k, 0.0) + v
+    return EpochCarry(state, scalars)
+
+
+def run_epoch_graph(client, data: ChunkedData, adapter, state, *, rounds: int = 1, split_every: int = 8):
+    """Run ``rounds`` rounds (map, tree reduce, ``adapter.apply``) as one graph.
+
+    Returns ``(state, scalars)``: the state after the last round and the scalars of all rounds
+    summed. The result equals running :func:`map_reduce` + ``adapter.apply`` round by round.
+    """
+    token = uuid.uuid4().hex
+    split_every = max(2, int(split_every))
+    blocks = list(data.intensities.to_delayed().ravel())
+    positions = list(data.positions.to_delayed().ravel())
+    adapter_d = dask.delayed(adapter, name=f"daskpty-adapter-{token}", traverse=False)
+    carry = client.scatter(EpochCarry(state), hash=False)
+    for r in range(rounds):
+        # Only the payload (object, probe, ...) travels to the chunk tasks; the rest of the state
+        # (optimiser memory, momentum buffers) stays with the round's end task.
+        payload = dask.delayed(_payload_of)(carry, adapter_d, dask_key_name=f"daskpty-payload-{r}-{token}")
+        parts = [dask.delayed(_chunk_of_round)(b, p, payload, adapter_d, r, rounds,
+                                               dask_key_name=(f"{CHUNK_PREFIX}-{r}-{token}", i))
+                 for i, (b, p) in enumerate(zip(blocks, positions))]
+        level = _reduce_levels(parts, split_every)
+        carry = dask.delayed(_finish_round)(carry, adapter_d, *level,
+                                            dask_key_name=f"{ROUND_PREFIX}-{r}-{token}")
+    future = client.compute(carry, optimize_graph=False)
+    try:
+        out = future.result()
+    finally:
+        future.release()
+    return out.state, out.scalars

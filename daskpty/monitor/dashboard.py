@@ -64,13 +64,13 @@ _PAGE_PATH = os.path.join(os.path.dirname(__file__), "static", "dashboard.html")
 
 
 @functools.lru_cache(maxsize=1)
-def _round_task_prefix() -> str:
-    """Task-prefix name of one round's chunk tasks (``key_split`` of the blockwise key)."""
+def _round_task_prefixes() -> tuple[frozenset, str]:
+    """Task prefixes of the engine's chunk tasks, and of the task that ends a round."""
     from dask.utils import funcname, key_split
 
-    from ..execution.rounds import _run_chunk
+    from ..execution.rounds import CHUNK_PREFIX, ROUND_PREFIX, _run_chunk
 
-    return key_split(funcname(_run_chunk) + "-0")
+    return frozenset({key_split(funcname(_run_chunk) + "-0"), CHUNK_PREFIX}), ROUND_PREFIX
 
 
 # --------------------------------------------------------------------------------------------
@@ -264,18 +264,22 @@ class DashboardPlugin(SchedulerPlugin):
         if sched is not None and getattr(sched.handlers.get(HANDLER_OP), "__self__", None) is self:
             del sched.handlers[HANDLER_OP]
 
-    def update_graph(self, scheduler, *, tasks=(), **kwargs) -> None:
-        """Count the rounds (graphs holding the engine's chunk tasks) of the current epoch."""
+    def transition(self, key, start, finish, *args, **kwargs) -> None:
+        """Count finished rounds (their end task reaches memory) and follow the running round's
+        chunk tasks (for the round progress bar)."""
+        if finish not in ("processing", "memory"):
+            return
         from dask.utils import key_split
-        from distributed.utils import key_split_group
 
-        prefix = _round_task_prefix()
-        for key in tasks:
-            if key_split(key) == prefix:
-                self.rounds_since_epoch += 1
-                self.rounds_total += 1
-                self.round_group = key_split_group(key)
-                return
+        chunk_prefixes, round_prefix = _round_task_prefixes()
+        prefix = key_split(key)
+        if finish == "memory" and prefix == round_prefix:
+            self.rounds_since_epoch += 1
+            self.rounds_total += 1
+        elif finish == "processing" and prefix in chunk_prefixes:
+            from distributed.utils import key_split_group
+
+            self.round_group = key_split_group(key)
 
     # -- updates from the client ------------------------------------------------------------
     def handle_update(self, message=None) -> str:

@@ -1,0 +1,69 @@
+"""An epoch's rounds as one graph (persisted data) equal the same rounds run one by one from the
+client, and the client submits one graph per epoch."""
+import dataclasses
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from daskpty.engines import ad, lsqml
+from daskpty.execution.ad_adapter import ADAdapter
+from daskpty.execution.data import prepare_data
+from daskpty.execution.driver import LSQMLAdapter, run_epochs
+
+from synthetic import make_dataset
+
+
+class _GraphCounter(SchedulerPlugin):
+    name = "test-graph-counter"
+
+    def __init__(self):
+        self.graphs = 0
+
+    def update_graph(self, scheduler, **kwargs):
+        self.graphs += 1
+
+
+@pytest.fixture(scope="module")
+def process_client():
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+        yield client
+
+
+def _adapters(ds):
+    obj0 = np.ones_like(ds.truth.object)
+    yield "lsqml", LSQMLAdapter(lsqml.LSQMLOptions(noise="poisson")), lsqml.LSQMLState(obj0, ds.truth.probe.copy())
+    yield "ad-adam", ADAdapter(ad.ADOptions(optimizer="adam")), ad.ADState(obj0, ds.truth.probe.copy())
+
+
+@pytest.mark.parametrize("which", ["lsqml", "ad-adam"])
+def test_epoch_graph_equals_rounds_from_the_client(process_client, which):
+    ds = make_dataset(grid=10, seed=3)
+    data = prepare_data(process_client, ds.intensities, ds.positions, chunk_length=20, persist=True)
+    assert data.persisted and data.n_chunks == 5
+    name, adapter, state = next(a for a in _adapters(ds) if a[0] == which)
+    results = {}
+    for path, chunked in (("graph", data), ("rounds", dataclasses.replace(data, persisted=False))):
+        start = adapter.new_state(state.object.copy(), state.probe.copy())
+        results[path] = run_epochs(process_client, chunked, adapter, start, epochs=3, rounds_per_epoch=3,
+                                   split_every=2)
+    (graph, g_hist), (rounds, r_hist) = results["graph"], results["rounds"]
+    np.testing.assert_array_equal(graph.object, rounds.object)
+    np.testing.assert_array_equal(graph.probe, rounds.probe)
+    assert [h["loss"] for h in g_hist] == [h["loss"] for h in r_hist]
+    assert not np.array_equal(graph.object, state.object)  # it did reconstruct something
+
+
+def test_one_graph_per_epoch(process_client):
+    ds = make_dataset(grid=8, seed=4)
+    counter = _GraphCounter()
+    process_client.register_plugin(counter, name=counter.name)
+    data = prepare_data(process_client, ds.intensities, ds.positions, chunk_length=16, persist=True)
+    adapter = LSQMLAdapter(lsqml.LSQMLOptions())
+    state = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
+    before = process_client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[counter.name].graphs)
+    run_epochs(process_client, data, adapter, state, epochs=4, rounds_per_epoch=5, initialise=False)
+    after = process_client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[counter.name].graphs)
+    assert after - before == 4  # one graph per epoch (round by round would be 4 × 5)
