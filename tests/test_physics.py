@@ -728,3 +728,115 @@ def test_fused_far_field_update_matches_correction_and_loss(noise, masked):
     np.testing.assert_allclose(delta, corrected - far, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(yhat, yhat_ref, rtol=1e-6)
     np.testing.assert_allclose(loss, LOSSES[noise](yhat_ref, y, valid), rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# fast-path helpers used by the LSQML chunk step
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [8, 40])  # flat-index path (n < 32) and per-pattern slice path
+def test_patch_index_sub_batches_match_slicing(n):
+    from daskpty.physics.patches import PatchIndex
+
+    rng = np.random.default_rng(30)
+    shape, B = (n + 23, n + 17), 9
+    corners = random_corners(rng, B, n, shape)
+    corners[1] = corners[0]  # identical windows add twice
+    obj = crandn(rng, shape)
+    index = PatchIndex(corners, n, shape)
+    assert index._slices == (n >= PatchIndex.MIN_SLICE_N)
+    out = np.empty((4, n, n), np.complex64)
+    for batch in (slice(0, 4), slice(4, 8), slice(8, 9)):
+        got = index.extract(obj, batch, out=out[:batch.stop - batch.start])
+        for b, (r, c) in enumerate(corners[batch]):
+            np.testing.assert_array_equal(got[b], obj[r:r + n, c:c + n])
+    patches = crandn(rng, (B, n, n))
+    for dtype, vals in ((np.complex64, patches), (np.float32, patches.real.copy())):
+        target = np.zeros(shape, dtype)
+        for batch in (slice(0, 5), slice(5, 9)):
+            index.scatter_add(target, vals[batch], batch)
+        expected = np.zeros(shape, np.complex128 if dtype == np.complex64 else np.float64)
+        for (r, c), p in zip(corners, vals):
+            expected[r:r + n, c:c + n] += p
+        np.testing.assert_allclose(target, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_outer_ramps_and_factors_match_shift_ramps_definition():
+    from daskpty.physics.shifts import outer_ramps, shift_ramp_factors
+
+    rng = np.random.default_rng(31)
+    n, B = 12, 7
+    fr = rng.uniform(-0.5, 0.5, (B, 2)).astype(np.float32)
+    k = np.fft.fftfreq(n)
+    ref = np.exp(-2j * np.pi * (fr[:, 0, None, None] * k[None, :, None] + fr[:, 1, None, None] * k[None, None, :]))
+    ry, rx = shift_ramp_factors(fr, n)
+    assert ry.dtype == rx.dtype == np.complex64 and ry.shape == rx.shape == (B, n)
+    out = np.empty((B + 2, n, n), np.complex64)
+    got = outer_ramps(ry[2:5], rx[2:5], out=out[:3])
+    assert np.shares_memory(got, out)
+    np.testing.assert_allclose(got, ref[2:5], atol=1e-6)
+    np.testing.assert_allclose(shift_ramps(fr, n), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.complex64, np.float32, np.complex128])
+@pytest.mark.parametrize("shape", [(5, 3, 7), (4, 2, 1500)])  # one BLAS dot; chunks of 1024 plus a tail
+def test_real_dots(dtype, shape):
+    from daskpty.physics.backend import real_dots
+
+    rng = np.random.default_rng(32)
+    if np.iscomplexobj(np.empty(0, dtype)):
+        x, y = crandn(rng, shape, dtype), crandn(rng, shape, dtype)
+    else:
+        x, y = rng.standard_normal((2, *shape)).astype(dtype)
+    ref = (np.conj(x.astype(np.complex128)) * y).real.sum(axis=(1, 2))
+    scale = np.abs(x.astype(np.complex128) * y).sum(axis=(1, 2))
+    got = real_dots(x, y)
+    assert got.dtype == np.float64 and got.shape == (shape[0],)
+    assert np.all(np.abs(got - ref) <= 1e-6 * scale)
+    shared = real_dots(x, np.broadcast_to(y[0], x.shape))  # a broadcast second operand
+    np.testing.assert_allclose(shared, (np.conj(x.astype(np.complex128)) * y[0]).real.sum(axis=(1, 2)),
+                               rtol=1e-5, atol=1e-6 * scale.max())
+
+
+@pytest.mark.parametrize("noise", ["gaussian", "poisson"])
+def test_far_field_update_overwrite_writes_in_place(noise):
+    from daskpty.physics.noise import far_field_update
+
+    rng = np.random.default_rng(33)
+    far, y, valid = _far_and_data(rng)
+    expected, _, loss_ref = far_field_update(noise, far, y, valid)
+    buf = far.copy()
+    delta, _, loss = far_field_update(noise, buf, y, valid, overwrite=True)
+    assert np.shares_memory(delta, buf)
+    np.testing.assert_array_equal(delta, expected)
+    np.testing.assert_array_equal(loss, loss_ref)
+
+
+def _poisson_step_lengths_reference(yhat, y, valid=None, eps=DEFAULT_EPS, iterations=10):
+    """The Newton iteration written out directly (float64 throughout)."""
+    yhat, y = yhat.astype(np.float64), y.astype(np.float64)
+    g = 1.0 - y / (yhat + eps)
+    if valid is not None:
+        g = g * valid
+    alpha = np.full(yhat.shape[0], 0.5)
+    for _ in range(iterations):
+        u = np.maximum(1.0 - alpha[:, None, None] * g, 1e-6)
+        d1 = (-2.0 * g * yhat * u + 2.0 * y * g / u).sum(axis=(-2, -1))
+        d2 = (2.0 * g * g * yhat + 2.0 * y * g * g / (u * u)).sum(axis=(-2, -1))
+        alpha = np.clip(alpha - d1 / np.maximum(d2, 1e-30), 0.0, 1.0)
+    return alpha
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_poisson_step_lengths_match_direct_newton(masked):
+    """Including patterns that drive α to 1 (no counts: the u ≥ 1e-6 clamp is active)."""
+    rng = np.random.default_rng(34)
+    yhat, y = _poisson_cases(rng, n=8)
+    y[:3] = 0
+    y[3, 0, 0] = 1
+    y[4] = -1.0  # negative (background-subtracted) data: g > 1
+    valid = rng.random((8, 8)) > 0.3 if masked else None
+    got = poisson_step_lengths(yhat.astype(np.float32), y.astype(np.float32), valid)
+    ref = _poisson_step_lengths_reference(yhat.astype(np.float32), y.astype(np.float32), valid)
+    assert np.all(got[:3] == 1.0)
+    np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-12)

@@ -26,14 +26,13 @@ from ..physics import (
     ifft2,
     model_intensity,
     orthogonalize_modes,
-    shift_probe,
-    shift_probe_adjoint,
     shift_ramps,
     split_positions,
 )
-from ..physics.backend import asarray_like, to_numpy
-from ..physics.patches import PatchIndex
+from ..physics.backend import asarray_like, real_dots, to_numpy
 from ..physics.noise import far_field_update
+from ..physics.patches import PatchIndex
+from ..physics.shifts import outer_ramps, shift_ramp_factors
 from .partials import BoxedArray, Partial
 
 
@@ -99,8 +98,24 @@ def _trimmed_mean(x, xp, trim: float = 0.1) -> float:
 
 def _preconditioner(illum, delta: float):
     xp = get_xp(illum)
-    floor = (delta * illum.max()) ** 2
-    return xp.sqrt(illum * illum + floor).astype(np.float32)
+    floor = np.float32((delta * float(illum.max())) ** 2)
+    out = illum * illum
+    out += floor
+    return xp.sqrt(out, out=out).astype(np.float32, copy=False)
+
+
+#: Target size of one sub-batch (b, M, n, n) complex64 block on the CPU: small enough that a
+#: block's temporaries stay in the L2/L3 caches between the FFTs and the element-wise passes.
+CPU_BLOCK_BYTES = 1 << 20
+
+
+def _fft_in_place(buf, inverse: bool = False):
+    """Orthonormal (inverse) 2-D FFT of ``buf`` written back into ``buf``."""
+    out = (ifft2 if inverse else fft2)(buf, overwrite=True)
+    if not (isinstance(out, np.ndarray) and out.strides == buf.strides
+            and out.__array_interface__["data"][0] == buf.__array_interface__["data"][0]):
+        buf[...] = out  # CuPy (or a copying FFT): copy back
+    return buf
 
 
 def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, update_probe: bool = True,
@@ -111,6 +126,13 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     probe: (M, n, n) complex64. intensities: (B, n, n), zero frequency at index 0, any real dtype
     (counts stay integer until here). positions: (B, 2) float (y, x) in object pixels.
     valid: optional (n, n) bool detector mask (zero frequency at index 0).
+
+    Two passes over sub-batches of the chunk (on the CPU sized to stay in cache, on the GPU the
+    whole chunk). Pass 1: exit waves, far-field update, residual χ, object gradient
+    g_j = Σ_k conj(S_f P_k) χ_jk and illumination scattered into the box, and the probe-gradient
+    spectra G_j = conj(ramp_j) · F(conj(O_j) χ_j) (their sum is F of the probe update). Pass 2:
+    the step-length system, with a_j = ΔÔ_j S_f P, b_j = S_f ΔP̂ · O_j and these identities:
+    Re⟨a_j, χ_j⟩ = Re⟨ΔÔ_j, g_j⟩, and (F unitary) Re⟨b_j, χ_j⟩ = Re⟨F ΔP̂, G_j⟩ with F ΔP̂ = Σ_j G_j / B.
     """
     xp = get_xp(intensities)
     n = probe.shape[-1]
@@ -122,42 +144,107 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     box1 = corners.max(axis=0) + n
     # Only the chunk's bounding box of the object travels to the device.
     obj_box = asarray_like(obj[box0[0]:box1[0], box0[1]:box1[1]], intensities)
-    probe = asarray_like(probe, intensities)
+    obj_box = xp.ascontiguousarray(obj_box, dtype=np.complex64)
+    probe = asarray_like(probe, intensities).astype(np.complex64, copy=False)
+    n_modes = probe.shape[0]
     if valid is not None:
         valid = asarray_like(valid, intensities)
     index = PatchIndex(corners - box0, n, obj_box.shape, xp)  # reused by every gather/scatter
-    ramps = shift_ramps(fractions, n, xp)
+    ry, rx = shift_ramp_factors(fractions, n, xp)
+    probe_ft = fft2(probe)
+    intensities = xp.asarray(intensities)
+    step = n_patterns if xp is not np else max(1, min(n_patterns, CPU_BLOCK_BYTES // (8 * n_modes * n * n)))
+    blocks = [slice(s, min(s + step, n_patterns)) for s in range(0, n_patterns, step)]
 
-    obj_patches = index.extract(obj_box)
-    shifted_probe = shift_probe(probe, ramps)
-    far = fft2(shifted_probe * obj_patches[:, None], overwrite=True)
-    far_delta, yhat, loss = far_field_update(options.noise, far, intensities, valid, options.eps)
-    loss = loss.sum()
-    del far
-    chi = ifft2(far_delta, overwrite=True)  # exit-wave residual χ = F⁻¹(Ψ' − Ψ) (B, M, n, n)
-    del far_delta
-
-    # Object direction and illumination on the chunk's bounding box.
-    conj_probe = xp.conj(shifted_probe)
-    obj_grad = (conj_probe * chi).sum(axis=1)
-    illum_patches = (shifted_probe.real**2 + shifted_probe.imag**2).sum(axis=1)
+    wave_shape = (n_patterns, n_modes, n, n)
+    shifted = xp.empty(wave_shape, np.complex64)            # S_f P (kept for pass 2)
+    obj_grad = xp.empty((n_patterns, n, n), np.complex64)   # g_j
+    if update_probe:
+        spectra = xp.empty(wave_shape, np.complex64)        # G_j
+        spectra_sum = xp.zeros(n_modes * n * n, np.complex64)
+    else:
+        work = xp.empty((step, n_modes, n, n), np.complex64)
+        illum_patches = xp.empty((n_patterns, n, n), np.float32)
     obj_num = xp.zeros(obj_box.shape, dtype=np.complex64)
-    index.scatter_add(obj_num, obj_grad)
+    patches = xp.empty((step, n, n), np.complex64)
     illum = xp.zeros(obj_box.shape, dtype=np.float32)
-    index.scatter_add(illum, illum_patches)
-    obj_dir = obj_num / _preconditioner(illum, options.delta)
+    ramp = xp.empty((step, n, n), np.complex64)
+    ones = xp.ones(step, np.float32)
+    ones_c = ones.astype(np.complex64)
+    measured = xp.zeros(n * n)  # Σ_j y_j and Σ_j ŷ_j per pixel (the mask is applied at the end)
+    model = xp.zeros(n * n)
+    loss = 0.0
 
-    # Step-length system per pattern: a = ΔÔ_j · S_f P_k, b = S_f ΔP̂_k · O_j.
-    a = index.extract(obj_dir)[:, None] * shifted_probe
-    a_chi = (xp.conj(a) * chi).real.sum(axis=(1, 2, 3), dtype=np.float64)
-    a_a = (a.real**2 + a.imag**2).sum(axis=(1, 2, 3), dtype=np.float64)
+    # Pass 1.
+    for batch in blocks:
+        b = batch.stop - batch.start
+        r = outer_ramps(ry[batch], rx[batch], out=ramp[:b])
+        sp = xp.multiply(r[:, None], probe_ft[None], out=shifted[batch])
+        _fft_in_place(sp, inverse=True)                     # S_f P = F⁻¹(ramp · F P)
+        o = index.extract(obj_box, batch, out=patches[:b])
+        wave = spectra[batch] if update_probe else work[:b]
+        xp.multiply(sp, o[:, None], out=wave)               # ψ = S_f P · O
+        _fft_in_place(wave)
+        y = intensities[batch].astype(np.float32, copy=False)
+        _, yhat, loss_b = far_field_update(options.noise, wave, y, valid, options.eps, overwrite=True)
+        loss += float(loss_b.sum())
+        # Σ_j y_j and Σ_j ŷ_j per pixel: float32 over one block, float64 across blocks.
+        measured += ones[:b] @ y.reshape(b, -1)
+        model += ones[:b] @ yhat.reshape(b, -1)
+        chi = _fft_in_place(wave, inverse=True)             # χ = F⁻¹(Ψ' − Ψ)
+        g = obj_grad[batch]
+        xp.conj(sp[:, 0], out=g)
+        g *= chi[:, 0]
+        for k in range(1, n_modes):
+            g += xp.conj(sp[:, k]) * chi[:, k]
+        w = model_intensity(sp)                             # Σ_k |S_f P_k|²
+        index.scatter_add(obj_num, g, batch)
+        index.scatter_add(illum, w, batch)
+        if update_probe:
+            chi *= xp.conj(o, out=o)[:, None]
+            _fft_in_place(chi)
+            chi *= xp.conj(r, out=r)[:, None]
+            spectra_sum += ones_c[:b] @ chi.reshape(b, -1)
+        else:
+            illum_patches[batch] = w
+    inv_precond = _preconditioner(illum, options.delta)
+    xp.divide(np.float32(1.0), inv_precond, out=inv_precond)
+    obj_dir = obj_num * inv_precond  # ΔÔ = num / p, as num · (1/p): complex ÷ real is 5× slower
+
+    # Pass 2: step-length system per pattern.
+    a_chi = xp.empty(n_patterns)
+    a_a = xp.empty(n_patterns)
     probe_sum = None
     if update_probe:
-        probe_sum = shift_probe_adjoint(xp.conj(obj_patches)[:, None] * chi, ramps, overwrite=True)
-        b = shift_probe(probe_sum / np.float32(n_patterns), ramps) * obj_patches[:, None]
-        b_chi = (xp.conj(b) * chi).real.sum(axis=(1, 2, 3), dtype=np.float64)
-        b_b = (b.real**2 + b.imag**2).sum(axis=(1, 2, 3), dtype=np.float64)
-        a_b = (xp.conj(a) * b).real.sum(axis=(1, 2, 3), dtype=np.float64)
+        spectra_sum = spectra_sum.reshape(n_modes, n, n)
+        probe_sum = ifft2(spectra_sum)                      # Σ_j S_{-f_j}(conj(O_j) χ_j)
+        probe_dir_ft = spectra_sum / np.float32(n_patterns)  # F ΔP̂
+        b_chi = real_dots(spectra, xp.broadcast_to(probe_dir_ft, spectra.shape))
+        del spectra
+        a_b = xp.empty(n_patterns)
+        b_b = xp.empty(n_patterns)
+        a = xp.empty((step, n_modes, n, n), np.complex64)
+        bw = xp.empty((step, n_modes, n, n), np.complex64)
+    dirs = xp.empty((step, n, n), np.complex64)
+    for batch in blocks:
+        b = batch.stop - batch.start
+        d = index.extract(obj_dir, batch, out=dirs[:b])    # ΔÔ_j
+        a_chi[batch] = real_dots(d, obj_grad[batch])
+        if update_probe:
+            ab = xp.multiply(d[:, None], shifted[batch], out=a[:b])
+            r = outer_ramps(ry[batch], rx[batch], out=ramp[:b])
+            bb = xp.multiply(r[:, None], probe_dir_ft[None], out=bw[:b])
+            _fft_in_place(bb, inverse=True)                # S_f ΔP̂
+            bb *= index.extract(obj_box, batch, out=patches[:b])[:, None]
+            a_a[batch] = real_dots(ab, ab)
+            b_b[batch] = real_dots(bb, bb)
+            a_b[batch] = real_dots(ab, bb)
+        else:  # Σ_k |ΔÔ_j S_f P_k|² = Σ |ΔÔ_j|² Σ_k |S_f P_k|²
+            d2 = xp.square(d.real)
+            d2 += xp.square(d.imag)
+            a_a[batch] = real_dots(d2, illum_patches[batch])
+
+    if update_probe:
         a_a = a_a + options.tikhonov * a_a.mean() + 1e-30
         b_b = b_b + options.tikhonov * b_b.mean() + 1e-30
         det = a_a * b_b - a_b * a_b
@@ -169,19 +256,18 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         alpha_p = 0.0
     alpha_o = _trimmed_mean(alpha_o, xp)
 
+    mask = None if valid is None else valid.reshape(-1).astype(np.float64)
     origin = (int(box0[0]), int(box0[1]))
+    obj_num *= np.float32(alpha_o)
     parts = Partial(
-        boxes={"object": BoxedArray(origin, (np.float32(alpha_o) * obj_num).astype(np.complex64)),
-               "illumination": BoxedArray(origin, illum)},
-        scalars={"loss": float(loss), "n": float(n_patterns),
+        boxes={"object": BoxedArray(origin, obj_num), "illumination": BoxedArray(origin, illum)},
+        scalars={"loss": loss, "n": float(n_patterns),
                  "alpha_object": alpha_o * n_patterns, "alpha_probe": alpha_p * n_patterns,
-                 "sum_measured": float(intensities.sum(dtype=np.float64) if valid is None
-                                       else (intensities * valid).sum(dtype=np.float64)),
-                 "sum_model": float(yhat.sum(dtype=np.float64) if valid is None
-                                    else (yhat * valid).sum(dtype=np.float64))},
+                 "sum_measured": float(measured.sum() if valid is None else measured @ mask),
+                 "sum_model": float(model.sum() if valid is None else model @ mask)},
     )
     if probe_sum is not None:
-        parts.arrays["probe"] = (np.float32(alpha_p) * probe_sum).astype(np.complex64)
+        parts.arrays["probe"] = (np.float32(alpha_p) * probe_sum).astype(np.complex64, copy=False)
     return parts.to_numpy()
 
 

@@ -8,14 +8,23 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import get_xp
+from .backend import get_xp, real_dots
 
 DEFAULT_EPS = 1e-6
 
 
 def model_intensity(far):
     """ŷ = Σ_k |Ψ_k|² over the mode axis: (B, M, n, n) → (B, n, n)."""
-    return (far.real**2 + far.imag**2).sum(axis=1)
+    xp = get_xp(far)
+    out = None
+    for k in range(far.shape[1]):
+        a = xp.abs(far[:, k])  # |Ψ_k| then squared: cheaper than Re² + Im² on the strided views
+        a *= a
+        if out is None:
+            out = a
+        else:
+            out += a
+    return out
 
 
 def _masked(factor, valid, xp):
@@ -46,19 +55,46 @@ def poisson_step_lengths(yhat, y, valid=None, eps: float = DEFAULT_EPS, iteratio
     enough when a few counts meet a bright model (Newton then creeps up from near 0, roughly doubling
     α per step, leaving α off by ~1e-3–1e-2); ten reach the 1-D minimum to ~1e-4 in those cases.
     """
+    return _poisson_alpha64(yhat.astype(np.float64), y.astype(np.float64), valid, eps, iterations)[0]
+
+
+def _poisson_alpha64(yhat, y, valid, eps, iterations: int = 10):
+    """:func:`poisson_step_lengths` on float64 (B, n, n) arrays; returns ``(alpha, g)`` (g masked).
+
+    With u = max(1 − α g, 10⁻⁶), φ'(α) = −2 Σ gŷ·u + 2 Σ yg/u and φ''(α) = 2 Σ g²ŷ + 2 Σ yg²/u²:
+    the α-independent products are formed once, so a Newton step is a few passes plus BLAS dots.
+    """
     xp = get_xp(yhat)
-    yhat = yhat.astype(np.float64)
-    y = y.astype(np.float64)
-    g = 1.0 - y / (yhat + eps)
+    n_patterns = yhat.shape[0]
+    g = yhat + eps
+    xp.divide(y, g, out=g)
+    xp.subtract(1.0, g, out=g)                       # g = 1 − y/(ŷ+ε)
     if valid is not None:
-        g = g * valid
-    alpha = xp.full(yhat.shape[0], 0.5)
+        g *= valid
+    g_yhat = g * yhat
+    y_g = y * g
+    y_g2 = y_g * g
+    curvature = real_dots(g_yhat, g)                 # Σ g²ŷ
+    # u < 10⁻⁶ needs α g > 1 − 10⁻⁶: when no pixel can reach it (checked on the CPU), the clamp is
+    # skipped and Σ gŷ·u = Σ gŷ − α Σ g²ŷ needs no pass.
+    g_max = g.reshape(n_patterns, -1).max(axis=1) if xp is np else None
+    g_yhat_sum = g_yhat.reshape(n_patterns, -1).sum(axis=1)
+    alpha = xp.full(n_patterns, 0.5)
+    u = xp.empty_like(g)
     for _ in range(iterations):
-        u = xp.maximum(1.0 - alpha[:, None, None] * g, 1e-6)
-        d1 = (-2.0 * g * yhat * u + 2.0 * y * g / u).sum(axis=(-2, -1))
-        d2 = (2.0 * g * g * yhat + 2.0 * y * g * g / (u * u)).sum(axis=(-2, -1))
+        xp.multiply(g, -alpha[:, None, None], out=u)
+        u += 1.0
+        if g_max is None or bool((alpha * g_max > 1.0 - 2e-6).any()):
+            xp.maximum(u, 1e-6, out=u)
+            d1 = -2.0 * real_dots(g_yhat, u)
+        else:
+            d1 = -2.0 * (g_yhat_sum - alpha * curvature)
+        xp.divide(1.0, u, out=u)
+        d1 += 2.0 * real_dots(y_g, u)
+        u *= u
+        d2 = 2.0 * curvature + 2.0 * real_dots(y_g2, u)
         alpha = xp.clip(alpha - d1 / xp.maximum(d2, 1e-30), 0.0, 1.0)
-    return alpha
+    return alpha, g
 
 
 def poisson_correction(far, y, valid=None, eps: float = DEFAULT_EPS):
@@ -86,43 +122,53 @@ def gaussian_loss(yhat, y, valid=None):
 
 def poisson_loss(yhat, y, valid=None, eps: float = DEFAULT_EPS):
     """Poisson negative log-likelihood Σ ŷ − y log(ŷ+ε) per pattern, without the log(y!) constant."""
-    yhat = yhat.astype(np.float64)
-    y = y.astype(np.float64)
+    return _poisson_loss64(yhat.astype(np.float64), y.astype(np.float64), valid, eps)
+
+
+def _poisson_loss64(yhat, y, valid, eps):
+    """:func:`poisson_loss` on float64 (B, n, n) arrays, as Σ ŷ minus a dot product Σ y·log(ŷ+ε)."""
     xp = get_xp(yhat)
-    r = yhat - y * xp.log(yhat + eps)
-    if valid is not None:
-        r = r * valid
-    return r.sum(axis=(-2, -1))
+    n_patterns = yhat.shape[0]
+    log_model = yhat + eps
+    xp.log(log_model, out=log_model)
+    if valid is None:
+        return yhat.reshape(n_patterns, -1).sum(axis=1) - real_dots(y, log_model)
+    mask = valid.reshape(-1).astype(np.float64)
+    return yhat.reshape(n_patterns, -1) @ mask - real_dots(y * valid, log_model)
 
 
 CORRECTIONS = {"gaussian": gaussian_correction, "poisson": poisson_correction}
 LOSSES = {"gaussian": gaussian_loss, "poisson": poisson_loss}
 
 
-def far_field_update(noise: str, far, y, valid=None, eps: float = DEFAULT_EPS):
+def far_field_update(noise: str, far, y, valid=None, eps: float = DEFAULT_EPS, overwrite: bool = False):
     """The far-field correction as an update ΔΨ = Ψ' − Ψ, with ŷ and the per-pattern loss.
 
     Same mathematics as :func:`gaussian_correction` / :func:`poisson_correction` and the matching
-    loss, fused so that each pixel is visited a few times in float32 (sums in float64) and no
-    corrected copy of Ψ is kept. Returns ``(delta, yhat, loss)`` with ``loss`` of shape (B,).
+    loss, fused so that each pixel is visited a few times in float32 and no corrected copy of Ψ is
+    kept. ``overwrite=True`` writes ΔΨ into ``far``. Returns ``(delta, yhat, loss)`` with ``loss``
+    of shape (B,) (float64; the Gaussian loss is accumulated by BLAS in float32).
     """
     xp = get_xp(far)
+    if noise not in CORRECTIONS:
+        raise ValueError(f"noise must be one of {sorted(CORRECTIONS)}, got {noise!r}")
     yhat = model_intensity(far)
     y = y.astype(np.float32, copy=False)
     if noise == "gaussian":
-        sqrt_y = xp.sqrt(y)
-        sqrt_model = xp.sqrt(yhat + np.float32(eps))
-        residual = sqrt_model - sqrt_y
+        # √y/√(ŷ+ε) − 1 = (√y − √(ŷ+ε))/√(ŷ+ε): the loss residual, divided.
+        residual = xp.sqrt(y)
+        sqrt_model = yhat + np.float32(eps)
+        xp.sqrt(sqrt_model, out=sqrt_model)
+        residual -= sqrt_model
         if valid is not None:
-            residual = residual * valid
-        loss = (residual * residual).sum(axis=(-2, -1), dtype=np.float64)
-        factor = sqrt_y / sqrt_model - np.float32(1.0)
-    elif noise == "poisson":
-        loss = poisson_loss(yhat, y, valid, eps)
-        alpha = poisson_step_lengths(yhat, y, valid, eps).astype(np.float32)
-        factor = -alpha[:, None, None] * (np.float32(1.0) - y / (yhat + np.float32(eps)))
+            residual *= valid
+        loss = real_dots(residual, residual)
+        factor = xp.divide(residual, sqrt_model, out=sqrt_model)
     else:
-        raise ValueError(f"noise must be one of {sorted(CORRECTIONS)}, got {noise!r}")
-    if valid is not None:
-        factor = factor * valid
-    return far * factor[:, None].astype(np.float32, copy=False), yhat, loss
+        yhat64, y64 = yhat.astype(np.float64), y.astype(np.float64)
+        loss = _poisson_loss64(yhat64, y64, valid, eps)
+        alpha, g = _poisson_alpha64(yhat64, y64, valid, eps)
+        g *= -alpha[:, None, None]                           # −α (1 − y/(ŷ+ε)), masked
+        factor = g.astype(np.float32)
+    delta = xp.multiply(far, factor[:, None], out=far if overwrite else None)
+    return delta, yhat, loss

@@ -1,6 +1,7 @@
 """Patch extraction from the object and its adjoint, the scatter-add of patches.
 
-Both are single vectorised gathers/scatters per batch (no per-pattern Python loop).
+On the GPU both are single vectorised gathers/scatters per batch; on the CPU they copy/add one
+2-D slice per pattern, which beats a flat-index gather and ``np.bincount`` several times over.
 """
 from __future__ import annotations
 
@@ -32,29 +33,73 @@ def check_windows_inside(corners, n: int, shape) -> None:
 
 
 class PatchIndex:
-    """Flat indices of the windows at ``corners`` (B, 2) of size n in arrays of shape ``shape``.
+    """Windows at ``corners`` (B, 2) of size n in arrays of shape ``shape``.
 
-    Build once per batch and reuse for every gather and scatter on arrays of that shape (an
-    index array of B·n² integers is as large as a batch of patches).
+    Build once per batch and reuse for every gather and scatter on arrays of that shape. On the
+    CPU with n ≥ 32, windows are copied and added as 2-D slices, one pattern at a time (several
+    times cheaper than a flat-index gather or ``np.bincount`` at n = 64–128); otherwise a flat
+    index array of B·n² integers is built once and drives one vectorised gather/scatter.
+    ``batch`` (a slice of the patterns) restricts a call to a sub-batch.
     """
+
+    #: Smallest window size for the per-pattern slice loops (below it the loop overhead dominates).
+    MIN_SLICE_N = 32
 
     def __init__(self, corners, n: int, shape, xp=np):
         self.n = n
         self.shape = tuple(shape[-2:])
-        self.flat = _flat_indices(corners, n, self.shape[-1], xp)  # (B, n, n)
+        self.xp = xp
+        self.corners = np.asarray(corners if xp is np else _host(corners), dtype=np.int64).reshape(-1, 2)
+        self._flat = None
+        # Slices need windows inside the array (the flat index wraps into the next row instead).
+        c = self.corners
+        self._slices = xp is np and n >= self.MIN_SLICE_N and (c.size == 0 or bool(
+            c.min() >= 0 and c[:, 0].max() + n <= self.shape[0] and c[:, 1].max() + n <= self.shape[1]))
 
-    def extract(self, obj):
-        """Gather the windows of ``obj`` (H, W) → (B, n, n)."""
-        return obj.reshape(-1)[self.flat]
+    @property
+    def flat(self):
+        """Flat indices (B, n, n) of every window pixel."""
+        if self._flat is None:
+            self._flat = _flat_indices(self.xp.asarray(self.corners), self.n, self.shape[-1], self.xp)
+        return self._flat
 
-    def scatter_add(self, target, patches) -> None:
-        """Add patches (B, n, n) into ``target`` (H, W) in place (adjoint of :meth:`extract`)."""
-        _scatter_add_flat(target, self.flat.reshape(-1), patches.reshape(-1))
+    def extract(self, obj, batch: slice = slice(None), out=None):
+        """Gather the windows of ``obj`` (H, W) → (b, n, n) (into ``out`` when given)."""
+        if not self._slices:
+            if out is not None and out.dtype == obj.dtype:
+                return self.xp.take(obj.reshape(-1), self.flat[batch], out=out)
+            patches = obj.reshape(-1)[self.flat[batch]]
+            if out is None:
+                return patches
+            out[...] = patches
+            return out
+        n = self.n
+        corners = self.corners[batch].tolist()
+        if out is None:
+            out = np.empty((len(corners), n, n), dtype=obj.dtype)
+        for o, (r, c) in zip(out, corners):
+            o[...] = obj[r:r + n, c:c + n]
+        return out
+
+    def scatter_add(self, target, patches, batch: slice = slice(None)) -> None:
+        """Add patches (b, n, n) into ``target`` (H, W) in place (adjoint of :meth:`extract`)."""
+        if not self._slices:
+            _scatter_add_flat(target, self.flat[batch].reshape(-1), patches.reshape(-1))
+            return
+        n = self.n
+        for p, (r, c) in zip(patches, self.corners[batch].tolist()):
+            target[r:r + n, c:c + n] += p
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") else a
 
 
 def extract_patches(obj, corners, n: int):
     """Gather windows ``obj[r:r+n, c:c+n]`` for corners (B, 2) → (B, n, n)."""
     xp = get_xp(obj)
+    if xp is np:
+        return PatchIndex(corners, n, obj.shape).extract(obj)
     idx = _flat_indices(corners, n, obj.shape[-1], xp)
     return obj.reshape(-1)[idx]
 
@@ -66,6 +111,9 @@ def scatter_add_patches(target, corners, patches) -> None:
     """
     xp = get_xp(target, patches)
     n = patches.shape[-1]
+    if xp is np:
+        PatchIndex(corners, n, target.shape).scatter_add(target, patches)
+        return
     idx = _flat_indices(corners, n, target.shape[-1], xp).reshape(-1)
     _scatter_add_flat(target, idx, patches.reshape(-1))
 
