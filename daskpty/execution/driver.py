@@ -13,15 +13,15 @@ Both give the same result.
 """
 from __future__ import annotations
 
+import copy
 import time
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..engines import lsqml
-import copy
-
-from .rounds import ChunkedData, map_reduce, run_epoch_graph
+from .rounds import ChunkedData, EpochCarry, EpochGraph, map_reduce
 
 
 @dataclass
@@ -102,6 +102,77 @@ def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_ev
     return state, scalars
 
 
+def _metrics(state, scalars: dict, seconds: float, n_total: int, rounds: int) -> dict:
+    n = max(scalars.get("n", 0.0), 1.0)
+    return {
+        "epoch": state.epoch,
+        "loss": scalars.get("loss", float("nan")) / n,
+        "seconds": seconds,
+        "patterns_per_second": n_total / seconds if seconds > 0 else float("nan"),
+        "alpha_object": scalars.get("alpha_object", 0.0) / n,
+        "alpha_probe": scalars.get("alpha_probe", 0.0) / n,
+        "reduced_bytes_per_round": scalars.get("reduced_bytes", 0.0) / rounds,
+        "loss_evaluations": scalars.get("loss_evaluations", 0.0),
+    }
+
+
+def _client_epochs(client, data, adapter, state, epochs, rounds, split_every):
+    """Epochs run round by round from the client; yields ``(state, scalars, seconds)``."""
+    for _ in range(epochs):
+        start = time.perf_counter()
+        state = adapter.begin_epoch(state)
+        state, scalars = _run_rounds(client, data, adapter, state, rounds, split_every)
+        state = adapter.end_epoch(state)
+        yield state, scalars, time.perf_counter() - start
+
+
+MAX_EPOCH_RESTARTS = 3
+
+
+def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
+    """Epochs as graphs on the workers, each submitted before the previous one is gathered, so the
+    client's work between epochs (gather, callbacks, checkpoints) overlaps the next epoch.
+    Yields ``(state, scalars, seconds)``; ``seconds`` is the time between two epochs' results
+    (the first: from the submission).
+
+    A worker that dies takes data dask cannot recompute (the scattered start state, or the
+    previous epoch's result once that graph is forgotten); dask then cancels the epoch, and it is
+    restarted from the client's copy of its start state (at most ``MAX_EPOCH_RESTARTS`` times).
+    Recomputation is deterministic, so the result equals an undisturbed run.
+    """
+    graph = EpochGraph(client, data, adapter, rounds=rounds, split_every=split_every)
+    base = state  # the state the pending epoch starts from, on the client
+    start = time.perf_counter()
+    pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
+    following = None
+    done = restarts = 0
+    try:
+        while done < epochs:
+            if following is None and done + 1 < epochs:
+                following = graph.submit(pending)
+            try:
+                out = pending.result()
+            except CancelledError:
+                restarts += 1
+                if restarts > MAX_EPOCH_RESTARTS:
+                    raise
+                for future in (pending, following):
+                    if future is not None:
+                        future.cancel()
+                following = None
+                pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
+                continue
+            pending.release()
+            now = time.perf_counter()
+            yield out.state, out.scalars, now - start
+            start, base, done = now, out.state, done + 1
+            pending, following = following, None
+    finally:  # stopped early (a callback, an interrupt): drop the epoch submitted in advance
+        for future in (pending, following):
+            if future is not None:
+                future.cancel()
+
+
 def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds_per_epoch: int = 1,
                split_every: int = 8, callbacks=(), initialise: bool = True):
     """Run ``epochs`` epochs of ``rounds_per_epoch`` rounds each. Returns ``(state, history)``.
@@ -113,32 +184,22 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
     n_total = int(sum(data.chunk_lengths))
     if initialise and state.epoch == 0:
         state = adapter.initialise(client, data, state, split_every=split_every)
-    for _ in range(epochs):
-        start = time.perf_counter()
-        state = adapter.begin_epoch(state)
-        if data.persisted and not getattr(adapter, "needs_evaluations", False):
-            state, scalars = run_epoch_graph(client, data, adapter, state, rounds=rounds_per_epoch,
-                                             split_every=split_every)
-        else:
-            state, scalars = _run_rounds(client, data, adapter, state, rounds_per_epoch, split_every)
-        state = adapter.end_epoch(state)
-        seconds = time.perf_counter() - start
-        n = max(scalars.get("n", 0.0), 1.0)
-        metrics = {
-            "epoch": state.epoch,
-            "loss": scalars.get("loss", float("nan")) / n,
-            "seconds": seconds,
-            "patterns_per_second": n_total / seconds if seconds > 0 else float("nan"),
-            "alpha_object": scalars.get("alpha_object", 0.0) / n,
-            "alpha_probe": scalars.get("alpha_probe", 0.0) / n,
-            "reduced_bytes_per_round": scalars.get("reduced_bytes", 0.0) / rounds_per_epoch,
-            "loss_evaluations": scalars.get("loss_evaluations", 0.0),
-        }
-        history.append(metrics)
-        stop = False
-        for cb in callbacks:
-            if cb(state.epoch, state, metrics) is False:
-                stop = True
-        if stop:
-            break
+    if epochs <= 0:
+        return state, history
+    if data.persisted and not getattr(adapter, "needs_evaluations", False):
+        epochs_iter = _graph_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)
+    else:
+        epochs_iter = _client_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)
+    try:
+        for state, scalars, seconds in epochs_iter:
+            metrics = _metrics(state, scalars, seconds, n_total, rounds_per_epoch)
+            history.append(metrics)
+            stop = False
+            for cb in callbacks:
+                if cb(state.epoch, state, metrics) is False:
+                    stop = True
+            if stop:
+                break
+    finally:
+        epochs_iter.close()
     return state, history

@@ -33,6 +33,7 @@ class ChunkedData:
 
     intensities: dask array (N, n, n), zero frequency at index 0, chunks along N only.
     positions: dask array (N, 2) float64 with the same chunks along N.
+    positions_host: the same positions as a NumPy array on the client.
     order: permutation applied to the user's pattern order (None = unchanged).
     """
 
@@ -161,31 +162,82 @@ def _finish_round(carry: EpochCarry, adapter, *parts) -> EpochCarry:
     return EpochCarry(state, scalars)
 
 
-def run_epoch_graph(client, data: ChunkedData, adapter, state, *, rounds: int = 1, split_every: int = 8):
-    """Run ``rounds`` rounds (map, tree reduce, ``adapter.apply``) as one graph.
+def _holders(client, array, blocks) -> dict:
+    """``dask.annotate`` arguments that keep each chunk task on the worker holding its data chunk.
 
-    Returns ``(state, scalars)``: the state after the last round and the scalars of all rounds
-    summed. The result equals running :func:`map_reduce` + ``adapter.apply`` round by round.
+    Otherwise the scheduler weighs the chunk (on its holder) against the payload (on the worker
+    that ran the previous round's end) and work stealing moves tasks: measured 5 : 3 chunks per
+    worker instead of 4 : 4. The restriction is loose, so a lost worker does not stall the round.
     """
-    token = uuid.uuid4().hex
-    split_every = max(2, int(split_every))
-    blocks = list(data.intensities.to_delayed().ravel())
-    positions = list(data.positions.to_delayed().ravel())
-    adapter_d = dask.delayed(adapter, name=f"daskpty-adapter-{token}", traverse=False)
-    carry = client.scatter(EpochCarry(state), hash=False)
-    for r in range(rounds):
-        # Only the payload (object, probe, ...) travels to the chunk tasks; the rest of the state
-        # (optimiser memory, momentum buffers) stays with the round's end task.
-        payload = dask.delayed(_payload_of)(carry, adapter_d, dask_key_name=f"daskpty-payload-{r}-{token}")
-        parts = [dask.delayed(_chunk_of_round)(b, p, payload, adapter_d, r, rounds,
-                                               dask_key_name=(f"{CHUNK_PREFIX}-{r}-{token}", i))
-                 for i, (b, p) in enumerate(zip(blocks, positions))]
-        level = _reduce_levels(parts, split_every)
-        carry = dask.delayed(_finish_round)(carry, adapter_d, *level,
-                                            dask_key_name=f"{ROUND_PREFIX}-{r}-{token}")
-    future = client.compute(carry, optimize_graph=False)
-    try:
-        out = future.result()
-    finally:
-        future.release()
-    return out.state, out.scalars
+    from distributed import futures_of
+
+    futures = futures_of(array)
+    if not futures:
+        return {}
+    who_has = client.who_has(futures)
+    out = {}
+    for b in blocks:
+        workers = list(who_has.get(b.key, ()))
+        if workers:
+            out[b.key] = {"workers": workers[:1], "allow_other_workers": True}
+    return out
+
+
+def _begin_epoch(carry: EpochCarry, adapter) -> EpochCarry:
+    return EpochCarry(adapter.begin_epoch(copy_state(adapter, carry.state)), {})
+
+
+def _end_epoch(carry: EpochCarry, adapter) -> EpochCarry:
+    return EpochCarry(adapter.end_epoch(copy_state(adapter, carry.state)), carry.scalars)
+
+
+class EpochGraph:
+    """Builds one epoch (``begin_epoch``, ``rounds`` rounds of map + tree reduce + ``apply``,
+    ``end_epoch``) as one graph and submits it; an epoch starts from the previous epoch's future,
+    so the state stays on the workers between epochs and the client only gathers copies.
+
+    The result of :meth:`submit` is a future of an :class:`EpochCarry` (the state after the epoch,
+    the epoch's summed scalars). It equals running :func:`map_reduce` + ``adapter.apply`` round by
+    round on the client. For persisted data only (a Zarr-backed chunk read once for several rounds
+    would stay in memory between them).
+    """
+
+    def __init__(self, client, data: ChunkedData, adapter, *, rounds: int = 1, split_every: int = 8):
+        self.client = client
+        self.rounds = int(rounds)
+        self.split_every = max(2, int(split_every))
+        self.token = uuid.uuid4().hex
+        self.blocks = list(data.intensities.to_delayed().ravel())
+        holders = _holders(client, data.intensities, self.blocks)
+        self.annotations = [holders.get(b.key, {}) for b in self.blocks]
+        self.adapter = dask.delayed(adapter, name=f"daskpty-adapter-{self.token}", traverse=False)
+        # Positions travel inside the graph (a few KiB per chunk, one key each, kept next to the
+        # chunk): a persisted positions block may sit on another worker than its intensities.
+        bounds = np.cumsum((0,) + tuple(data.chunk_lengths))
+        self.positions = []
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            with dask.annotate(**self.annotations[i]):
+                self.positions.append(dask.delayed(data.positions_host[a:b], traverse=False,
+                                                   name=f"daskpty-positions-{i}-{self.token}"))
+        self.count = 0
+
+    def submit(self, carry):
+        """Submit one epoch starting from ``carry`` (a future or delayed :class:`EpochCarry`)."""
+        tag = f"{self.count}-{self.token}"
+        self.count += 1
+        adapter = self.adapter
+        carry = dask.delayed(_begin_epoch)(carry, adapter, dask_key_name=f"daskpty-begin-{tag}")
+        for r in range(self.rounds):
+            # Only the payload (object, probe, ...) travels to the chunk tasks; the rest of the
+            # state (optimiser memory, momentum buffers) stays with the round's end task.
+            payload = dask.delayed(_payload_of)(carry, adapter, dask_key_name=f"daskpty-payload-{r}-{tag}")
+            parts = []
+            for i, (b, p) in enumerate(zip(self.blocks, self.positions)):
+                with dask.annotate(**self.annotations[i]):
+                    parts.append(dask.delayed(_chunk_of_round)(
+                        b, p, payload, adapter, r, self.rounds, dask_key_name=(f"{CHUNK_PREFIX}-{r}-{tag}", i)))
+            level = _reduce_levels(parts, self.split_every)
+            carry = dask.delayed(_finish_round)(carry, adapter, *level,
+                                                dask_key_name=f"{ROUND_PREFIX}-{r}-{tag}")
+        carry = dask.delayed(_end_epoch)(carry, adapter, dask_key_name=f"daskpty-end-{tag}")
+        return self.client.compute(carry, optimize_graph=False)
