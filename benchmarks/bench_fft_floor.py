@@ -16,8 +16,8 @@ to the workers, each worker running its share on T threads):
       ifft2 of the corrected far field): 2·N·M transforms per epoch;
   (b) every FFT ``lsqml.chunk_step`` performs: per pattern and mode the probe-shift ifft2, the
       forward fft2, the inverse ifft2, the adjoint-shift fft2 and the step-length probe-shift
-      ifft2 (5·N·M), plus per chunk step the probe fft2, the adjoint-shift ifft2 of the summed
-      spectra and the step-length probe fft2 (3·M). Without probe update: 3·N·M + M per step.
+      ifft2 (5·N·M), plus per chunk step the probe fft2 and the ifft2 of the summed probe-gradient
+      spectra (2·M). Without probe update: 3·N·M + M per step.
       Per-pattern transforms run in place (overwrite=True), as chunk_step runs them.
 
 The floor of an epoch is the slowest worker's time; the median over --repeat epochs (after one
@@ -84,10 +84,9 @@ def _fft_floor_task(batches, n, modes, repeats, threads, update_probe, seed, gpu
         x = fft2(x, overwrite=True)               # Ψ = F ψ                               (B·M)
         x = ifft2(x, overwrite=True)              # χ: F⁻¹ Ψ'                             (B·M)
         if update_probe:
-            x = fft2(x, overwrite=True)           # shift_probe_adjoint: F(O* χ)          (B·M)
-            ifft2(pbuf)                           # … F⁻¹ Σ_j conj(ramp) ·               (M)
-            fft2(pbuf)                            # shift_probe(ΔP̂): F ΔP̂                (M)
-            ifft2(x, overwrite=True)              # … F⁻¹(ramp · F ΔP̂)                   (B·M)
+            x = fft2(x, overwrite=True)           # probe gradient spectra G_j = F(O* χ)  (B·M)
+            ifft2(pbuf)                           # ΔP = F⁻¹ Σ_j conj(ramp_j) G_j         (M)
+            ifft2(x, overwrite=True)              # S_f ΔP̂ = F⁻¹(ramp · F ΔP̂)           (B·M)
 
     times = {"a": [], "b": []}
     with ThreadPoolExecutor(max(1, threads)) as pool:
@@ -138,7 +137,7 @@ def fft_counts(lengths, rounds, modes, update_probe=True):
     n_patterns = sum(lengths)
     a = 2 * n_patterns * modes
     if update_probe:
-        b = 5 * n_patterns * modes + 3 * modes * len(steps)
+        b = 5 * n_patterns * modes + 2 * modes * len(steps)
     else:
         b = 3 * n_patterns * modes + modes * len(steps)
     return a, b, len(steps)
@@ -174,7 +173,7 @@ def floor(args, n_patterns, n, modes, chunk_length, rounds, log=print) -> dict:
         f"{what}; backend {'cuFFT (CuPy)' if any_res['gpu'] else 'scipy.fft'}"
         + ("" if any_res["gpu"] else f", {any_res['fft_workers']} FFT thread(s) per call"))
     log(f"FFTs per epoch ({n}x{n} complex64): (a) {a_count} = 2·N·M; (b) {b_count} = "
-        + ("5·N·M + 3·M·steps" if not args.no_probe_update else "3·N·M + M·steps"))
+        + ("5·N·M + 2·M·steps" if not args.no_probe_update else "3·N·M + M·steps"))
     for kind, label in (("a", "propagation FFTs only (fwd + inv per pattern-mode)"),
                         ("b", "all FFTs of chunk_step")):
         per_worker = ", ".join(f"{k} {np.median(r[kind]):.4f}" for k, r in sorted(results.items()))
