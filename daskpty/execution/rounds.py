@@ -74,8 +74,9 @@ def _combine(*parts):
 
 
 ROUND_PREFIX = "daskpty-round"
-"""Key prefix of the task that ends a round (its reduced partial, or the state after the round);
-the dashboard counts rounds by these keys reaching memory."""
+"""Key prefix of the task that ends a round (its reduced partial, or the state after the round;
+with replicated state the keys are ``(f"{ROUND_PREFIX}-{round}-{token}", copy)``); the dashboard
+counts rounds by these keys (copy 0) reaching memory."""
 CHUNK_PREFIX = "daskpty-chunk"
 """Key prefix of an epoch graph's chunk tasks (keys ``(f"{CHUNK_PREFIX}-{round}-{token}", chunk)``,
 so that each round's chunk tasks form one task group)."""
@@ -135,12 +136,9 @@ class EpochCarry:
     scalars: dict = field(default_factory=dict)
 
 
-def _payload_of(carry: EpochCarry, adapter):
-    return adapter.payload(carry.state)
-
-
-def _chunk_of_round(block, positions, payload, adapter, round_index, rounds):
-    return _run_chunk(block, positions, payload, adapter.chunk_function, round_index, rounds)
+def _chunk_of_round(block, positions, carry: EpochCarry, adapter, round_index, rounds):
+    return _run_chunk(block, positions, adapter.payload(carry.state), adapter.chunk_function,
+                      round_index, rounds)
 
 
 def copy_state(adapter, state):
@@ -196,6 +194,13 @@ class EpochGraph:
     ``end_epoch``) as one graph and submits it; an epoch starts from the previous epoch's future,
     so the state stays on the workers between epochs and the client only gathers copies.
 
+    **Replicated apply.** Every worker that holds data chunks keeps its own copy of the state: the
+    end of a round (sum of the top-level partials + ``adapter.apply``) runs once per such worker,
+    on that worker, and its chunk tasks read the local copy. A round is then one exchange of
+    partials between workers and no broadcast of the new state afterwards (one scheduler hop and
+    one transfer less per round). The copies are bit-identical: same inputs, same order, same
+    code. The epoch's end runs on the first copy.
+
     The result of :meth:`submit` is a future of an :class:`EpochCarry` (the state after the epoch,
     the epoch's summed scalars). It equals running :func:`map_reduce` + ``adapter.apply`` round by
     round on the client. For persisted data only (a Zarr-backed chunk read once for several rounds
@@ -210,6 +215,9 @@ class EpochGraph:
         self.blocks = list(data.intensities.to_delayed().ravel())
         holders = _holders(client, data.intensities, self.blocks)
         self.annotations = [holders.get(b.key, {}) for b in self.blocks]
+        # The workers that keep a copy of the state (None: let the scheduler place one copy).
+        self.replicas = sorted({a["workers"][0] for a in self.annotations if a}) or [None]
+        self.replica_of = [self.replicas.index(a["workers"][0]) if a else 0 for a in self.annotations]
         self.adapter = dask.delayed(adapter, name=f"daskpty-adapter-{self.token}", traverse=False)
         # Positions travel inside the graph (a few KiB per chunk, one key each, kept next to the
         # chunk): a persisted positions block may sit on another worker than its intensities.
@@ -221,23 +229,34 @@ class EpochGraph:
                                                    name=f"daskpty-positions-{i}-{self.token}"))
         self.count = 0
 
+    def _on_replica(self, w: int) -> dict:
+        worker = self.replicas[w]
+        return {} if worker is None else {"workers": [worker], "allow_other_workers": True}
+
     def submit(self, carry):
         """Submit one epoch starting from ``carry`` (a future or delayed :class:`EpochCarry`)."""
         tag = f"{self.count}-{self.token}"
         self.count += 1
         adapter = self.adapter
-        carry = dask.delayed(_begin_epoch)(carry, adapter, dask_key_name=f"daskpty-begin-{tag}")
+        carries = []
+        for w in range(len(self.replicas)):
+            with dask.annotate(**self._on_replica(w)):
+                carries.append(dask.delayed(_begin_epoch)(carry, adapter,
+                                                          dask_key_name=(f"daskpty-begin-{tag}", w)))
         for r in range(self.rounds):
-            # Only the payload (object, probe, ...) travels to the chunk tasks; the rest of the
-            # state (optimiser memory, momentum buffers) stays with the round's end task.
-            payload = dask.delayed(_payload_of)(carry, adapter, dask_key_name=f"daskpty-payload-{r}-{tag}")
             parts = []
             for i, (b, p) in enumerate(zip(self.blocks, self.positions)):
                 with dask.annotate(**self.annotations[i]):
                     parts.append(dask.delayed(_chunk_of_round)(
-                        b, p, payload, adapter, r, self.rounds, dask_key_name=(f"{CHUNK_PREFIX}-{r}-{tag}", i)))
+                        b, p, carries[self.replica_of[i]], adapter, r, self.rounds,
+                        dask_key_name=(f"{CHUNK_PREFIX}-{r}-{tag}", i)))
             level = _reduce_levels(parts, self.split_every)
-            carry = dask.delayed(_finish_round)(carry, adapter, *level,
-                                                dask_key_name=f"{ROUND_PREFIX}-{r}-{tag}")
-        carry = dask.delayed(_end_epoch)(carry, adapter, dask_key_name=f"daskpty-end-{tag}")
-        return self.client.compute(carry, optimize_graph=False)
+            new = []
+            for w in range(len(self.replicas)):
+                with dask.annotate(**self._on_replica(w)):
+                    new.append(dask.delayed(_finish_round)(carries[w], adapter, *level,
+                                                           dask_key_name=(f"{ROUND_PREFIX}-{r}-{tag}", w)))
+            carries = new
+        with dask.annotate(**self._on_replica(0)):
+            end = dask.delayed(_end_epoch)(carries[0], adapter, dask_key_name=f"daskpty-end-{tag}")
+        return self.client.compute(end, optimize_graph=False)

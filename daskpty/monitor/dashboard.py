@@ -273,7 +273,8 @@ class DashboardPlugin(SchedulerPlugin):
 
         chunk_prefixes, round_prefix = _round_task_prefixes()
         prefix = key_split(key)
-        if finish == "memory" and prefix == round_prefix:
+        first_copy = not isinstance(key, tuple) or key[-1] == 0  # one count per replicated round end
+        if finish == "memory" and prefix == round_prefix and first_copy:
             self.rounds_since_epoch += 1
             self.rounds_total += 1
         elif finish == "processing" and prefix in chunk_prefixes:
