@@ -20,7 +20,8 @@ Layout of this module (no dask in here):
 
 * losses with value and gradient w.r.t. Ψ: :func:`gaussian_loss_gradient`,
   :func:`poisson_loss_gradient`, :func:`intensity_loss_gradient` (:data:`LOSS_GRADIENTS`);
-* :func:`chunk_gradient` / :func:`chunk_loss` — per-chunk additive :class:`Partial` results;
+* :func:`chunk_gradient` / :func:`chunk_loss` — per-chunk additive :class:`Partial` results, one
+  pass over cache-sized sub-batches of the chunk on the CPU (the whole chunk on the GPU);
 * optimisers over dicts of host arrays: :class:`Adam`, :class:`SGD` (heavy-ball / Nesterov),
   :class:`ConjugateGradient` (Polak–Ribière+, Armijo backtracking with one quadratic interpolation
   that needs loss values only); their memory is an :class:`OptimizerState` of plain NumPy arrays
@@ -28,7 +29,8 @@ Layout of this module (no dask in here):
 * :class:`ADOptions`, :class:`ADState`, :func:`apply`, :func:`begin_epoch`, :func:`end_epoch`.
 
 Precision: the working precision is complex128 when the object or probe is complex128, complex64
-otherwise; loss values are accumulated in float64.
+otherwise; loss values are accumulated in float64 (the Poisson loss's pixel terms are also formed
+in float64; the Gaussian and intensity losses' squared residuals in the working precision).
 """
 from __future__ import annotations
 
@@ -37,9 +39,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..physics import extract_patches, fft2, get_xp, ifft2, scatter_add_patches
-from ..physics.backend import asarray_like, to_numpy
-from .lsqml import forward_sums, rescale_probe  # noqa: F401  (re-exported for the adapter)
+from ..physics import fft2, get_xp, ifft2, model_intensity
+from ..physics.backend import asarray_like, real_dots, to_numpy
+from ..physics.noise import _poisson_loss64
+from ..physics.patches import PatchIndex
+from ..physics.shifts import outer_ramps, shift_ramp_factors
+from .lsqml import _fft_in_place, forward_sums, rescale_probe  # noqa: F401  (the last two re-exported)
 from .partials import BoxedArray, Partial
 
 DEFAULT_EPS = 1e-6
@@ -56,40 +61,59 @@ DEFAULT_LR = {"adam": (0.05, 0.01), "sgd": (0.25, 0.05), "cg": (0.5, 0.1)}
 # Losses: value and gradient w.r.t. the far field Ψ (B, M, n, n)
 
 
-def _pixel_loss(name: str, yhat, y, eps: float, xp, gradient: bool):
-    """Per-pixel loss h(ŷ, y) in float64 and, if asked, dh/dŷ in the dtype of ``yhat``."""
-    y = y.astype(yhat.dtype, copy=False)
-    yh64, y64 = yhat.astype(np.float64), y.astype(np.float64)
-    if name == "gaussian":      # (√(ŷ+ε) − √y)²
-        value = (xp.sqrt(yh64 + eps) - xp.sqrt(y64)) ** 2
-        if gradient:
-            a = xp.sqrt(yhat + yhat.dtype.type(eps))
-            return value, (a - xp.sqrt(y)) / a
-    elif name == "poisson":     # ŷ − y log(ŷ+ε)
-        value = yh64 - y64 * xp.log(yh64 + eps)
-        if gradient:
-            return value, 1 - y / (yhat + yhat.dtype.type(eps))
-    elif name == "intensity":   # (ŷ − y)²
-        value = (yh64 - y64) ** 2
-        if gradient:
-            return value, 2 * (yhat - y)
-    else:
-        raise ValueError(f"loss must be one of {LOSS_NAMES}, got {name!r}")
-    return value, None
+def _far_field_loss(name: str, far, y, valid, eps: float, gradient: bool, overwrite: bool = False):
+    """Loss per pattern, ∇_Ψ L and ŷ of far fields ``far`` (B, M, n, n), fused in a few passes.
 
-
-def _loss_parts(far, y, loss, valid, eps, gradient):
+    Returns ``(per_pattern, grad, yhat)``: per_pattern (B,) float64, grad = 2 h'(ŷ) Ψ (None unless
+    ``gradient``; written into ``far`` when ``overwrite``), yhat = Σ_k |Ψ_k|² (B, n, n). The pixel
+    terms are formed in the precision of ``far`` (``y`` is cast to it). Gaussian and intensity
+    losses are Σ r² of their residuals r = √(ŷ+ε) − √y and ŷ − y, by BLAS dots (single precision:
+    float32 over 1024 pixels, float64 across, see :func:`real_dots`); the Poisson loss, whose
+    per-pixel terms are large next to their sum's changes, is evaluated in float64.
+    """
     xp = get_xp(far)
-    yhat = (far.real**2 + far.imag**2).sum(axis=1)
-    value, dh = _pixel_loss(loss, yhat, y, eps, xp, gradient)
+    rdtype = np.float64 if far.dtype == np.complex128 else np.float32
     if valid is not None:
         valid = xp.asarray(valid)
-        value = value * valid
-        if dh is not None:
-            dh = dh * valid
-    per_pattern = value.sum(axis=(-2, -1))
-    grad = None if dh is None else (2 * dh)[:, None].astype(far.real.dtype, copy=False) * far
-    return per_pattern, grad, yhat
+    yhat = model_intensity(far)
+    y = y.astype(rdtype, copy=False)
+    factor = None
+    if name == "gaussian":      # (√(ŷ+ε) − √y)² = (ŷ+ε) u²,  2h' = 2u,  u = 1 − √(y/(ŷ+ε))
+        level = yhat + rdtype(eps)
+        u = xp.divide(y, level)
+        xp.sqrt(u, out=u)
+        xp.subtract(rdtype(1), u, out=u)
+        if valid is not None:
+            u *= valid
+        level *= u
+        value = real_dots(level, u)
+        if gradient:
+            factor = u
+            factor *= rdtype(2)
+    elif name == "poisson":     # ŷ − y log(ŷ+ε),  2h' = 2 (1 − y/(ŷ+ε))
+        value = _poisson_loss64(yhat.astype(np.float64, copy=False), y.astype(np.float64, copy=False),
+                                valid, eps)
+        if gradient:
+            factor = yhat + rdtype(eps)
+            xp.divide(y, factor, out=factor)
+            factor *= rdtype(-2)
+            factor += rdtype(2)
+            if valid is not None:
+                factor *= valid
+    elif name == "intensity":   # (ŷ − y)²,  2h' = 4 (ŷ − y)
+        residual = yhat - y
+        if valid is not None:
+            residual *= valid
+        value = real_dots(residual, residual)
+        if gradient:
+            factor = residual
+            factor *= rdtype(4)
+    else:
+        raise ValueError(f"loss must be one of {LOSS_NAMES}, got {name!r}")
+    grad = None
+    if gradient:
+        grad = xp.multiply(far, factor[:, None], out=far if overwrite else None)
+    return value, grad, yhat
 
 
 def loss_and_gradient(far, y, *, loss: str = "gaussian", valid=None, eps: float = DEFAULT_EPS,
@@ -100,7 +124,7 @@ def loss_and_gradient(far, y, *, loss: str = "gaussian", valid=None, eps: float 
     dtype as ``far``; None when ``gradient`` is False). With ŷ = Σ_k |Ψ_k|², ∇_Ψ L = 2 h'(ŷ) Ψ.
     ``valid`` (n, n) bool: masked pixels contribute nothing.
     """
-    per_pattern, grad, _ = _loss_parts(far, y, loss, valid, eps, gradient)
+    per_pattern, grad, _ = _far_field_loss(loss, far, y, valid, eps, gradient)
     return per_pattern, grad
 
 
@@ -129,6 +153,11 @@ LOSS_GRADIENTS = {"gaussian": gaussian_loss_gradient, "poisson": poisson_loss_gr
 # --------------------------------------------------------------------------------------------------
 # Per-chunk forward model and its adjoint
 
+#: Target size of one sub-batch (b, M, n, n) of waves on the CPU (as in the LSQML engine): small
+#: enough that a block's temporaries stay in the L2/L3 caches between the FFTs and the element-wise
+#: passes. On the GPU a chunk is one block.
+CPU_BLOCK_BYTES = 1 << 20
+
 
 def _split(positions, n: int):
     """Integer corners and float64 fractions (the convention of physics.split_positions, full precision)."""
@@ -142,10 +171,41 @@ def _working_dtypes(*arrays):
     return (np.complex128, np.float64) if wide else (np.complex64, np.float32)
 
 
-class _Chunk:
-    """Forward pass of one chunk on the bounding box of its footprint (kept for the backward pass)."""
+def _ramp_factors(fractions, n: int, rdtype, xp):
+    """Separable shift ramps exp(−2πi k f) per axis, each (B, n), in the working precision."""
+    if rdtype == np.float32:
+        return shift_ramp_factors(fractions, n, xp)
+    f = xp.asarray(fractions, dtype=np.float64)
+    k = xp.asarray(np.fft.fftfreq(n), dtype=np.float64)
+    factors = []
+    for axis in (0, 1):
+        phase = (-2 * np.pi * f[:, axis, None]) * k[None, :]
+        r = xp.empty(phase.shape, np.complex128)
+        parts = r.view(np.float64).reshape(phase.shape + (2,))
+        parts[..., 0] = xp.cos(phase)
+        parts[..., 1] = xp.sin(phase)
+        factors.append(r)
+    return tuple(factors)
 
-    def __init__(self, obj, probe, intensities, positions, valid, loss_name, eps, gradient):
+
+def _outer_ramps(ry, rx, out):
+    """ry[:, :, None] · rx[:, None, :] into ``out`` (the physics helper's real matrix product for complex64)."""
+    if ry.dtype == np.complex64:
+        return outer_ramps(ry, rx, out=out)
+    return get_xp(ry).multiply(ry[:, :, None], rx[:, None, :], out=out)
+
+
+class _Chunk:
+    """One chunk on the bounding box of its footprint, walked in sub-batches of patterns.
+
+    On the CPU a sub-batch (b, M, n, n) holds about :data:`CPU_BLOCK_BYTES`, so that its
+    temporaries stay in cache from one FFT to the next; on the GPU it is the whole chunk.
+    :meth:`forward` runs the forward model of one block into buffers reused by every block; the
+    callers take the block through the loss (and the adjoint) before moving to the next one.
+    ``keep_shifted``: keep S_f P next to Ψ (the adjoint needs it); otherwise Ψ overwrites it.
+    """
+
+    def __init__(self, obj, probe, intensities, positions, valid, keep_shifted: bool = True):
         xp = get_xp(intensities)
         self.xp = xp
         cdtype, rdtype = _working_dtypes(obj, probe)
@@ -153,8 +213,8 @@ class _Chunk:
         probe = asarray_like(probe, intensities).astype(cdtype, copy=False)
         if probe.ndim == 2:
             probe = probe[None]
-        n = probe.shape[-1]
-        self.n = n
+        n_modes, n = probe.shape[0], probe.shape[-1]
+        self.n_modes, self.n = n_modes, n
         corners, fractions = _split(to_numpy(positions), n)
         self.box0 = corners.min(axis=0)
         box1 = corners.max(axis=0) + n
@@ -163,33 +223,39 @@ class _Chunk:
                              f"of shape {tuple(obj.shape[-2:])}")
         self.obj_box = asarray_like(obj[self.box0[0]:box1[0], self.box0[1]:box1[1]],
                                     intensities).astype(cdtype, copy=False)
-        self.local = xp.asarray(corners - self.box0)
-        k = xp.asarray(np.fft.fftfreq(n), dtype=rdtype)
-        f = xp.asarray(fractions, dtype=rdtype)
-        two_pi = rdtype(2 * np.pi)
-        ry = xp.exp(-1j * two_pi * f[:, 0, None] * k[None, :]).astype(cdtype)
-        rx = xp.exp(-1j * two_pi * f[:, 1, None] * k[None, :]).astype(cdtype)
-        self.k = k
-        self.ramps = ry[:, :, None] * rx[:, None, :]                          # (B, n, n)
-        self.probe_ft = fft2(probe)                                         # (M, n, n)
-        self.shifted = ifft2(self.ramps[:, None] * self.probe_ft[None])     # Q = S_f P (B, M, n, n)
-        self.patches = extract_patches(self.obj_box, self.local, n)         # O_j (B, n, n)
-        far = fft2(self.shifted * self.patches[:, None])                    # Ψ
-        if valid is not None:
-            valid = asarray_like(valid, intensities)
-        self.valid = valid
-        y = intensities.astype(rdtype, copy=False)
-        self.per_pattern, self.grad_far, yhat = _loss_parts(far, y, loss_name, valid, eps, gradient)
-        if valid is None:
-            self.sum_model = float(yhat.sum(dtype=np.float64))
-            self.sum_measured = float(intensities.sum(dtype=np.float64))
-        else:
-            self.sum_model = float((yhat * valid).sum(dtype=np.float64))
-            self.sum_measured = float((intensities * valid).sum(dtype=np.float64))
+        self.index = PatchIndex(corners - self.box0, n, self.obj_box.shape, xp)  # every gather/scatter
+        self.ry, self.rx = _ramp_factors(fractions, n, rdtype, xp)
+        self.probe_ft = fft2(probe)                                             # (M, n, n)
+        self.valid = None if valid is None else asarray_like(valid, intensities)
+        self.intensities = xp.asarray(intensities)
+        n_patterns = intensities.shape[0]
+        block = CPU_BLOCK_BYTES // (np.dtype(cdtype).itemsize * n_modes * n * n)
+        self.step = step = n_patterns if xp is not np else max(1, min(n_patterns, block))
+        self.blocks = [slice(s, min(s + step, n_patterns)) for s in range(0, n_patterns, step)]
+        self._ramps = xp.empty((step, n, n), cdtype)
+        self._patches = xp.empty((step, n, n), cdtype)
+        self._shifted = xp.empty((step, n_modes, n, n), cdtype)
+        self._waves = xp.empty((step, n_modes, n, n), cdtype) if keep_shifted else self._shifted
 
     @property
     def origin(self):
         return (int(self.box0[0]), int(self.box0[1]))
+
+    def data(self, batch: slice):
+        """Measured intensities of a block in the working precision."""
+        return self.intensities[batch].astype(self.rdtype, copy=False)
+
+    def forward(self, batch: slice):
+        """Forward model of one block: ``(ramp_j, Q_j = S_{f_j} P, O_j, Ψ_j)``, views of the buffers."""
+        xp = self.xp
+        b = batch.stop - batch.start
+        r = _outer_ramps(self.ry[batch], self.rx[batch], out=self._ramps[:b])
+        q = xp.multiply(r[:, None], self.probe_ft[None], out=self._shifted[:b])
+        _fft_in_place(q, inverse=True)                                          # Q = F⁻¹(ramp · F P)
+        o = self.index.extract(self.obj_box, batch, out=self._patches[:b])
+        wave = xp.multiply(q, o[:, None], out=self._waves[:b])                  # ψ = Q · O_j
+        _fft_in_place(wave)                                                     # Ψ = F ψ
+        return r, q, o, wave
 
 
 def _check_chunk_inputs(intensities, positions):
@@ -216,35 +282,86 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     * ``arrays["position_grad"]`` (B, 2) float64 ∂L/∂(y, x) per pattern of *this* chunk, when
       ``want_positions`` (not additive across chunks: for single-chunk use);
     * ``scalars``: ``loss`` (float64 sum), ``n``, ``sum_measured``, ``sum_model``.
+
+    One pass over sub-batches (see :class:`_Chunk`): forward model, g_Ψ (in place), g_ψ = F⁻¹ g_Ψ,
+    illumination and object gradient scattered into the box, and G_j = conj(ramp_j) F[conj(O_j) g_ψj]
+    (F of the adjoint shift of g_Q): the probe gradient is F⁻¹ Σ_j G_j, summed block by block, and
+    ∂L/∂f_j = Re⟨G_j, F[P] (−2πi k)⟩ are BLAS dots.
     """
     _check_chunk_inputs(intensities, positions)
-    if intensities.shape[0] == 0:
+    n_patterns = intensities.shape[0]
+    if n_patterns == 0:
         return Partial()
     opts = options or ADOptions()
-    c = _Chunk(obj, probe, intensities, positions, valid, opts.loss, opts.eps, gradient=True)
-    xp = c.xp
-    grad_psi = ifft2(c.grad_far)                                            # F^H g_Ψ
-    del c.grad_far
-    part = Partial(scalars=_scalars(c, intensities))
-    illum = xp.zeros(c.obj_box.shape, dtype=c.rdtype)
-    scatter_add_patches(illum, c.local, (c.shifted.real**2 + c.shifted.imag**2).sum(axis=1))
+    c = _Chunk(obj, probe, intensities, positions, valid)
+    xp, cdtype, rdtype = c.xp, c.cdtype, c.rdtype
+    n, n_modes = c.n, c.n_modes
+    want_spectra = want_probe or want_positions
+    illum = xp.zeros(c.obj_box.shape, dtype=rdtype)
+    if want_object:
+        obj_grad = xp.zeros(c.obj_box.shape, dtype=cdtype)
+    ones = xp.ones(c.step, rdtype)
+    if want_probe:
+        ones_c = ones.astype(cdtype)
+        spectra_sum = xp.zeros(n_modes * n * n, np.complex128)     # Σ_j G_j
+        probe_illum = xp.zeros(n * n)                                # Σ_j |O_j|²
+        obj_power = model_intensity(c.obj_box[None, None])[0]        # |O|² on the box
+        powers = xp.empty((c.step, n, n), rdtype)
+    if want_positions:
+        k = xp.asarray(np.fft.fftfreq(n), dtype=rdtype)
+        w = rdtype(-2 * np.pi)
+        dq_y = (c.probe_ft * (1j * w * k)[None, :, None]).astype(cdtype, copy=False)  # F[∂Q/∂f_y] / ramp
+        dq_x = (c.probe_ft * (1j * w * k)[None, None, :]).astype(cdtype, copy=False)
+        position_grad = xp.empty((n_patterns, 2))
+    measured = xp.zeros(n * n)  # the mask is applied at the end
+    model = xp.zeros(n * n)
+    loss = 0.0
+
+    for batch in c.blocks:
+        b = batch.stop - batch.start
+        r, q, o, wave = c.forward(batch)
+        y = c.data(batch)
+        per, g_far, yhat = _far_field_loss(opts.loss, wave, y, c.valid, opts.eps, gradient=True,
+                                           overwrite=True)                  # g_Ψ into Ψ's buffer
+        loss += float(per.sum())
+        # Σ_j y_j and Σ_j ŷ_j per pixel: working precision over one block, float64 across blocks
+        measured += ones[:b] @ y.reshape(b, -1)
+        model += ones[:b] @ yhat.reshape(b, -1)
+        g_psi = _fft_in_place(g_far, inverse=True)                          # g_ψ = F⁻¹ g_Ψ
+        c.index.scatter_add(illum, model_intensity(q), batch)              # Σ_k |Q_jk|²
+        if want_object:                                 # Σ_k conj(Q_jk) g_ψjk, in Q's buffer
+            g = xp.conj(q[:, 0], out=q[:, 0])
+            g *= g_psi[:, 0]
+            for m in range(1, n_modes):
+                g += xp.conj(q[:, m]) * g_psi[:, m]
+            c.index.scatter_add(obj_grad, g, batch)
+        if want_spectra:
+            if want_probe:                              # Σ_j |O_j|², windows of |O|² on the box
+                probe_illum += ones[:b] @ c.index.extract(obj_power, batch, out=powers[:b]).reshape(b, -1)
+            g_psi *= xp.conj(o, out=o)[:, None]                            # g_Q = conj(O_j) g_ψ
+            spectra = _fft_in_place(g_psi)
+            spectra *= xp.conj(r, out=r)[:, None]                           # G_j
+            if want_probe:
+                spectra_sum += ones_c[:b] @ spectra.reshape(b, -1)
+            if want_positions:
+                position_grad[batch, 0] = real_dots(spectra, xp.broadcast_to(dq_y, spectra.shape))
+                position_grad[batch, 1] = real_dots(spectra, xp.broadcast_to(dq_x, spectra.shape))
+
+    if c.valid is None:
+        sum_measured, sum_model = float(measured.sum()), float(model.sum())
+    else:
+        mask = c.valid.reshape(-1).astype(np.float64)
+        sum_measured, sum_model = float(measured @ mask), float(model @ mask)
+    part = Partial(scalars={"loss": loss, "n": float(n_patterns), "sum_measured": sum_measured,
+                            "sum_model": sum_model})
     part.boxes["illumination"] = BoxedArray(c.origin, illum)
     if want_object:
-        obj_grad = xp.zeros(c.obj_box.shape, dtype=c.cdtype)
-        scatter_add_patches(obj_grad, c.local, (xp.conj(c.shifted) * grad_psi).sum(axis=1))
         part.boxes["object_grad"] = BoxedArray(c.origin, obj_grad)
-    if want_probe or want_positions:
-        spectra = fft2(xp.conj(c.patches)[:, None] * grad_psi)              # F[g_Q], g_Q = conj(O_j) g_ψ
-        if want_probe:
-            part.arrays["probe_grad"] = ifft2((xp.conj(c.ramps)[:, None] * spectra).sum(axis=0))
-            part.arrays["probe_illumination"] = (c.patches.real**2 + c.patches.imag**2).sum(axis=0)
-        if want_positions:
-            # ∂Q/∂f = F⁻¹[F[P] (−2πi k) ramp];  ∂L/∂f = Re⟨F g_Q, F[P] (−2πi k) ramp⟩
-            a = (xp.conj(spectra) * c.probe_ft[None]).sum(axis=1) * c.ramps   # (B, n, n)
-            w = -2j * np.pi
-            gy = (a * (w * c.k)[None, :, None]).real.sum(axis=(1, 2), dtype=np.float64)
-            gx = (a * (w * c.k)[None, None, :]).real.sum(axis=(1, 2), dtype=np.float64)
-            part.arrays["position_grad"] = xp.stack([gy, gx], axis=1)
+    if want_probe:
+        part.arrays["probe_grad"] = ifft2(spectra_sum.reshape(n_modes, n, n).astype(cdtype))
+        part.arrays["probe_illumination"] = probe_illum.reshape(n, n).astype(rdtype)
+    if want_positions:
+        part.arrays["position_grad"] = position_grad
     return part.to_numpy()
 
 
@@ -255,13 +372,13 @@ def chunk_loss(obj, probe, intensities, positions, *, options: "ADOptions | None
     if intensities.shape[0] == 0:
         return Partial()
     opts = options or ADOptions()
-    c = _Chunk(obj, probe, intensities, positions, valid, opts.loss, opts.eps, gradient=False)
-    return Partial(scalars={"loss": float(c.per_pattern.sum()), "n": float(intensities.shape[0])})
-
-
-def _scalars(c: _Chunk, intensities) -> dict:
-    return {"loss": float(c.per_pattern.sum()), "n": float(intensities.shape[0]),
-            "sum_measured": c.sum_measured, "sum_model": c.sum_model}
+    c = _Chunk(obj, probe, intensities, positions, valid, keep_shifted=False)
+    loss = 0.0
+    for batch in c.blocks:
+        wave = c.forward(batch)[3]
+        per, _, _ = _far_field_loss(opts.loss, wave, c.data(batch), c.valid, opts.eps, gradient=False)
+        loss += float(per.sum())
+    return Partial(scalars={"loss": loss, "n": float(intensities.shape[0])})
 
 
 # --------------------------------------------------------------------------------------------------
