@@ -14,14 +14,25 @@ from .rounds import ChunkedData
 WORKING_BYTES_PER_PIXEL = 80
 
 
+#: Least work per chunk, in pattern-mode pixels (512 Ki: 128 patterns of 64², 32 of 128²). A chunk
+#: task costs about a millisecond of scheduling whatever its size; below this the chunk steps of a
+#: minibatch round are too short to hide it.
+MIN_CHUNK_PIXELS = 2**19
+
+
 def default_chunk_length(n_patterns: int, n: int, modes: int = 1, memory_budget: int = 512 * 2**20,
                          min_len: int = 64, target_chunks: int = 8) -> int:
-    """Patterns per chunk: small enough for ``memory_budget`` per chunk step, and about
-    ``target_chunks`` chunks for small data sets. Independent of the worker count, so the
-    reduction order (and so the result) does not change with the cluster size.
+    """Patterns per chunk: small enough for ``memory_budget`` per chunk step; for small data sets
+    about ``target_chunks`` chunks (a power of two, so that they spread evenly over 1, 2, 4 or 8
+    workers) of at least ``min_len`` patterns and :data:`MIN_CHUNK_PIXELS` pattern-mode pixels.
+    Independent of the worker count, so the reduction order (and so the result) does not change
+    with the cluster size.
     """
     by_memory = max(1, memory_budget // (WORKING_BYTES_PER_PIXEL * modes * n * n))
-    by_count = max(min_len, math.ceil(n_patterns / target_chunks))
+    least = max(min_len, math.ceil(MIN_CHUNK_PIXELS / (modes * n * n)))
+    count = max(1, min(target_chunks, n_patterns // least))
+    count = 2 ** int(math.log2(count))
+    by_count = math.ceil(n_patterns / count)
     longest = int(max(1, min(by_memory, by_count, n_patterns)))
     # Near-equal chunks: N = 4,096 with at most 409 gives 10 × 410 − … rather than 10 × 409 + 6,
     # balancing workers and keeping the number of distinct FFT batch shapes (cuFFT plans) at two.

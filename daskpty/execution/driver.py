@@ -4,7 +4,9 @@ An *adapter* binds an engine's pure functions to this loop:
 
 * ``chunk_function(intensities, positions, payload) -> Partial`` (module-level, picklable)
 * ``payload(state) -> object`` broadcast once per round
-* ``apply(state, total) -> state``, ``begin_epoch(state)``, ``end_epoch(state)``
+* ``apply(state, total) -> state``, ``begin_epoch(state)``, ``end_epoch(state)``; ``begin_epoch``
+  must leave ``payload(state)`` unchanged (an epoch graph applies it after the first round's
+  chunk steps, which read the payload of the state before it)
 * optionally ``copy_state(state)``: a copy that ``apply`` may change (default ``copy.deepcopy``)
 
 With persisted data an epoch's rounds run as one graph (:func:`~.rounds.run_epoch_graph`, ``apply``
@@ -142,6 +144,12 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
     """
     graph = EpochGraph(client, data, adapter, rounds=rounds, split_every=split_every)
     base = state  # the state the pending epoch starts from, on the client
+
+    def cancel(*epochs):
+        for futures in epochs:
+            for future in futures or ():
+                future.cancel()
+
     start = time.perf_counter()
     pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
     following = None
@@ -151,26 +159,23 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
             if following is None and done + 1 < epochs:
                 following = graph.submit(pending)
             try:
-                out = pending.result()
+                out = pending[0].result()
             except CancelledError:
                 restarts += 1
                 if restarts > MAX_EPOCH_RESTARTS:
                     raise
-                for future in (pending, following):
-                    if future is not None:
-                        future.cancel()
+                cancel(pending, following)
                 following = None
                 pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
                 continue
-            pending.release()
+            for future in pending:
+                future.release()
             now = time.perf_counter()
             yield out.state, out.scalars, now - start
             start, base, done = now, out.state, done + 1
             pending, following = following, None
     finally:  # stopped early (a callback, an interrupt): drop the epoch submitted in advance
-        for future in (pending, following):
-            if future is not None:
-                future.cancel()
+        cancel(pending, following)
 
 
 def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds_per_epoch: int = 1,

@@ -148,12 +148,15 @@ def copy_state(adapter, state):
     return own(state) if own is not None else copy.deepcopy(state)
 
 
-def _finish_round(carry: EpochCarry, adapter, *parts) -> EpochCarry:
+def _finish_round(carry: EpochCarry, adapter, first: bool, *parts) -> EpochCarry:
     total = _combine(*parts)
     # The input carry may be read again (a recomputation after a lost worker, or the client's own
     # object on an in-process cluster), so the update goes to a copy.
-    state = adapter.apply(copy_state(adapter, carry.state), total)
-    scalars = dict(carry.scalars)
+    state = copy_state(adapter, carry.state)
+    scalars = {} if first else dict(carry.scalars)
+    if first:  # the epoch's first round starts it (its chunk tasks read only the payload)
+        state = adapter.begin_epoch(state)
+    state = adapter.apply(state, total)
     if total is not None:
         for k, v in total.scalars.items():
             scalars[k] = scalars.get(k, 0.0) + v
@@ -181,10 +184,6 @@ def _holders(client, array, blocks) -> dict:
     return out
 
 
-def _begin_epoch(carry: EpochCarry, adapter) -> EpochCarry:
-    return EpochCarry(adapter.begin_epoch(copy_state(adapter, carry.state)), {})
-
-
 def _end_epoch(carry: EpochCarry, adapter) -> EpochCarry:
     return EpochCarry(adapter.end_epoch(copy_state(adapter, carry.state)), carry.scalars)
 
@@ -198,11 +197,13 @@ class EpochGraph:
     end of a round (sum of the top-level partials + ``adapter.apply``) runs once per such worker,
     on that worker, and its chunk tasks read the local copy. A round is then one exchange of
     partials between workers and no broadcast of the new state afterwards (one scheduler hop and
-    one transfer less per round). The copies are bit-identical: same inputs, same order, same
-    code. The epoch's end runs on the first copy.
+    one transfer less per round). ``begin_epoch`` (folded into the first round's end: adapters
+    must not change their payload in ``begin_epoch``) and ``end_epoch`` run on every copy too, so
+    the next epoch starts from local copies and the state never moves between workers. The copies
+    are bit-identical: same inputs, same order, same code.
 
-    The result of :meth:`submit` is a future of an :class:`EpochCarry` (the state after the epoch,
-    the epoch's summed scalars). It equals running :func:`map_reduce` + ``adapter.apply`` round by
+    The result of :meth:`submit` is one future per copy of an :class:`EpochCarry` (the state
+    after the epoch, the epoch's summed scalars). It equals running :func:`map_reduce` + ``adapter.apply`` round by
     round on the client. For persisted data only (a Zarr-backed chunk read once for several rounds
     would stay in memory between them).
     """
@@ -233,16 +234,17 @@ class EpochGraph:
         worker = self.replicas[w]
         return {} if worker is None else {"workers": [worker], "allow_other_workers": True}
 
-    def submit(self, carry):
-        """Submit one epoch starting from ``carry`` (a future or delayed :class:`EpochCarry`)."""
+    def submit(self, start) -> list:
+        """Submit one epoch. ``start``: the state to start from — one future or delayed
+        :class:`EpochCarry` for every state copy, or the list returned by the previous
+        :meth:`submit`. Returns one future per state copy (all equal; gather the first)."""
         tag = f"{self.count}-{self.token}"
         self.count += 1
         adapter = self.adapter
-        carries = []
-        for w in range(len(self.replicas)):
-            with dask.annotate(**self._on_replica(w)):
-                carries.append(dask.delayed(_begin_epoch)(carry, adapter,
-                                                          dask_key_name=(f"daskpty-begin-{tag}", w)))
+        copies = len(self.replicas)
+        if not isinstance(start, (list, tuple)):
+            start = [start] * copies
+        carries = list(start)
         for r in range(self.rounds):
             parts = []
             for i, (b, p) in enumerate(zip(self.blocks, self.positions)):
@@ -252,11 +254,13 @@ class EpochGraph:
                         dask_key_name=(f"{CHUNK_PREFIX}-{r}-{tag}", i)))
             level = _reduce_levels(parts, self.split_every)
             new = []
-            for w in range(len(self.replicas)):
+            for w in range(copies):
                 with dask.annotate(**self._on_replica(w)):
-                    new.append(dask.delayed(_finish_round)(carries[w], adapter, *level,
+                    new.append(dask.delayed(_finish_round)(carries[w], adapter, r == 0, *level,
                                                            dask_key_name=(f"{ROUND_PREFIX}-{r}-{tag}", w)))
             carries = new
-        with dask.annotate(**self._on_replica(0)):
-            end = dask.delayed(_end_epoch)(carries[0], adapter, dask_key_name=f"daskpty-end-{tag}")
-        return self.client.compute(end, optimize_graph=False)
+        ends = []
+        for w in range(copies):
+            with dask.annotate(**self._on_replica(w)):
+                ends.append(dask.delayed(_end_epoch)(carries[w], adapter, dask_key_name=(f"daskpty-end-{tag}", w)))
+        return self.client.compute(ends, optimize_graph=False)
