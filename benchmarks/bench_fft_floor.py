@@ -188,7 +188,7 @@ def floor(args, n_patterns, n, modes, chunk_length, rounds, log=print) -> dict:
             "per_worker": {k: {"a": r["a"], "b": r["b"], "patterns": r["patterns"]} for k, r in results.items()}}
 
 
-def _auto_rounds(args, n_patterns, nbytes):
+def _auto_rounds(args, n_patterns, n, modes, nbytes):
     """daskpty's rounds_per_epoch='auto' rule (api.reconstruct) for this cluster shape."""
     if str(args.rounds_per_epoch) != "auto":
         return int(args.rounds_per_epoch)
@@ -207,7 +207,9 @@ def _auto_rounds(args, n_patterns, nbytes):
             persist = nbytes <= 0.5 * psutil.virtual_memory().total
         else:
             persist = nbytes <= 0.5 * mem * (args.workers or 2)
-    return int(np.clip(n_patterns // 150, 1, 16)) if persist else 1
+    from daskpty.execution.data import auto_rounds
+
+    return auto_rounds(n_patterns, n, modes, bool(persist))
 
 
 def main(argv=None):
@@ -234,7 +236,7 @@ def main(argv=None):
         n_patterns, n, modes = resolved_shape(args)
         modes = args.probe_modes or modes
         itemsize = 4 if args.no_noise else 2
-        rounds = _auto_rounds(args, n_patterns, n_patterns * n * n * itemsize)
+        rounds = _auto_rounds(args, n_patterns, n, modes, n_patterns * n * n * itemsize)
         summary.update(floor(args, n_patterns, n, modes, args.chunk_length, rounds))
         print_json(summary)
         return 0

@@ -10,7 +10,7 @@ from .checkpoint import Checkpointer, sigterm_as_interrupt
 from .engines import lsqml
 from .engines.initial import object_frame, probe_diameter_from_scan, probe_from_mean_pattern
 from .execution.cluster import client_context
-from .execution.data import choose_chunk_length, prepare_data, should_persist, workers_have_gpus
+from .execution.data import auto_rounds, choose_chunk_length, prepare_data, should_persist, workers_have_gpus
 from .execution.driver import LSQMLAdapter, run_epochs
 from .execution.latency import enable_low_latency
 from .physics import check_windows_inside, split_positions
@@ -109,6 +109,17 @@ def _engine(engine, noise, loss, optimizer, lr, engine_options):
     return options, LSQMLAdapter(options)
 
 
+def _probe_modes_hint(probe, probe_modes, resumed) -> int:
+    """Probe modes as far as known before the initial probe is built (for the rounds rule)."""
+    if probe_modes:
+        return int(probe_modes)
+    if probe is not None and np.ndim(probe) == 3:
+        return int(np.shape(probe)[0])
+    if resumed is not None:
+        return int(resumed.probe.shape[0])
+    return 1
+
+
 def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, object=None,
                 probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
                 client=None, n_workers: int | None = None, seed: int = 0, callback=None,
@@ -141,9 +152,10 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         Noise model of the LSQML far-field correction (and the default AD loss).
     rounds_per_epoch : int or "auto"
         1 = compact LSQML (one update per epoch from all patterns); R > 1 = minibatch semantics,
-        round r using slice r::R of every chunk. "auto": N // 150 clipped to 1…16 when the data
-        are persisted (about 150 patterns per update, like Pty-Chi's default batches), 1 out of
-        core (each round re-reads every chunk).
+        round r using slice r::R of every chunk. "auto" (:func:`daskpty.execution.data.auto_rounds`):
+        when the data are persisted about 150 patterns per update (N // 150, like Pty-Chi's
+        default batches) but at most one round per 6 Mi pattern-pixels (at least 3), clipped to
+        1…16; 1 out of core (each round re-reads every chunk).
     client : distributed.Client, optional
         Default: the current client, else an embedded LocalCluster of ``n_workers`` processes
         (127.0.0.1 only) that is closed at the end.
@@ -269,7 +281,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         if persist == "auto":
             persist = should_persist(c, intensities.nbytes)
         if rounds_per_epoch == "auto":
-            rounds_per_epoch = int(np.clip(len(positions) // 150, 1, 16)) if persist else 1
+            rounds_per_epoch = auto_rounds(len(positions), n, _probe_modes_hint(probe, probe_modes, resumed),
+                                           bool(persist))
         run_options.update(rounds_per_epoch=rounds_per_epoch, persist=bool(persist))
         publisher = None
         if dashboard:

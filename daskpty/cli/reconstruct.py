@@ -25,7 +25,7 @@ def add_parser(subparsers):
     p.add_argument("--probe-lr", type=float, default=None, help="AD probe step size (relative)")
     p.add_argument("--rounds-per-epoch", type=_rounds, default="auto",
                    help="1 = compact LSQML; R > 1 = R minibatch updates per epoch; "
-                        "auto (default) = N // 150 clipped to 1..16 for data held in memory")
+                        "auto (default): ~150 patterns per round, at most one per 6 Mi pattern-pixels (>= 3), 1..16, for data held in memory; 1 out of core")
     p.add_argument("--probe-modes", type=int, default=None, help="incoherent probe modes")
     p.add_argument("--workers", type=int, default=None, help="local worker processes (default: one per core)")
     p.add_argument("--scheduler", default=None, help="address of a running dask scheduler")

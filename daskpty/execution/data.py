@@ -39,6 +39,27 @@ def default_chunk_length(n_patterns: int, n: int, modes: int = 1, memory_budget:
     return int(math.ceil(n_patterns / math.ceil(n_patterns / longest)))
 
 
+#: Pattern-mode pixels of work a minibatch round should hold at least (6 Mi: 384 patterns of 128²),
+#: so that the round's fixed costs (exchange of partials, apply, scheduling) stay small next to it.
+ROUND_PIXELS = 6 * 2**20
+
+
+def auto_rounds(n_patterns: int, n: int, modes: int = 1, persisted: bool = True) -> int:
+    """``rounds_per_epoch="auto"``: minibatch rounds per epoch.
+
+    About 150 patterns per update (N // 150, like Pty-Chi's default batches), but no more rounds
+    than keep :data:`ROUND_PIXELS` of work in each — never fewer than 3, which small scans need to
+    converge — clipped to 1…16. Out of core: 1 (every round re-reads the data). Measured on
+    1,600 × 128² (2 workers, equal wall time ≈ 15 s): R = 4 reached NRMSE 0.051, R = 10 0.069,
+    R = 1 0.077; on 576 × 64² R = 3 is needed to match Pty-Chi per epoch (R = 2: 0.17 vs 0.14 at 30).
+    """
+    if not persisted:
+        return 1
+    by_batch = n_patterns // 150
+    by_work = max(3, (n_patterns * n * n * modes) // ROUND_PIXELS)
+    return int(np.clip(min(by_batch, by_work), 1, 16))
+
+
 def choose_chunk_length(client, n_patterns: int, n: int, modes: int = 1) -> int:
     """:func:`default_chunk_length` with a per-step budget of at most a quarter of the smallest
     worker's memory limit (512 MiB when unlimited)."""
