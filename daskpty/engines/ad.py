@@ -173,19 +173,7 @@ def _working_dtypes(*arrays):
 
 def _ramp_factors(fractions, n: int, rdtype, xp):
     """Separable shift ramps exp(−2πi k f) per axis, each (B, n), in the working precision."""
-    if rdtype == np.float32:
-        return shift_ramp_factors(fractions, n, xp)
-    f = xp.asarray(fractions, dtype=np.float64)
-    k = xp.asarray(np.fft.fftfreq(n), dtype=np.float64)
-    factors = []
-    for axis in (0, 1):
-        phase = (-2 * np.pi * f[:, axis, None]) * k[None, :]
-        r = xp.empty(phase.shape, np.complex128)
-        parts = r.view(np.float64).reshape(phase.shape + (2,))
-        parts[..., 0] = xp.cos(phase)
-        parts[..., 1] = xp.sin(phase)
-        factors.append(r)
-    return tuple(factors)
+    return shift_ramp_factors(fractions, n, xp, np.complex64 if rdtype == np.float32 else np.complex128)
 
 
 def _outer_ramps(ry, rx, out):

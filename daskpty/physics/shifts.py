@@ -22,15 +22,17 @@ def split_positions(positions, n: int):
     return corners, fractions
 
 
-def shift_ramp_factors(fractions, n: int, xp=np):
-    """The separable factors of :func:`shift_ramps`: exp(-2πi ky fy) and exp(-2πi kx fx), each (B, n)."""
-    f = xp.asarray(fractions, dtype=np.float32)
-    k = fftfreq(n, xp)
+def shift_ramp_factors(fractions, n: int, xp=np, dtype=np.complex64):
+    """The separable factors of :func:`shift_ramps`: exp(-2πi ky fy) and exp(-2πi kx fx), each
+    (B, n), in ``dtype`` (complex64, or complex128 for float64 work)."""
+    real = np.float64 if np.dtype(dtype) == np.complex128 else np.float32
+    f = xp.asarray(fractions, dtype=real)
+    k = xp.asarray(fftfreq(n, xp), dtype=real) if real == np.float32 else xp.asarray(np.fft.fftfreq(n), dtype=real)
     factors = []
     for axis in (0, 1):
-        phase = (np.float32(-2 * np.pi) * f[:, axis, None]) * k[None, :]
-        r = xp.empty(phase.shape, np.complex64)
-        parts = r.view(np.float32).reshape(phase.shape + (2,))
+        phase = (real(-2 * np.pi) * f[:, axis, None]) * k[None, :]
+        r = xp.empty(phase.shape, dtype)
+        parts = r.view(real).reshape(phase.shape + (2,))
         parts[..., 0] = xp.cos(phase)
         parts[..., 1] = xp.sin(phase)
         factors.append(r)
