@@ -338,6 +338,7 @@ def end_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
                 state.velocity = change.astype(np.complex64)
         else:
             state.velocity = change.astype(np.complex64)
+    state.epoch_start_object = None  # only needed within the epoch (keeps gathered states small)
     if options.orthogonalize and state.probe.shape[0] > 1:
         state.probe = orthogonalize_modes(state.probe)
     if options.normalize_every and (state.epoch + 1) % options.normalize_every == 0:
