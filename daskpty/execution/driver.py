@@ -9,9 +9,10 @@ An *adapter* binds an engine's pure functions to this loop:
   chunk steps, which read the payload of the state before it)
 * optionally ``copy_state(state)``: a copy that ``apply`` may change (default ``copy.deepcopy``)
 
-With persisted data an epoch's rounds run as one graph (:func:`~.rounds.run_epoch_graph`, ``apply``
-on a worker); otherwise round by round (``map_reduce`` on the cluster, ``apply`` on the client).
-Both give the same result.
+With persisted data each epoch runs as one graph on the workers (:class:`~.epoch_graph.EpochGraph`:
+``apply`` on every worker's copy of the state; the next epoch is submitted before this one is
+gathered); otherwise round by round (``map_reduce`` on the cluster, ``apply`` on the client). Both
+give the same result.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engines import lsqml
-from .rounds import ChunkedData, EpochCarry, EpochGraph, map_reduce
+from .epoch_graph import EpochCarry, EpochGraph
+from .rounds import ChunkedData, map_reduce
 
 
 @dataclass
