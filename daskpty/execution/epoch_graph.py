@@ -19,9 +19,9 @@ from .rounds import (
     CHUNK_PREFIX,
     ROUND_PREFIX,
     ChunkedData,
-    _combine,
-    _reduce_levels,
-    _run_chunk,
+    combine,
+    reduce_levels,
+    run_chunk,
 )
 
 
@@ -35,7 +35,7 @@ class EpochCarry:
 
 
 def _chunk_of_round(block, positions, carry: EpochCarry, adapter, round_index, rounds):
-    return _run_chunk(block, positions, adapter.payload(carry.state), adapter.chunk_function,
+    return run_chunk(block, positions, adapter.payload(carry.state), adapter.chunk_function,
                       round_index, rounds)
 
 
@@ -47,7 +47,7 @@ def copy_state(adapter, state):
 
 
 def _finish_round(carry: EpochCarry, adapter, first: bool, *parts) -> EpochCarry:
-    total = _combine(*parts)
+    total = combine(*parts)
     # The input carry may be read again (a recomputation after a lost worker, or the client's own
     # object on an in-process cluster), so the update goes to a copy.
     state = copy_state(adapter, carry.state)
@@ -150,7 +150,7 @@ class EpochGraph:
                     parts.append(dask.delayed(_chunk_of_round)(
                         b, p, carries[self.replica_of[i]], adapter, r, self.rounds,
                         dask_key_name=(f"{CHUNK_PREFIX}-{r}-{tag}", i)))
-            level = _reduce_levels(parts, self.split_every)
+            level = reduce_levels(parts, self.split_every)
             new = []
             for w in range(copies):
                 with dask.annotate(**self._on_replica(w)):

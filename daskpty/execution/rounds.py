@@ -47,7 +47,9 @@ class ChunkedData:
         return self.intensities.chunks[0]
 
 
-def _run_chunk(block, positions, payload, func, round_index, rounds):
+def run_chunk(block, positions, payload, func, round_index, rounds):
+    """The chunk task: ``func(intensities, positions, payload) -> Partial`` on slice
+    ``round_index::rounds`` of one chunk, with the worker's allocator tuned around it."""
     tune_allocator()
     if rounds > 1:
         block = block[round_index::rounds]
@@ -61,7 +63,8 @@ def _run_chunk(block, positions, payload, func, round_index, rounds):
     return part  # the block of an object-dtype array: dask passes it through untouched
 
 
-def _combine(*parts):
+def combine(*parts):
+    """Sum of partials in the given order; counts the bytes it produced in ``reduced_bytes``."""
     total = sum_partials(*parts)
     if total is not None and len(parts) > 1:
         total.scalars["reduced_bytes"] = total.scalars.get("reduced_bytes", 0.0) + float(total.nbytes)
@@ -77,23 +80,23 @@ CHUNK_PREFIX = "daskpty-chunk"
 so that each round's chunk tasks form one task group)."""
 
 
-def _reduce_levels(blocks, split_every: int) -> list:
+def reduce_levels(blocks, split_every: int) -> list:
     """Combine delayed partials level by level (left to right) until at most ``split_every`` remain."""
     level = list(blocks)
     while len(level) > split_every:
-        level = [dask.delayed(_combine)(*level[i:i + split_every])
+        level = [dask.delayed(combine)(*level[i:i + split_every])
                  for i in range(0, len(level), split_every)]
     return level
 
 
 def tree_reduce(blocks, split_every: int, name: str | None = None):
-    """Fixed-shape tree of ``_combine`` over a list of delayed partials (left to right).
+    """Fixed-shape tree of ``combine`` over a list of delayed partials (left to right).
 
     ``name`` is the key of the root task (default: dask's).
     """
-    level = _reduce_levels(blocks, split_every)
+    level = reduce_levels(blocks, split_every)
     kwargs = {} if name is None else {"dask_key_name": name}
-    return dask.delayed(_combine)(*level, **kwargs)
+    return dask.delayed(combine)(*level, **kwargs)
 
 
 def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0, rounds: int = 1,
@@ -105,7 +108,7 @@ def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0
     """
     payload_future = client.scatter(payload, broadcast=True, hash=False)
     parts = da.blockwise(
-        _run_chunk, "i",
+        run_chunk, "i",
         data.intensities, "ijk",
         data.positions, "il",
         payload_future, None, func, None, round_index, None, rounds, None,

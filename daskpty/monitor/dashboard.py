@@ -68,9 +68,9 @@ def _round_task_prefixes() -> tuple[frozenset, str]:
     """Task prefixes of the engine's chunk tasks, and of the task that ends a round."""
     from dask.utils import funcname, key_split
 
-    from ..execution.rounds import CHUNK_PREFIX, ROUND_PREFIX, _run_chunk
+    from ..execution.rounds import CHUNK_PREFIX, ROUND_PREFIX, run_chunk
 
-    return frozenset({key_split(funcname(_run_chunk) + "-0"), CHUNK_PREFIX}), ROUND_PREFIX
+    return frozenset({key_split(funcname(run_chunk) + "-0"), CHUNK_PREFIX}), ROUND_PREFIX
 
 
 # --------------------------------------------------------------------------------------------
