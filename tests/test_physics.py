@@ -734,7 +734,7 @@ def test_fused_far_field_update_matches_correction_and_loss(noise, masked):
 # fast-path helpers used by the LSQML chunk step
 # ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("n", [8, 40])  # flat-index path (n < 32) and per-pattern slice path
+@pytest.mark.parametrize("n", [8, 40])
 def test_patch_index_sub_batches_match_slicing(n):
     from daskpty.physics.patches import PatchIndex
 
@@ -744,7 +744,7 @@ def test_patch_index_sub_batches_match_slicing(n):
     corners[1] = corners[0]  # identical windows add twice
     obj = crandn(rng, shape)
     index = PatchIndex(corners, n, shape)
-    assert index._slices == (n >= PatchIndex.MIN_SLICE_N)
+    assert index._inside  # gathers through the window view on the CPU
     out = np.empty((4, n, n), np.complex64)
     for batch in (slice(0, 4), slice(4, 8), slice(8, 9)):
         got = index.extract(obj, batch, out=out[:batch.stop - batch.start])

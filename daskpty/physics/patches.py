@@ -1,7 +1,9 @@
 """Patch extraction from the object and its adjoint, the scatter-add of patches.
 
-On the GPU both are single vectorised gathers/scatters per batch; on the CPU they copy/add one
-2-D slice per pattern, which beats a flat-index gather and ``np.bincount`` several times over.
+Each is one vectorised call per batch, no per-pattern Python loop: the gather indexes a strided
+view of all n × n windows (CPU) or a flat index (GPU); the scatter-add is ``np.add.at`` on the
+CPU (unbuffered, so overlapping windows accumulate, in index order: deterministic) and
+``cupyx.scatter_add`` on the GPU, both driven by a flat index built once per batch.
 """
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ import numpy as np
 from .backend import get_xp
 
 
-def _flat_indices(corners, n: int, width: int, xp):
-    c = xp.asarray(corners)
-    ar = xp.arange(n)
+def _flat_indices(corners, n: int, shape, xp):
+    """Flat indices (B, n, n) of the windows' pixels in an array of ``shape`` (int32 when it fits)."""
+    itype = np.int32 if shape[-2] * shape[-1] < 2**31 else np.int64
+    c = xp.asarray(corners).astype(itype)
+    ar = xp.arange(n, dtype=itype)
     rows = c[:, 0, None] + ar[None, :]  # (B, n)
     cols = c[:, 1, None] + ar[None, :]
-    return rows[:, :, None] * width + cols[:, None, :]  # (B, n, n)
+    return (rows * itype(shape[-1]))[:, :, None] + cols[:, None, :]
 
 
 def check_windows_inside(corners, n: int, shape) -> None:
@@ -35,60 +39,45 @@ def check_windows_inside(corners, n: int, shape) -> None:
 class PatchIndex:
     """Windows at ``corners`` (B, 2) of size n in arrays of shape ``shape``.
 
-    Build once per batch and reuse for every gather and scatter on arrays of that shape. On the
-    CPU with n ≥ 32, windows are copied and added as 2-D slices, one pattern at a time (several
-    times cheaper than a flat-index gather or ``np.bincount`` at n = 64–128); otherwise a flat
-    index array of B·n² integers is built once and drives one vectorised gather/scatter.
-    ``batch`` (a slice of the patterns) restricts a call to a sub-batch.
+    Build once per batch and reuse for every gather and scatter on arrays of that shape (the flat
+    index, B·n² integers, is built on first use). ``batch`` (a slice of the patterns) restricts a
+    call to a sub-batch.
     """
-
-    #: Smallest window size for the per-pattern slice loops (below it the loop overhead dominates).
-    MIN_SLICE_N = 32
 
     def __init__(self, corners, n: int, shape, xp=np):
         self.n = n
         self.shape = tuple(shape[-2:])
         self.xp = xp
-        self.corners = np.asarray(corners if xp is np else _host(corners), dtype=np.int64).reshape(-1, 2)
+        self.corners = np.asarray(_host(corners), dtype=np.int64).reshape(-1, 2)
         self._flat = None
-        # Slices need windows inside the array (the flat index wraps into the next row instead).
         c = self.corners
-        self._slices = xp is np and n >= self.MIN_SLICE_N and (c.size == 0 or bool(
-            c.min() >= 0 and c[:, 0].max() + n <= self.shape[0] and c[:, 1].max() + n <= self.shape[1]))
+        # The window view needs windows inside the array (a flat index wraps into the next row).
+        self._inside = c.size == 0 or bool(c.min() >= 0 and c[:, 0].max() + n <= self.shape[0]
+                                           and c[:, 1].max() + n <= self.shape[1])
 
     @property
     def flat(self):
         """Flat indices (B, n, n) of every window pixel."""
         if self._flat is None:
-            self._flat = _flat_indices(self.xp.asarray(self.corners), self.n, self.shape[-1], self.xp)
+            self._flat = _flat_indices(self.xp.asarray(self.corners), self.n, self.shape, self.xp)
         return self._flat
 
     def extract(self, obj, batch: slice = slice(None), out=None):
-        """Gather the windows of ``obj`` (H, W) → (b, n, n) (into ``out`` when given)."""
-        if not self._slices:
-            if out is not None and out.dtype == obj.dtype:
-                return self.xp.take(obj.reshape(-1), self.flat[batch], out=out)
-            patches = obj.reshape(-1)[self.flat[batch]]
-            if out is None:
-                return patches
-            out[...] = patches
-            return out
-        n = self.n
-        corners = self.corners[batch].tolist()
-        if out is None:
-            out = np.empty((len(corners), n, n), dtype=obj.dtype)
-        for o, (r, c) in zip(out, corners):
-            o[...] = obj[r:r + n, c:c + n]
-        return out
+        """Gather the windows of ``obj`` (H, W) → (b, n, n).
+
+        ``out``: a buffer the flat-index gather writes into (GPU, or windows leaving the array);
+        the window-view gather on the CPU returns a new array. Always use the returned array.
+        """
+        if self.xp is np and self._inside:
+            c = self.corners[batch]
+            return np.lib.stride_tricks.sliding_window_view(obj, (self.n, self.n))[c[:, 0], c[:, 1]]
+        if out is not None and out.dtype == obj.dtype:
+            return self.xp.take(obj.reshape(-1), self.flat[batch], out=out)
+        return obj.reshape(-1)[self.flat[batch]]
 
     def scatter_add(self, target, patches, batch: slice = slice(None)) -> None:
         """Add patches (b, n, n) into ``target`` (H, W) in place (adjoint of :meth:`extract`)."""
-        if not self._slices:
-            _scatter_add_flat(target, self.flat[batch].reshape(-1), patches.reshape(-1))
-            return
-        n = self.n
-        for p, (r, c) in zip(patches, self.corners[batch].tolist()):
-            target[r:r + n, c:c + n] += p
+        _scatter_add_flat(target, self.flat[batch].reshape(-1), patches.reshape(-1))
 
 
 def _host(a):
@@ -97,11 +86,7 @@ def _host(a):
 
 def extract_patches(obj, corners, n: int):
     """Gather windows ``obj[r:r+n, c:c+n]`` for corners (B, 2) → (B, n, n)."""
-    xp = get_xp(obj)
-    if xp is np:
-        return PatchIndex(corners, n, obj.shape).extract(obj)
-    idx = _flat_indices(corners, n, obj.shape[-1], xp)
-    return obj.reshape(-1)[idx]
+    return PatchIndex(corners, n, obj.shape, get_xp(obj)).extract(obj)
 
 
 def scatter_add_patches(target, corners, patches) -> None:
@@ -109,24 +94,14 @@ def scatter_add_patches(target, corners, patches) -> None:
 
     Overlapping windows accumulate. Works for real and complex targets.
     """
-    xp = get_xp(target, patches)
-    n = patches.shape[-1]
-    if xp is np:
-        PatchIndex(corners, n, target.shape).scatter_add(target, patches)
-        return
-    idx = _flat_indices(corners, n, target.shape[-1], xp).reshape(-1)
-    _scatter_add_flat(target, idx, patches.reshape(-1))
+    PatchIndex(corners, patches.shape[-1], target.shape, get_xp(target, patches)).scatter_add(target, patches)
 
 
 def _scatter_add_flat(target, idx, vals) -> None:
     xp = get_xp(target, vals)
     size = target.size
     if xp is np:
-        if np.iscomplexobj(target):  # .real / .imag are writable views of the complex target
-            target.real += np.bincount(idx, weights=vals.real, minlength=size).reshape(target.shape)
-            target.imag += np.bincount(idx, weights=vals.imag, minlength=size).reshape(target.shape)
-        else:
-            target += np.bincount(idx, weights=vals, minlength=size).reshape(target.shape)
+        np.add.at(target.reshape(-1), idx, vals.astype(target.dtype, copy=False))
     else:  # CuPy: one atomic scatter kernel per real component
         import cupyx
 
