@@ -61,16 +61,16 @@ def tune_switch_interval() -> None:
 
 
 def _in_worker_process() -> bool:
+    """True inside a dask worker that has a process of its own (not an in-process cluster)."""
+    import multiprocessing
+
     try:
         from distributed import get_worker
 
-        worker = get_worker()
+        get_worker()
     except Exception:
         return False
-    import multiprocessing
-
-    # A worker in its own process (nanny-spawned), not an in-process (threads) cluster.
-    return multiprocessing.parent_process() is not None and worker is not None
+    return multiprocessing.parent_process() is not None
 
 
 def tune_allocator() -> bool:

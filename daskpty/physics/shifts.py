@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import fft2, fftfreq, get_xp, ifft2
+from .backend import fft2, get_xp, ifft2
 
 
 def split_positions(positions, n: int):
@@ -27,7 +27,7 @@ def shift_ramp_factors(fractions, n: int, xp=np, dtype=np.complex64):
     (B, n), in ``dtype`` (complex64, or complex128 for float64 work)."""
     real = np.float64 if np.dtype(dtype) == np.complex128 else np.float32
     f = xp.asarray(fractions, dtype=real)
-    k = xp.asarray(fftfreq(n, xp), dtype=real) if real == np.float32 else xp.asarray(np.fft.fftfreq(n), dtype=real)
+    k = xp.asarray(np.fft.fftfreq(n), dtype=real)
     factors = []
     for axis in (0, 1):
         phase = (real(-2 * np.pi) * f[:, axis, None]) * k[None, :]
