@@ -11,6 +11,7 @@ from daskpty.engines import ad, lsqml
 from daskpty.execution.ad_adapter import ADAdapter
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import LSQMLAdapter, run_epochs
+from daskpty.execution.epoch_graph import EpochCarry
 
 from synthetic import make_dataset
 
@@ -66,4 +67,50 @@ def test_one_graph_per_epoch(process_client):
     before = process_client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[counter.name].graphs)
     run_epochs(process_client, data, adapter, state, epochs=4, rounds_per_epoch=5, initialise=False)
     after = process_client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[counter.name].graphs)
-    assert after - before == 4  # one graph per epoch (round by round would be 4 × 5)
+    # one graph per epoch, plus one for the inputs every epoch reads (round by round: 4 × 5)
+    assert after - before == 4 + 1
+
+
+class _TaskLog(SchedulerPlugin):
+    """Which worker ran which task (keys and worker addresses as the scheduler saw them)."""
+
+    name = "test-task-log"
+
+    def __init__(self):
+        self.ran = []
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if finish == "memory" and start == "processing":
+            self.ran.append((key, kwargs.get("worker")))
+
+
+def test_chunks_spread_evenly_and_one_chunk_task_per_worker_and_round(process_client, tmp_path):
+    """From a Zarr store, through the spatial reordering (a shuffle) and the first-epoch rescale
+    (unpinned tasks that may copy chunks), the chunks still end up 2 : 2 on the two worker
+    processes, and each round runs one chunk task per worker, on the worker holding its chunks."""
+    import daskpty
+    from distributed import futures_of
+
+    from daskpty.execution.epoch_graph import EpochGraph
+    from daskpty.execution.rounds import CHUNK_PREFIX
+
+    ds = make_dataset(grid=12, seed=5)
+    stored = daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(tmp_path / "d.zarr")
+    data = prepare_data(process_client, stored.intensities, ds.positions, chunk_length=36, persist=True)
+    assert data.n_chunks == 4
+    adapter = LSQMLAdapter(lsqml.LSQMLOptions())
+    state = adapter.initialise(process_client, data, adapter.new_state(np.ones_like(ds.truth.object),
+                                                                         ds.truth.probe.copy()), split_every=8)
+    graph = EpochGraph(process_client, data, adapter, rounds=3)
+    assert sorted(len(chunks) for _, chunks in graph.groups) == [2, 2]
+    log = _TaskLog()
+    process_client.register_plugin(log, name=log.name)
+    futures = graph.submit(process_client.scatter(EpochCarry(state), hash=False))
+    futures[0].result()
+    holders = process_client.who_has(futures_of(data.intensities))
+    chunk_tasks = [(k, w) for k, w in process_client.run_on_scheduler(
+        lambda dask_scheduler: dask_scheduler.plugins[log.name].ran) if str(k[0]).startswith(CHUNK_PREFIX)]
+    assert len(chunk_tasks) == 3 * 2  # rounds × workers
+    for key, worker in chunk_tasks:
+        group = dict(graph.groups)[key[1]]
+        assert all(worker in holders[graph.block_keys[i]] for i in group)
