@@ -13,6 +13,7 @@ from .execution.cluster import client_context
 from .execution.data import auto_rounds, choose_chunk_length, prepare_data, should_persist, workers_have_gpus
 from .execution.driver import LSQMLAdapter, run_epochs
 from .execution.latency import enable_low_latency
+from .execution.rounds import DEFAULT_SPLIT_EVERY
 from .physics import check_windows_inside, split_positions
 from .io.validate import check_intensity_layout, check_values
 from .results import Reconstruction
@@ -124,7 +125,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
                 probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
                 client=None, n_workers: int | None = None, seed: int = 0, callback=None,
                 progress: bool = False, chunk_length: int | None = None, persist="auto", device: str = "auto",
-                split_every: int = 8, sort: bool = True, rescale_probe: bool = True,
+                split_every: int = DEFAULT_SPLIT_EVERY, sort: bool = True, rescale_probe: bool = True,
                 checkpoint=None, checkpoint_every: int = 10, resume=None, dashboard: bool = False,
                 check_data: bool = True,
                 loss: str | None = None, optimizer: str | None = None, lr: float | None = None,

@@ -114,3 +114,34 @@ def test_chunks_spread_evenly_and_one_chunk_task_per_worker_and_round(process_cl
     for key, worker in chunk_tasks:
         group = dict(graph.groups)[key[1]]
         assert all(worker in holders[graph.block_keys[i]] for i in group)
+
+
+@pytest.mark.parametrize("n,split_every", [(1, 8), (5, 2), (8, 8), (8, 4), (13, 3), (64, 8), (70, 8)])
+def test_fixed_tree_sums_like_tree_reduce_however_the_chunks_are_split(n, split_every):
+    """Summing each worker's complete subtrees first and finishing the tree elsewhere gives the
+    same bits as the tree_reduce graph, for any split of the chunks among workers."""
+    import dask
+
+    from daskpty.engines.partials import BoxedArray, Partial
+    from daskpty.execution.epoch_graph import FixedTree
+    from daskpty.execution.rounds import tree_reduce
+
+    rng = np.random.default_rng(n)
+    parts = []
+    for _ in range(n):
+        origin = tuple(int(v) for v in rng.integers(0, 20, 2))
+        data = (rng.normal(size=(9, 7)) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+        parts.append(Partial(boxes={"object": BoxedArray(origin, data)},
+                             scalars={"loss": float(rng.normal())}))
+    reference = dask.compute(tree_reduce([dask.delayed(p) for p in parts], split_every),
+                             scheduler="sync")[0]
+    tree = FixedTree(n, split_every)
+    for trial in range(4):
+        owner = np.sort(rng.integers(0, 3, n)) if trial % 2 else rng.integers(0, 3, n)
+        nodes = {}
+        for w in range(3):
+            nodes.update(tree.reduce({(0, i): parts[i] for i in range(n) if owner[i] == w}))
+        total = tree.reduce(nodes)[tree.root]
+        np.testing.assert_array_equal(total.boxes["object"].data, reference.boxes["object"].data)
+        assert total.boxes["object"].offset == reference.boxes["object"].offset
+        assert total.scalars == reference.scalars

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..engines import lsqml
 from .epoch_graph import EpochCarry, EpochGraph
-from .rounds import ChunkedData, map_reduce
+from .rounds import DEFAULT_SPLIT_EVERY, ChunkedData, map_reduce
 
 
 @dataclass
@@ -181,7 +181,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
 
 
 def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds_per_epoch: int = 1,
-               split_every: int = 8, callbacks=(), initialise: bool = True):
+               split_every: int = DEFAULT_SPLIT_EVERY, callbacks=(), initialise: bool = True):
     """Run ``epochs`` epochs of ``rounds_per_epoch`` rounds each. Returns ``(state, history)``.
 
     Each callback is called as ``callback(epoch, state, metrics)`` after every epoch; a callback

@@ -17,6 +17,7 @@ import numpy as np
 
 from .rounds import (
     CHUNK_PREFIX,
+    DEFAULT_SPLIT_EVERY,
     ROUND_PREFIX,
     ChunkedData,
     combine,
@@ -33,20 +34,50 @@ class EpochCarry:
     scalars: dict = field(default_factory=dict)
 
 
-def _chunks_of_round(blocks, positions, carry: EpochCarry, adapter, round_index, rounds) -> list:
-    """The chunk steps of one round for the chunks one worker holds: their partials, in order."""
+class FixedTree:
+    """The fixed-shape sum tree of :func:`~.rounds.tree_reduce` over ``n`` chunk partials.
+
+    Level 0 holds the chunks; node ``(L + 1, j)`` sums nodes ``(L, j·s) … (L, j·s + s − 1)``
+    (``s = split_every``), left to right, until one level has at most ``s`` nodes; the root sums
+    that level. Node ``(L, j)`` thus covers chunks ``j·s^L … (j + 1)·s^L − 1``.
+    :meth:`reduce` evaluates every node whose inputs are at hand, so a worker can sum the complete
+    subtrees of the chunks it holds and send one partial for each; the receiving side finishes the
+    same tree. The sums are the same, in the same order, wherever they run.
+    """
+
+    def __init__(self, n: int, split_every: int):
+        self.split_every = s = max(2, int(split_every))
+        self.counts = [int(n)]
+        while self.counts[-1] > s:
+            self.counts.append(-(-self.counts[-1] // s))
+        self.counts.append(1)  # the root
+
+    @property
+    def root(self) -> tuple:
+        return (len(self.counts) - 1, 0)
+
+    def reduce(self, nodes: dict) -> dict:
+        """Replace complete groups of children in ``nodes`` (``{(level, index): partial}``) by
+        their parent, bottom up; returns the nodes left (the root alone once all are there)."""
+        nodes = dict(nodes)
+        s = self.split_every
+        for level in range(1, len(self.counts)):
+            below = self.counts[level - 1]
+            for j in range(self.counts[level]):
+                kids = [(level - 1, k) for k in range(j * s, min((j + 1) * s, below))]
+                if all(k in nodes for k in kids):
+                    nodes[(level, j)] = combine(*[nodes.pop(k) for k in kids])
+        return nodes
+
+
+def _chunks_of_round(blocks, positions, carry: EpochCarry, adapter, round_index, rounds,
+                     indices, tree: FixedTree) -> dict:
+    """The chunk steps of one round for the chunks one worker holds (``indices``), summed over
+    the complete subtrees of the fixed tree among them: ``{(level, index): partial}``."""
     payload = adapter.payload(carry.state)
-    return [run_chunk(b, p, payload, adapter.chunk_function, round_index, rounds)
-            for b, p in zip(blocks, positions)]
-
-
-def tree_sum(parts: list, split_every: int):
-    """The sum :func:`~.rounds.tree_reduce` computes, in one process: ``combine`` level by level
-    (left to right, ``split_every`` at a time), then once over the last level."""
-    level = list(parts)
-    while len(level) > split_every:
-        level = [combine(*level[i:i + split_every]) for i in range(0, len(level), split_every)]
-    return combine(*level)
+    parts = {(0, i): run_chunk(b, p, payload, adapter.chunk_function, round_index, rounds)
+             for i, b, p in zip(indices, blocks, positions)}
+    return tree.reduce(parts)
 
 
 def copy_state(adapter, state):
@@ -56,15 +87,13 @@ def copy_state(adapter, state):
     return own(state) if own is not None else copy.deepcopy(state)
 
 
-def _finish_round(carry: EpochCarry, adapter, first: bool, split_every: int, chunk_order, *groups) -> EpochCarry:
-    """Sum a round's partials (``groups``: each chunk task's list; ``chunk_order``: their chunk
-    indices), ``apply`` it to a copy of the state, add the scalars to the epoch's sums."""
-    # the groups' partials back in chunk order, summed by the same fixed tree as map_reduce
-    parts = [None] * sum(len(g) for g in groups)
-    for indices, group in zip(chunk_order, groups):
-        for i, part in zip(indices, group):
-            parts[i] = part
-    total = tree_sum(parts, split_every)
+def _finish_round(carry: EpochCarry, adapter, first: bool, tree: FixedTree, *groups) -> EpochCarry:
+    """Finish the fixed tree over a round's partial sums (``groups``: each chunk task's nodes),
+    ``apply`` the total to a copy of the state, add the scalars to the epoch's sums."""
+    nodes = {}
+    for group in groups:
+        nodes.update(group)
+    total = tree.reduce(nodes)[tree.root]
     # The input carry may be read again (a recomputation after a lost worker, or the client's own
     # object on an in-process cluster), so the update goes to a copy.
     state = copy_state(adapter, carry.state)
@@ -139,7 +168,8 @@ class EpochGraph:
     would stay in memory between them).
     """
 
-    def __init__(self, client, data: ChunkedData, adapter, *, rounds: int = 1, split_every: int = 8):
+    def __init__(self, client, data: ChunkedData, adapter, *, rounds: int = 1,
+                 split_every: int = DEFAULT_SPLIT_EVERY):
         from distributed import futures_of
 
         self.client = client
@@ -191,20 +221,19 @@ class EpochGraph:
         inputs.update({f.key: f for f in start})
         carries = [f.key for f in start]
         tasks = [{} for _ in range(copies)]  # per replica: its tasks share one annotation
-        chunk_order = [g for _, g in self.groups]
+        tree = FixedTree(len(self.block_keys), self.split_every)
         for r in range(self.rounds):
             lists = []
             for w, chunks in self.groups:
                 key = (f"{CHUNK_PREFIX}-{r}-{tag}", w)
                 tasks[w][key] = (_chunks_of_round, [self.block_keys[i] for i in chunks],
                                  [self.position_keys[i] for i in chunks], carries[w], self.adapter_key,
-                                 r, self.rounds)
+                                 r, self.rounds, chunks, tree)
                 lists.append(key)
             new = []
             for w in range(copies):
                 key = (f"{ROUND_PREFIX}-{r}-{tag}", w)
-                tasks[w][key] = (_finish_round, carries[w], self.adapter_key, r == 0, self.split_every,
-                                 chunk_order, *lists)
+                tasks[w][key] = (_finish_round, carries[w], self.adapter_key, r == 0, tree, *lists)
                 new.append(key)
             carries = new
         ends = []
