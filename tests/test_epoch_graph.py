@@ -1,6 +1,7 @@
 """An epoch's rounds as one graph (persisted data) equal the same rounds run one by one from the
 client, and the client submits one graph per epoch."""
 import dataclasses
+import functools
 
 import numpy as np
 import pytest
@@ -39,12 +40,15 @@ def _adapters(ds):
     yield "ad-adam", ADAdapter(ad.ADOptions(optimizer="adam")), ad.ADState(obj0, ds.truth.probe.copy())
 
 
-@pytest.mark.parametrize("which", ["lsqml", "ad-adam"])
-def test_epoch_graph_equals_rounds_from_the_client(process_client, which):
+@pytest.mark.parametrize("which,fused", [("lsqml", True), ("lsqml", False), ("ad-adam", True)])
+def test_epoch_graph_equals_rounds_from_the_client(process_client, which, fused, monkeypatch):
     ds = make_dataset(grid=10, seed=3)
     data = prepare_data(process_client, ds.intensities, ds.positions, chunk_length=20, persist=True)
     assert data.persisted and data.n_chunks == 5
     name, adapter, state = next(a for a in _adapters(ds) if a[0] == which)
+    import daskpty.execution.driver as driver
+
+    monkeypatch.setattr(driver, "EpochGraph", functools.partial(driver.EpochGraph, fused=fused))
     results = {}
     for path, chunked in (("graph", data), ("rounds", dataclasses.replace(data, persisted=False))):
         start = adapter.new_state(state.object.copy(), state.probe.copy())
@@ -84,15 +88,17 @@ class _TaskLog(SchedulerPlugin):
             self.ran.append((key, kwargs.get("worker")))
 
 
-def test_chunks_spread_evenly_and_one_chunk_task_per_worker_and_round(process_client, tmp_path):
+@pytest.mark.parametrize("fused", [True, False])
+def test_chunks_spread_evenly_and_one_chunk_task_per_worker_and_round(process_client, tmp_path, fused):
     """From a Zarr store, through the spatial reordering (a shuffle) and the first-epoch rescale
     (unpinned tasks that may copy chunks), the chunks still end up 2 : 2 on the two worker
-    processes, and each round runs one chunk task per worker, on the worker holding its chunks."""
+    processes, and each round runs one chunk task per worker, on the worker holding its chunks
+    (fused: the round task that also ends the previous round; split: a separate chunk task)."""
     import daskpty
     from distributed import futures_of
 
     from daskpty.execution.epoch_graph import EpochGraph
-    from daskpty.execution.rounds import CHUNK_PREFIX
+    from daskpty.execution.rounds import CHUNK_PREFIX, ROUND_PREFIX
 
     ds = make_dataset(grid=12, seed=5)
     stored = daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(tmp_path / "d.zarr")
@@ -101,15 +107,18 @@ def test_chunks_spread_evenly_and_one_chunk_task_per_worker_and_round(process_cl
     adapter = LSQMLAdapter(lsqml.LSQMLOptions())
     state = adapter.initialise(process_client, data, adapter.new_state(np.ones_like(ds.truth.object),
                                                                          ds.truth.probe.copy()), split_every=8)
-    graph = EpochGraph(process_client, data, adapter, rounds=3)
+    graph = EpochGraph(process_client, data, adapter, rounds=3, fused=fused)
     assert sorted(len(chunks) for _, chunks in graph.groups) == [2, 2]
     log = _TaskLog()
+    log.name = f"{log.name}-{fused}"
     process_client.register_plugin(log, name=log.name)
     futures = graph.submit(process_client.scatter(EpochCarry(state), hash=False))
     futures[0].result()
+    graph.close()
     holders = process_client.who_has(futures_of(data.intensities))
+    prefix = ROUND_PREFIX if fused else CHUNK_PREFIX
     chunk_tasks = [(k, w) for k, w in process_client.run_on_scheduler(
-        lambda dask_scheduler: dask_scheduler.plugins[log.name].ran) if str(k[0]).startswith(CHUNK_PREFIX)]
+        lambda dask_scheduler: dask_scheduler.plugins[log.name].ran) if str(k[0]).startswith(prefix)]
     assert len(chunk_tasks) == 3 * 2  # rounds × workers
     for key, worker in chunk_tasks:
         group = dict(graph.groups)[key[1]]
@@ -145,3 +154,41 @@ def test_fixed_tree_sums_like_tree_reduce_however_the_chunks_are_split(n, split_
         np.testing.assert_array_equal(total.boxes["object"].data, reference.boxes["object"].data)
         assert total.boxes["object"].offset == reference.boxes["object"].offset
         assert total.scalars == reference.scalars
+
+
+def test_a_round_state_gone_from_its_worker_restarts_the_epoch_with_states_in_the_graph(process_client,
+                                                                                        monkeypatch):
+    """If a fused round task does not find its state (as when dask moves or recomputes it on
+    another worker), the epoch restarts from the client's copy with the split graph, and the
+    result equals an undisturbed run bit for bit."""
+    import daskpty.execution.driver as driver
+    from daskpty.execution.epoch_graph import EpochGraph, _round_task
+
+    ds = make_dataset(grid=10, seed=6)
+    data = prepare_data(process_client, ds.intensities, ds.positions, chunk_length=20, persist=True)
+    adapter = LSQMLAdapter(lsqml.LSQMLOptions())
+    graphs = []
+
+    class LosesAState(EpochGraph):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            graphs.append(self)
+
+        def _fused_tasks(self, tasks, carries, tree, tag):
+            ends = super()._fused_tasks(tasks, carries, tree, tag)
+            if self.count == 2:  # the second epoch: round 1 of the first replica looks for a lost state
+                for layer in tasks:
+                    for key, task in layer.items():
+                        if task[0] is _round_task and task[7] == 1:
+                            layer[key] = task[:4] + ("gone",) + task[5:]
+                            return ends
+            return ends
+
+    results = {}
+    for name, graph_class in (("undisturbed", EpochGraph), ("disturbed", LosesAState)):
+        monkeypatch.setattr(driver, "EpochGraph", graph_class)
+        start = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
+        results[name] = run_epochs(process_client, data, adapter, start, epochs=4, rounds_per_epoch=3)[0]
+    assert len(graphs) == 1 and not graphs[0].fused  # it fell back to the split graph
+    np.testing.assert_array_equal(results["disturbed"].object, results["undisturbed"].object)
+    np.testing.assert_array_equal(results["disturbed"].probe, results["undisturbed"].probe)

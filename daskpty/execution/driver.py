@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engines import lsqml
-from .epoch_graph import EpochCarry, EpochGraph
+from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .rounds import DEFAULT_SPLIT_EVERY, ChunkedData, map_reduce
 
 
@@ -140,9 +140,11 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
     (the first: from the submission).
 
     A worker that dies takes data dask cannot recompute (the scattered start state, or the
-    previous epoch's result once that graph is forgotten); dask then cancels the epoch, and it is
-    restarted from the client's copy of its start state (at most ``MAX_EPOCH_RESTARTS`` times).
-    Recomputation is deterministic, so the result equals an undisturbed run.
+    previous epoch's result once that graph is forgotten, or the state a fused round task keeps
+    in its worker); dask then cancels the epoch or a round task raises
+    :class:`~.epoch_graph.StaleRoundState`, and the epoch is restarted from the client's copy of
+    its start state (at most ``MAX_EPOCH_RESTARTS`` times; after a stale state, with the state
+    kept as task results). Recomputation is deterministic, so the result equals an undisturbed run.
     """
     graph = EpochGraph(client, data, adapter, rounds=rounds, split_every=split_every)
     base = state  # the state the pending epoch starts from, on the client
@@ -151,6 +153,11 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
         for futures in epochs:
             for future in futures or ():
                 future.cancel()
+
+    def release(*epochs):
+        for futures in epochs:
+            for future in futures or ():
+                future.release()
 
     start = time.perf_counter()
     pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
@@ -162,11 +169,18 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 following = graph.submit(pending)
             try:
                 out = pending[0].result()
-            except CancelledError:
+            except (CancelledError, StaleRoundState) as exc:
                 restarts += 1
                 if restarts > MAX_EPOCH_RESTARTS:
                     raise
-                cancel(pending, following)
+                if isinstance(exc, StaleRoundState):  # a round task moved: keep states in the graph
+                    graph.close()
+                    graph.fused = False
+                    # release, not cancel: cancelling an erred future's dependents trips an
+                    # assertion in distributed's scheduler (stimulus_cancel) that drops this client
+                    release(pending, following)
+                else:
+                    cancel(pending, following)
                 following = None
                 pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
                 continue
@@ -178,6 +192,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
             pending, following = following, None
     finally:  # stopped early (a callback, an interrupt): drop the epoch submitted in advance
         cancel(pending, following)
+        graph.close()
 
 
 def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds_per_epoch: int = 1,

@@ -277,7 +277,8 @@ class DashboardPlugin(SchedulerPlugin):
         if finish == "memory" and prefix == round_prefix and first_copy:
             self.rounds_since_epoch += 1
             self.rounds_total += 1
-        elif finish == "processing" and prefix in chunk_prefixes:
+        elif finish == "processing" and (prefix in chunk_prefixes or prefix == round_prefix):
+            # chunk tasks; or an epoch graph's fused round tasks (they run the chunk steps)
             from distributed.utils import key_split_group
 
             self.round_group = key_split_group(key)
