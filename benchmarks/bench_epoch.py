@@ -36,7 +36,8 @@ def add_run_arguments(ap):
     g.add_argument("--chunk-length", type=int, default=None, help="patterns per chunk (default: daskpty's rule)")
     g.add_argument("--probe-modes", type=int, default=None, help="probe modes to reconstruct (default: the store's)")
     g.add_argument("--noise", default="gaussian", choices=("gaussian", "poisson"))
-    g.add_argument("--split-every", type=int, default=4)
+    g.add_argument("--split-every", type=int, default=None,
+                   help="fan-in of the reduction tree (default: daskpty's rule, 4 up to 16 chunks, else 8)")
     g.add_argument("--sample-interval", type=float, default=0.0,
                    help="also sample worker RSS every this many seconds from a thread (0: only at epoch ends)")
     g.add_argument("--plan-cache", action="store_true",

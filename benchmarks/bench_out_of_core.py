@@ -138,7 +138,8 @@ def main(argv=None):
     g.add_argument("--chunk-length", default="auto",
                    help="'auto': daskpty's default, capped so one chunk step's working set is "
                         "≤ 1/4 of the worker limit; or an integer")
-    g.add_argument("--split-every", type=int, default=4)
+    g.add_argument("--split-every", type=int, default=None,
+                   help="fan-in of the reduction tree (default: daskpty's rule, 4 up to 16 chunks, else 8)")
     g.add_argument("--sample-interval", type=float, default=0.5, help="RSS sampling period (s)")
     g.add_argument("--skip", type=int, default=2, help="epochs left out of the s/epoch median")
     g.add_argument("--timeout", type=int, default=3600, help="seconds per reconstruction (0: none)")

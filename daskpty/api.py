@@ -13,7 +13,6 @@ from .execution.cluster import client_context
 from .execution.data import auto_rounds, choose_chunk_length, prepare_data, should_persist, workers_have_gpus
 from .execution.driver import LSQMLAdapter, run_epochs
 from .execution.latency import enable_low_latency
-from .execution.rounds import DEFAULT_SPLIT_EVERY
 from .physics import check_windows_inside, split_positions
 from .io.validate import check_intensity_layout, check_values
 from .results import Reconstruction
@@ -125,7 +124,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
                 probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
                 client=None, n_workers: int | None = None, seed: int = 0, callback=None,
                 progress: bool = False, chunk_length: int | None = None, persist="auto", device: str = "auto",
-                split_every: int = DEFAULT_SPLIT_EVERY, sort: bool = True, rescale_probe: bool = True,
+                split_every: int | None = None, sort: bool = True, rescale_probe: bool = True,
                 checkpoint=None, checkpoint_every: int = 10, resume=None, dashboard: bool = False,
                 check_data: bool = True,
                 loss: str | None = None, optimizer: str | None = None, lr: float | None = None,
@@ -176,8 +175,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         (False: out of core), or "auto" (persist when they take at most half the cluster memory).
     device : {"auto", "cpu", "gpu"}
         NumPy chunks, CuPy chunks on dask-cuda workers, or gpu when every worker sees a GPU.
-    split_every : int
-        Fan-in of the tree reduction.
+    split_every : int, optional
+        Fan-in of the tree reduction (default: 4 for up to 16 chunks, else 8).
     sort : bool
         Order patterns along a Morton curve when that makes chunks spatially more compact.
     rescale_probe : bool
@@ -223,7 +222,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         raise ValueError(f"persist must be True, False or 'auto', got {persist!r}")
     if chunk_length is not None and chunk_length < 1:
         raise ValueError(f"chunk_length must be >= 1, got {chunk_length}")
-    if split_every < 2:
+    if split_every is not None and split_every < 2:
         raise ValueError(f"split_every must be >= 2, got {split_every}")
     options, adapter = _engine(engine, noise, loss, optimizer, lr, engine_options)
 

@@ -14,6 +14,8 @@ from daskpty.execution.data import (
     default_chunk_length,
     prepare_data,
 )
+from daskpty.execution.epoch_graph import FixedTree
+from daskpty.execution.rounds import default_split_every
 
 
 @pytest.mark.parametrize("n_patterns,n,modes", [(576, 64, 1), (1600, 128, 1), (300, 64, 1), (5000, 32, 2),
@@ -49,3 +51,15 @@ def test_persisted_chunks_spread_evenly_over_workers():
         placement = client.who_has(futures_of(data.intensities))
         per_worker = collections.Counter(tuple(w) for w in placement.values())
         assert sorted(per_worker.values()) == [4, 4]
+
+
+@pytest.mark.parametrize("n_chunks", [1, 2, 4, 8, 16, 17, 64, 1446])
+def test_split_every_rule_leaves_a_level_below_the_root_for_two_workers(n_chunks):
+    """With two workers holding contiguous halves, each can pre-sum at least one subtree once
+    there are 8 or more chunks (4 inputs per node up to 16 chunks, 8 beyond: fewer levels)."""
+    s = default_split_every(n_chunks)
+    assert s == (4 if n_chunks <= 16 else 8)
+    tree = FixedTree(n_chunks, s)
+    if n_chunks >= 8:
+        assert len(tree.counts) >= 3  # chunks, at least one level of subtrees, the root
+        assert s <= n_chunks // 2  # a subtree fits inside one worker's half

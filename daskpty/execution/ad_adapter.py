@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engines import ad
-from .rounds import DEFAULT_SPLIT_EVERY, ChunkedData, map_reduce
+from .rounds import ChunkedData, map_reduce
 
 
 @dataclass
@@ -89,7 +89,7 @@ class ADAdapter:
         return ad.rescale_probe(state, sums)
 
     def run_round(self, client, data: ChunkedData, state, *, round_index: int = 0, rounds: int = 1,
-                  split_every: int = DEFAULT_SPLIT_EVERY):
+                  split_every: int | None = None):
         """Gradient map-reduce, then apply — with loss-only map-reduces on the same slice when the
         optimiser asks for them. Returns ``(state, total)``; ``total.scalars["loss_evaluations"]``
         counts the extra map-reduces."""

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..engines import lsqml
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
-from .rounds import DEFAULT_SPLIT_EVERY, ChunkedData, map_reduce
+from .rounds import ChunkedData, default_split_every, map_reduce
 
 
 @dataclass
@@ -196,7 +196,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
 
 
 def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds_per_epoch: int = 1,
-               split_every: int = DEFAULT_SPLIT_EVERY, callbacks=(), initialise: bool = True):
+               split_every: int | None = None, callbacks=(), initialise: bool = True):
     """Run ``epochs`` epochs of ``rounds_per_epoch`` rounds each. Returns ``(state, history)``.
 
     Each callback is called as ``callback(epoch, state, metrics)`` after every epoch; a callback
@@ -204,6 +204,8 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
     """
     history = []
     n_total = int(sum(data.chunk_lengths))
+    if split_every is None:
+        split_every = default_split_every(data.n_chunks)
     if initialise and state.epoch == 0:
         state = adapter.initialise(client, data, state, split_every=split_every)
     if epochs <= 0:

@@ -17,7 +17,7 @@ import numpy as np
 
 from .rounds import (
     CHUNK_PREFIX,
-    DEFAULT_SPLIT_EVERY,
+    default_split_every,
     ROUND_PREFIX,
     ChunkedData,
     combine,
@@ -222,12 +222,14 @@ class EpochGraph:
     """
 
     def __init__(self, client, data: ChunkedData, adapter, *, rounds: int = 1,
-                 split_every: int = DEFAULT_SPLIT_EVERY, fused: bool = True):
+                 split_every: int | None = None, fused: bool = True):
         from distributed import futures_of
 
         self.client = client
         self.fused = fused
         self.rounds = int(rounds)
+        if split_every is None:
+            split_every = default_split_every(data.n_chunks)
         self.split_every = max(2, int(split_every))
         self.token = uuid.uuid4().hex
         blocks = list(data.intensities.to_delayed().ravel())
