@@ -77,9 +77,9 @@ def default_split_every(n_chunks: int) -> int:
     A worker sums the complete subtrees among the chunks it holds before sending. With few chunks
     and 8 inputs per node there is only the root, so every chunk's partial travels: 4 gives a
     level a worker can pre-sum (1,600 × 128², 8 chunks, 2 workers: 0.55 → 0.52 s/epoch). With many
-    chunks 8 already gives such subtrees and fewer levels of growing boxes (147,456 × 128² out of
-    core, 1,446 chunks: 52.6 s/epoch with 8, 62.6 with 4, on different days). Depends only on the
-    chunk count, so results stay independent of the cluster.
+    chunks 8 already gives such subtrees, with fewer levels of growing boxes (147,456 × 128² out
+    of core, 1,446 chunks: 60.2 s/epoch with 8, 62.6 with 4 — within this machine's noise).
+    Depends only on the chunk count, so results stay independent of the cluster.
     """
     return 4 if n_chunks <= 16 else 8
 
