@@ -3,8 +3,9 @@
 For persisted data. :class:`EpochGraph` chains ``rounds`` rounds (chunk tasks, fixed-shape tree
 of partial sums, ``adapter.apply``) and the epoch's begin and end into one graph that starts
 from the previous epoch's result, so the client submits once per epoch and the state stays on the
-workers. Each worker holding chunks keeps its own bit-identical copy of the state and ends every
-round itself, so a round costs one exchange of partials and nothing else.
+workers. Each worker holding chunks keeps its own bit-identical copy of the state; one task per
+worker and round ends the previous round on that copy and runs the round's chunk steps, so a
+round is one level of the graph: one exchange of partial sums and nothing else.
 """
 from __future__ import annotations
 
