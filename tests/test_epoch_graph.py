@@ -192,3 +192,27 @@ def test_a_round_state_gone_from_its_worker_restarts_the_epoch_with_states_in_th
     assert len(graphs) == 1 and not graphs[0].fused  # it fell back to the split graph
     np.testing.assert_array_equal(results["disturbed"].object, results["undisturbed"].object)
     np.testing.assert_array_equal(results["disturbed"].probe, results["undisturbed"].probe)
+
+
+class _FailsInSecondEpoch(LSQMLAdapter):
+    """An adapter whose chunk steps raise once the state reaches epoch 1."""
+
+    def payload(self, state):
+        payload = super().payload(state)
+        return payload if state.epoch < 1 else None
+
+
+def test_an_error_in_an_epoch_graph_reaches_the_caller_and_leaves_the_client_usable(process_client):
+    ds = make_dataset(grid=8, seed=7)
+    data = prepare_data(process_client, ds.intensities, ds.positions, chunk_length=16, persist=True)
+    adapter = _FailsInSecondEpoch(lsqml.LSQMLOptions())
+    state = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
+    before = float(data.intensities.sum().compute())
+    with pytest.raises(AttributeError):  # the chunk step reads payload.object from None
+        run_epochs(process_client, data, adapter, state, epochs=4, rounds_per_epoch=2, initialise=False)
+    # the client kept its connection and its futures: the persisted chunks are still there
+    from distributed import futures_of
+
+    assert all(f.status == "finished" for f in futures_of(data.intensities))
+    assert float(data.intensities.sum().compute()) == before
+    assert process_client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3

@@ -149,12 +149,10 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
     graph = EpochGraph(client, data, adapter, rounds=rounds, split_every=split_every)
     base = state  # the state the pending epoch starts from, on the client
 
-    def cancel(*epochs):
-        for futures in epochs:
-            for future in futures or ():
-                future.cancel()
-
     def release(*epochs):
+        # Release, never cancel: cancelling a key whose dependents nobody holds (the next
+        # epoch's tasks) trips an assertion in distributed's scheduler (stimulus_cancel), which
+        # then drops this client and every key it holds, the persisted data included.
         for futures in epochs:
             for future in futures or ():
                 future.release()
@@ -176,11 +174,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 if isinstance(exc, StaleRoundState):  # a round task moved: keep states in the graph
                     graph.close()
                     graph.fused = False
-                    # release, not cancel: cancelling an erred future's dependents trips an
-                    # assertion in distributed's scheduler (stimulus_cancel) that drops this client
-                    release(pending, following)
-                else:
-                    cancel(pending, following)
+                release(pending, following)
                 following = None
                 pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
                 continue
@@ -191,7 +185,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
             start, base, done = now, out.state, done + 1
             pending, following = following, None
     finally:  # stopped early (a callback, an interrupt): drop the epoch submitted in advance
-        cancel(pending, following)
+        release(pending, following)
         graph.close()
 
 
