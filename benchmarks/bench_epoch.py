@@ -133,10 +133,18 @@ def measure(args, data, store_path=None, log=print) -> dict:
                     f"misses {info['misses']}")
             else:
                 log(f"cuFFT plan cache worker {name}: {info}")
+    exchanged = [h.get("exchanged_bytes_per_round") for h in history]
+    exchanged = [x for x in exchanged if x is not None]
+    exchanged_med = float(np.median(exchanged)) if exchanged else float("nan")
     reduced = [h.get("reduced_bytes_per_round", float("nan")) for h in history]
     reduced_med = float(np.median(reduced)) if reduced else float("nan")
     log(f"reduced bytes per round: {fmt_bytes(reduced_med)} ({reduced_med:.0f} B; sum of every chunk partial "
         f"and every tree-combine output)")
+    if exchanged:
+        log(f"exchanged bytes per round: {fmt_bytes(exchanged_med)} ({exchanged_med:.0f} B; partial sums one "
+            f"worker received from the others)")
+    else:
+        log("exchanged bytes per round: n/a (round by round: each round's root goes to the client)")
     nrmse = None
     if rec is not None and getattr(data, "truth", None) is not None and data.truth.object is not None:
         from common import object_nrmse_in_truth_frame
@@ -150,7 +158,8 @@ def measure(args, data, store_path=None, log=print) -> dict:
         "n_chunks": plan["n_chunks"], "last_chunk": plan["last_chunk"], "rounds_per_epoch": rounds,
         "persisted": persisted, "epochs": len(seconds), "seconds_per_epoch": spe,
         "epoch_seconds": seconds, "patterns_per_second": pps, "wall_seconds": wall,
-        "setup_seconds": setup, "reduced_bytes_per_round": reduced_med, "nrmse": nrmse,
+        "setup_seconds": setup, "reduced_bytes_per_round": reduced_med,
+        "exchanged_bytes_per_round": exchanged_med, "nrmse": nrmse,
         "loss": [h.get("loss") for h in history], "error": error,
         "idle_worker_rss": idle, **sampler.summary()})
     if plan_info:

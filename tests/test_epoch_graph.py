@@ -179,7 +179,7 @@ def test_a_round_state_gone_from_its_worker_restarts_the_epoch_with_states_in_th
             if self.count == 2:  # the second epoch: round 1 of the first replica looks for a lost state
                 for layer in tasks:
                     for key, task in layer.items():
-                        if task[0] is _round_task and task[7] == 1:
+                        if task[0] is _round_task and task[8] == 1:  # round 1
                             layer[key] = task[:4] + ("gone",) + task[5:]
                             return ends
             return ends
@@ -216,3 +216,18 @@ def test_an_error_in_an_epoch_graph_reaches_the_caller_and_leaves_the_client_usa
     assert all(f.status == "finished" for f in futures_of(data.intensities))
     assert float(data.intensities.sum().compute()) == before
     assert process_client.submit(sum, [1, 2], pure=False).result(timeout=30) == 3
+
+
+def test_exchanged_bytes_are_the_other_workers_partial_sums(process_client):
+    """Two workers: each receives the other's partial sums every round (less than everything the
+    reduction produced); the history reports it per round."""
+    ds = make_dataset(grid=10, seed=8)
+    data = prepare_data(process_client, ds.intensities, ds.positions, chunk_length=25, persist=True)
+    adapter = LSQMLAdapter(lsqml.LSQMLOptions())
+    state = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
+    _, history = run_epochs(process_client, data, adapter, state, epochs=2, rounds_per_epoch=2)
+    for h in history:
+        assert 0 < h["exchanged_bytes_per_round"] < h["reduced_bytes_per_round"]
+    _, client_history = run_epochs(process_client, dataclasses.replace(data, persisted=False), adapter, state,
+                                   epochs=1, rounds_per_epoch=2)
+    assert client_history[0]["exchanged_bytes_per_round"] is None  # round by round: not measured

@@ -116,6 +116,10 @@ def _metrics(state, scalars: dict, seconds: float, n_total: int, rounds: int) ->
         "alpha_object": scalars.get("alpha_object", 0.0) / n,
         "alpha_probe": scalars.get("alpha_probe", 0.0) / n,
         "reduced_bytes_per_round": scalars.get("reduced_bytes", 0.0) / rounds,
+        # bytes of partial sums one worker (the first copy of the state) received from the others
+        # per round; epoch graphs only (round by round, the client gathers each round's root)
+        "exchanged_bytes_per_round": scalars["exchanged_bytes"] / rounds if "exchanged_bytes" in scalars
+        else None,
         "loss_evaluations": scalars.get("loss_evaluations", 0.0),
     }
 

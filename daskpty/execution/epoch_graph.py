@@ -88,12 +88,17 @@ def copy_state(adapter, state):
     return own(state) if own is not None else copy.deepcopy(state)
 
 
-def _finish_round(carry: EpochCarry, adapter, first: bool, tree: FixedTree, *groups) -> EpochCarry:
-    """Finish the fixed tree over a round's partial sums (``groups``: each chunk task's nodes),
-    ``apply`` the total to a copy of the state, add the scalars to the epoch's sums."""
+def _finish_round(carry: EpochCarry, adapter, first: bool, tree: FixedTree, own: int, *groups) -> EpochCarry:
+    """Finish the fixed tree over a round's partial sums (``groups``: each chunk task's nodes;
+    ``groups[own]`` came from this worker), ``apply`` the total to a copy of the state, add the
+    scalars to the epoch's sums, and the bytes received from the other workers to
+    ``exchanged_bytes``."""
     nodes = {}
-    for group in groups:
+    received = 0
+    for i, group in enumerate(groups):
         nodes.update(group)
+        if i != own:
+            received += sum(p.nbytes for p in group.values() if p is not None)
     total = tree.reduce(nodes)[tree.root]
     # The input carry may be read again (a recomputation after a lost worker, or the client's own
     # object on an in-process cluster), so the update goes to a copy.
@@ -105,6 +110,7 @@ def _finish_round(carry: EpochCarry, adapter, first: bool, tree: FixedTree, *gro
     if total is not None:
         for k, v in total.scalars.items():
             scalars[k] = scalars.get(k, 0.0) + v
+    scalars["exchanged_bytes"] = scalars.get("exchanged_bytes", 0.0) + float(received)
     return EpochCarry(state, scalars)
 
 
@@ -153,12 +159,13 @@ class StaleRoundState(RuntimeError):
 _ROUND_STATES: dict = {}
 
 
-def _round_task(start, adapter, tree: FixedTree, token: str, tag: str, replica: int, round_index: int,
-                rounds: int, blocks, positions, indices, *previous) -> dict:
+def _round_task(start, adapter, tree: FixedTree, token: str, tag: str, replica: int, own: int,
+                round_index: int, rounds: int, blocks, positions, indices, *previous) -> dict:
     """Fused round ``r`` on one replica: finish round ``r − 1`` (sum ``previous``, the partial
     sums of every replica's round ``r − 1`` task, and ``apply`` them to this worker's state), then
     run round ``r``'s chunk steps on the new state. Returns only the partial sums; the state stays
-    in this worker's memory for the next round task. ``start``: the epoch's start carry (round 0)."""
+    in this worker's memory for the next round task. ``start``: the epoch's start carry (round 0);
+    ``own``: the position of this replica's task among ``previous``."""
     key = (token, replica)
     if round_index == 0:
         carry = start
@@ -167,18 +174,19 @@ def _round_task(start, adapter, tree: FixedTree, token: str, tag: str, replica: 
         if entry is None or entry[0] != tag or entry[1] != round_index - 1:
             raise StaleRoundState(f"round {round_index} of epoch graph {tag} did not find round "
                                   f"{round_index - 1}'s state on this worker")
-        carry = _finish_round(entry[2], adapter, round_index == 1, tree, *previous)
+        carry = _finish_round(entry[2], adapter, round_index == 1, tree, own, *previous)
     nodes = _chunks_of_round(blocks, positions, carry, adapter, round_index, rounds, indices, tree)
     _ROUND_STATES[key] = (tag, round_index, carry)
     return nodes
 
 
-def _end_task(adapter, tree: FixedTree, token: str, tag: str, replica: int, rounds: int, *previous) -> EpochCarry:
+def _end_task(adapter, tree: FixedTree, token: str, tag: str, replica: int, own: int, rounds: int,
+              *previous) -> EpochCarry:
     """Finish the epoch's last round on one replica and run ``end_epoch``."""
     entry = _ROUND_STATES.get((token, replica))
     if entry is None or entry[0] != tag or entry[1] != rounds - 1:
         raise StaleRoundState(f"the end of epoch graph {tag} did not find its last round's state on this worker")
-    carry = _finish_round(entry[2], adapter, rounds == 1, tree, *previous)
+    carry = _finish_round(entry[2], adapter, rounds == 1, tree, own, *previous)
     _ROUND_STATES.pop((token, replica), None)
     return _end_epoch(carry, adapter)
 
@@ -303,7 +311,8 @@ class EpochGraph:
             new = []
             for w in range(len(tasks)):
                 key = (f"{ROUND_PREFIX}-{r}-{tag}", w)
-                tasks[w][key] = (_finish_round, carries[w], self.adapter_key, r == 0, tree, *lists)
+                own = [g for g, _ in self.groups].index(w) if any(g == w for g, _ in self.groups) else -1
+                tasks[w][key] = (_finish_round, carries[w], self.adapter_key, r == 0, tree, own, *lists)
                 new.append(key)
             carries = new
         ends = []
@@ -319,16 +328,16 @@ class EpochGraph:
         previous = []
         for r in range(self.rounds):
             keys = []
-            for w, chunks in self.groups:
+            for own, (w, chunks) in enumerate(self.groups):
                 key = (f"{ROUND_PREFIX}-{r}-{tag}", w)
                 tasks[w][key] = (_round_task, carries[w] if r == 0 else None, self.adapter_key, tree,
-                                 self.token, tag, w, r, self.rounds, *self._chunk_args(chunks), *previous)
+                                 self.token, tag, w, own, r, self.rounds, *self._chunk_args(chunks), *previous)
                 keys.append(key)
             previous = keys
         ends = []
-        for w, _ in self.groups:
+        for own, (w, _) in enumerate(self.groups):
             key = (f"daskpty-end-{tag}", w)
-            tasks[w][key] = (_end_task, self.adapter_key, tree, self.token, tag, w, self.rounds, *previous)
+            tasks[w][key] = (_end_task, self.adapter_key, tree, self.token, tag, w, own, self.rounds, *previous)
             ends.append(key)
         return ends
 
