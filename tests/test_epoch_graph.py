@@ -108,7 +108,7 @@ def test_chunks_spread_evenly_and_one_chunk_task_per_worker_and_round(process_cl
     state = adapter.initialise(process_client, data, adapter.new_state(np.ones_like(ds.truth.object),
                                                                          ds.truth.probe.copy()), split_every=8)
     graph = EpochGraph(process_client, data, adapter, rounds=3, fused=fused)
-    assert sorted(len(chunks) for _, chunks in graph.groups) == [2, 2]
+    assert sorted(len(chunks) for chunks in graph.groups) == [2, 2]
     log = _TaskLog()
     log.name = f"{log.name}-{fused}"
     process_client.register_plugin(log, name=log.name)
@@ -121,7 +121,7 @@ def test_chunks_spread_evenly_and_one_chunk_task_per_worker_and_round(process_cl
         lambda dask_scheduler: dask_scheduler.plugins[log.name].ran) if str(k[0]).startswith(prefix)]
     assert len(chunk_tasks) == 3 * 2  # rounds × workers
     for key, worker in chunk_tasks:
-        group = dict(graph.groups)[key[1]]
+        group = graph.groups[key[1]]
         assert all(worker in holders[graph.block_keys[i]] for i in group)
 
 
@@ -132,8 +132,7 @@ def test_fixed_tree_sums_like_tree_reduce_however_the_chunks_are_split(n, split_
     import dask
 
     from daskpty.engines.partials import BoxedArray, Partial
-    from daskpty.execution.epoch_graph import FixedTree
-    from daskpty.execution.rounds import tree_reduce
+    from daskpty.execution.rounds import FixedTree, tree_reduce
 
     rng = np.random.default_rng(n)
     parts = []
@@ -144,6 +143,15 @@ def test_fixed_tree_sums_like_tree_reduce_however_the_chunks_are_split(n, split_
                              scalars={"loss": float(rng.normal())}))
     reference = dask.compute(tree_reduce([dask.delayed(p) for p in parts], split_every),
                              scheduler="sync")[0]
+    # the tree as documented, written out here: sums of split_every, level by level, then the root
+    from daskpty.execution.rounds import combine
+
+    level = list(parts)
+    while len(level) > split_every:
+        level = [combine(*level[i:i + split_every]) for i in range(0, len(level), split_every)]
+    written_out = combine(*level)
+    np.testing.assert_array_equal(reference.boxes["object"].data, written_out.boxes["object"].data)
+    assert reference.scalars == written_out.scalars
     tree = FixedTree(n, split_every)
     for trial in range(4):
         owner = np.sort(rng.integers(0, 3, n)) if trial % 2 else rng.integers(0, 3, n)
@@ -179,7 +187,7 @@ def test_a_round_state_gone_from_its_worker_restarts_the_epoch_with_states_in_th
             if self.count == 2:  # the second epoch: round 1 of the first replica looks for a lost state
                 for layer in tasks:
                     for key, task in layer.items():
-                        if task[0] is _round_task and task[8] == 1:  # round 1
+                        if task[0] is _round_task and task[7] == 1:  # round 1
                             layer[key] = task[:4] + ("gone",) + task[5:]
                             return ends
             return ends

@@ -14,7 +14,7 @@ from daskpty.execution.data import (
     default_chunk_length,
     prepare_data,
 )
-from daskpty.execution.epoch_graph import FixedTree
+from daskpty.execution.rounds import FixedTree
 from daskpty.execution.rounds import default_split_every
 
 

@@ -172,6 +172,12 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
     return ChunkedData(intensities, pos, positions, order, persist)
 
 
+def balanced_worker(chunk: int, n_chunks: int, n_workers: int) -> int:
+    """The worker (index into the sorted addresses) that holds ``chunk``: contiguous runs,
+    ⌊chunk · W / n⌋."""
+    return chunk * n_workers // n_chunks
+
+
 def persist_balanced(client, array: da.Array) -> da.Array:
     """Persist ``array`` (chunked along axis 0 only) with its chunks spread evenly over the
     workers: chunk i on worker ⌊i·W/n⌋ (contiguous runs, workers sorted by address).
@@ -181,13 +187,13 @@ def persist_balanced(client, array: da.Array) -> da.Array:
     worker's chunks are recomputed elsewhere). Falls back to ``client.persist`` when no worker
     is connected yet.
     """
-    workers = sorted(client.scheduler_info()["workers"])
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])  # all, as _holders sees them
     blocks = list(array.to_delayed().ravel())
     if not workers or len(blocks) < 2:
         return client.persist(array)
     futures = []
     for w, worker in enumerate(workers):
-        group = [b for i, b in enumerate(blocks) if i * len(workers) // len(blocks) == w]
+        group = [b for i, b in enumerate(blocks) if balanced_worker(i, len(blocks), len(workers)) == w]
         if group:
             futures += client.compute(group, workers=[worker], allow_other_workers=True)
     rebuild, args = array.__dask_postpersist__()

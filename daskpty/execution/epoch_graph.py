@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 import dask
 import numpy as np
 
+from .data import balanced_worker
 from .rounds import (
     CHUNK_PREFIX,
-    default_split_every,
     ROUND_PREFIX,
     ChunkedData,
-    combine,
+    FixedTree,
+    default_split_every,
     run_chunk,
 )
 
@@ -33,42 +34,6 @@ class EpochCarry:
 
     state: object
     scalars: dict = field(default_factory=dict)
-
-
-class FixedTree:
-    """The fixed-shape sum tree of :func:`~.rounds.tree_reduce` over ``n`` chunk partials.
-
-    Level 0 holds the chunks; node ``(L + 1, j)`` sums nodes ``(L, j·s) … (L, j·s + s − 1)``
-    (``s = split_every``), left to right, until one level has at most ``s`` nodes; the root sums
-    that level. Node ``(L, j)`` thus covers chunks ``j·s^L … (j + 1)·s^L − 1``.
-    :meth:`reduce` evaluates every node whose inputs are at hand, so a worker can sum the complete
-    subtrees of the chunks it holds and send one partial for each; the receiving side finishes the
-    same tree. The sums are the same, in the same order, wherever they run.
-    """
-
-    def __init__(self, n: int, split_every: int):
-        self.split_every = s = max(2, int(split_every))
-        self.counts = [int(n)]
-        while self.counts[-1] > s:
-            self.counts.append(-(-self.counts[-1] // s))
-        self.counts.append(1)  # the root
-
-    @property
-    def root(self) -> tuple:
-        return (len(self.counts) - 1, 0)
-
-    def reduce(self, nodes: dict) -> dict:
-        """Replace complete groups of children in ``nodes`` (``{(level, index): partial}``) by
-        their parent, bottom up; returns the nodes left (the root alone once all are there)."""
-        nodes = dict(nodes)
-        s = self.split_every
-        for level in range(1, len(self.counts)):
-            below = self.counts[level - 1]
-            for j in range(self.counts[level]):
-                kids = [(level - 1, k) for k in range(j * s, min((j + 1) * s, below))]
-                if all(k in nodes for k in kids):
-                    nodes[(level, j)] = combine(*[nodes.pop(k) for k in kids])
-        return nodes
 
 
 def _chunks_of_round(blocks, positions, carry: EpochCarry, adapter, round_index, rounds,
@@ -89,8 +54,8 @@ def copy_state(adapter, state):
 
 
 def _finish_round(carry: EpochCarry, adapter, first: bool, tree: FixedTree, own: int, *groups) -> EpochCarry:
-    """Finish the fixed tree over a round's partial sums (``groups``: each chunk task's nodes;
-    ``groups[own]`` came from this worker), ``apply`` the total to a copy of the state, add the
+    """Finish the fixed tree over a round's partial sums (``groups``: each replica's chunk-task
+    nodes; ``groups[own]`` came from this worker), ``apply`` the total to a copy of the state, add the
     scalars to the epoch's sums, and the bytes received from the other workers to
     ``exchanged_bytes``."""
     nodes = {}
@@ -137,7 +102,7 @@ def _holders(client, array, blocks) -> dict:
         holders = sorted(who_has.get(b.key, ()))
         if not holders:
             continue
-        planned = workers[i * len(workers) // len(blocks)] if workers else None
+        planned = workers[balanced_worker(i, len(blocks), len(workers))] if workers else None
         chosen = planned if planned in holders else min(holders, key=lambda w: load.get(w, 0))
         load[chosen] = load.get(chosen, 0) + 1
         out[b.key] = {"workers": [chosen], "allow_other_workers": True}
@@ -159,13 +124,13 @@ class StaleRoundState(RuntimeError):
 _ROUND_STATES: dict = {}
 
 
-def _round_task(start, adapter, tree: FixedTree, token: str, tag: str, replica: int, own: int,
+def _round_task(start, adapter, tree: FixedTree, token: str, tag: str, replica: int,
                 round_index: int, rounds: int, blocks, positions, indices, *previous) -> dict:
     """Fused round ``r`` on one replica: finish round ``r − 1`` (sum ``previous``, the partial
     sums of every replica's round ``r − 1`` task, and ``apply`` them to this worker's state), then
     run round ``r``'s chunk steps on the new state. Returns only the partial sums; the state stays
     in this worker's memory for the next round task. ``start``: the epoch's start carry (round 0);
-    ``own``: the position of this replica's task among ``previous``."""
+    ``previous`` holds one task result per replica, in replica order."""
     key = (token, replica)
     if round_index == 0:
         carry = start
@@ -174,19 +139,19 @@ def _round_task(start, adapter, tree: FixedTree, token: str, tag: str, replica: 
         if entry is None or entry[0] != tag or entry[1] != round_index - 1:
             raise StaleRoundState(f"round {round_index} of epoch graph {tag} did not find round "
                                   f"{round_index - 1}'s state on this worker")
-        carry = _finish_round(entry[2], adapter, round_index == 1, tree, own, *previous)
+        carry = _finish_round(entry[2], adapter, round_index == 1, tree, replica, *previous)
     nodes = _chunks_of_round(blocks, positions, carry, adapter, round_index, rounds, indices, tree)
     _ROUND_STATES[key] = (tag, round_index, carry)
     return nodes
 
 
-def _end_task(adapter, tree: FixedTree, token: str, tag: str, replica: int, own: int, rounds: int,
+def _end_task(adapter, tree: FixedTree, token: str, tag: str, replica: int, rounds: int,
               *previous) -> EpochCarry:
     """Finish the epoch's last round on one replica and run ``end_epoch``."""
     entry = _ROUND_STATES.get((token, replica))
     if entry is None or entry[0] != tag or entry[1] != rounds - 1:
         raise StaleRoundState(f"the end of epoch graph {tag} did not find its last round's state on this worker")
-    carry = _finish_round(entry[2], adapter, rounds == 1, tree, own, *previous)
+    carry = _finish_round(entry[2], adapter, rounds == 1, tree, replica, *previous)
     _ROUND_STATES.pop((token, replica), None)
     return _end_epoch(carry, adapter)
 
@@ -248,8 +213,8 @@ class EpochGraph:
         # The workers that keep a copy of the state (None: let the scheduler place one copy).
         self.replicas = sorted({a["workers"][0] for a in annotations if a}) or [None]
         replica_of = [self.replicas.index(a["workers"][0]) if a else 0 for a in annotations]
-        groups = [[i for i, r in enumerate(replica_of) if r == w] for w in range(len(self.replicas))]
-        self.groups = [(w, g) for w, g in enumerate(groups) if g]
+        # The chunks of each replica (every replica holds some: replicas are the chunks' holders).
+        self.groups = [[i for i, r in enumerate(replica_of) if r == w] for w in range(len(self.replicas))]
         # What every epoch reads: the data chunks, and the adapter and the positions as tasks
         # computed once (kept next to their chunk; unlike scattered data, dask can recompute
         # them after a lost worker).
@@ -302,7 +267,7 @@ class EpochGraph:
         """Each round as chunk tasks + round-end tasks; the state is a task result."""
         for r in range(self.rounds):
             lists = []
-            for w, chunks in self.groups:
+            for w, chunks in enumerate(self.groups):
                 key = (f"{CHUNK_PREFIX}-{r}-{tag}", w)
                 blocks, positions, _ = self._chunk_args(chunks)
                 tasks[w][key] = (_chunks_of_round, blocks, positions, carries[w], self.adapter_key,
@@ -311,8 +276,7 @@ class EpochGraph:
             new = []
             for w in range(len(tasks)):
                 key = (f"{ROUND_PREFIX}-{r}-{tag}", w)
-                own = [g for g, _ in self.groups].index(w) if any(g == w for g, _ in self.groups) else -1
-                tasks[w][key] = (_finish_round, carries[w], self.adapter_key, r == 0, tree, own, *lists)
+                tasks[w][key] = (_finish_round, carries[w], self.adapter_key, r == 0, tree, w, *lists)
                 new.append(key)
             carries = new
         ends = []
@@ -328,16 +292,16 @@ class EpochGraph:
         previous = []
         for r in range(self.rounds):
             keys = []
-            for own, (w, chunks) in enumerate(self.groups):
+            for w, chunks in enumerate(self.groups):
                 key = (f"{ROUND_PREFIX}-{r}-{tag}", w)
                 tasks[w][key] = (_round_task, carries[w] if r == 0 else None, self.adapter_key, tree,
-                                 self.token, tag, w, own, r, self.rounds, *self._chunk_args(chunks), *previous)
+                                 self.token, tag, w, r, self.rounds, *self._chunk_args(chunks), *previous)
                 keys.append(key)
             previous = keys
         ends = []
-        for own, (w, _) in enumerate(self.groups):
+        for w in range(len(self.groups)):
             key = (f"daskpty-end-{tag}", w)
-            tasks[w][key] = (_end_task, self.adapter_key, tree, self.token, tag, w, own, self.rounds, *previous)
+            tasks[w][key] = (_end_task, self.adapter_key, tree, self.token, tag, w, self.rounds, *previous)
             ends.append(key)
         return ends
 

@@ -83,32 +83,67 @@ def default_split_every(n_chunks: int) -> int:
     """
     return 4 if n_chunks <= 16 else 8
 
+
 ROUND_PREFIX = "daskpty-round"
-"""Key prefix of the task that ends a round (its reduced partial, or the state after the round;
-with replicated state the keys are ``(f"{ROUND_PREFIX}-{round}-{token}", copy)``); the dashboard
-counts rounds by these keys (copy 0) reaching memory."""
+"""Key prefix of a round's task: the root of :func:`map_reduce`, or in an epoch graph
+``(f"{ROUND_PREFIX}-{round}-{token}", replica)`` — the fused round task (previous round's end +
+this round's chunk steps) or, in the split graph, the round's end. The dashboard counts rounds by
+these keys (replica 0) reaching memory and follows the fused ones for its progress bar."""
 CHUNK_PREFIX = "daskpty-chunk"
-"""Key prefix of an epoch graph's chunk tasks (keys ``(f"{CHUNK_PREFIX}-{round}-{token}", chunk)``,
-so that each round's chunk tasks form one task group)."""
+"""Key prefix of a split epoch graph's chunk tasks (keys ``(f"{CHUNK_PREFIX}-{round}-{token}",
+replica)``, one per replica and round, so that each round's chunk tasks form one task group)."""
 
 
-def reduce_levels(blocks, split_every: int) -> list:
-    """Combine delayed partials level by level (left to right) until at most ``split_every`` remain."""
-    level = list(blocks)
-    while len(level) > split_every:
-        level = [dask.delayed(combine)(*level[i:i + split_every])
-                 for i in range(0, len(level), split_every)]
-    return level
+class FixedTree:
+    """The fixed-shape sum tree over ``n`` chunk partials (every reduction of daskpty uses it).
+
+    Level 0 holds the chunks; node ``(L + 1, j)`` sums nodes ``(L, j·s) … (L, j·s + s − 1)``
+    (``s = split_every``), left to right, until one level has at most ``s`` nodes; the root sums
+    that level. Node ``(L, j)`` thus covers chunks ``j·s^L … (j + 1)·s^L − 1``.
+    :meth:`reduce` evaluates every node whose inputs are at hand, so a worker can sum the complete
+    subtrees of the chunks it holds and send one partial for each; the receiving side finishes the
+    same tree. The sums are the same, in the same order, wherever they run.
+    """
+
+    def __init__(self, n: int, split_every: int):
+        self.split_every = s = max(2, int(split_every))
+        self.counts = [int(n)]
+        while self.counts[-1] > s:
+            self.counts.append(-(-self.counts[-1] // s))
+        self.counts.append(1)  # the root
+
+    @property
+    def root(self) -> tuple:
+        return (len(self.counts) - 1, 0)
+
+    def reduce(self, nodes: dict, combine_fn=None, root_fn=None) -> dict:
+        """Replace complete groups of children in ``nodes`` (``{(level, index): partial}``) by
+        their parent, bottom up; returns the nodes left (the root alone once all are there).
+
+        ``combine_fn`` sums children (default :func:`combine`; a ``dask.delayed`` one builds the
+        tree as tasks), ``root_fn`` the root's children (default ``combine_fn``)."""
+        combine_fn = combine if combine_fn is None else combine_fn
+        nodes = dict(nodes)
+        s = self.split_every
+        for level in range(1, len(self.counts)):
+            below = self.counts[level - 1]
+            fn = root_fn if root_fn is not None and level == len(self.counts) - 1 else combine_fn
+            for j in range(self.counts[level]):
+                kids = [(level - 1, k) for k in range(j * s, min((j + 1) * s, below))]
+                if all(k in nodes for k in kids):
+                    nodes[(level, j)] = fn(*[nodes.pop(k) for k in kids])
+        return nodes
 
 
 def tree_reduce(blocks, split_every: int, name: str | None = None):
-    """Fixed-shape tree of ``combine`` over a list of delayed partials (left to right).
+    """The :class:`FixedTree` of ``combine`` tasks over a list of delayed partials.
 
     ``name`` is the key of the root task (default: dask's).
     """
-    level = reduce_levels(blocks, split_every)
-    kwargs = {} if name is None else {"dask_key_name": name}
-    return dask.delayed(combine)(*level, **kwargs)
+    tree = FixedTree(len(blocks), split_every)
+    node = dask.delayed(combine)
+    root = None if name is None else (lambda *kids: node(*kids, dask_key_name=name))
+    return tree.reduce({(0, i): b for i, b in enumerate(blocks)}, node, root)[tree.root]
 
 
 def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0, rounds: int = 1,
