@@ -67,3 +67,28 @@ def test_reconstruct_on_cupy_chunks_matches_cpu():
         cpu = daskpty.reconstruct(ds, epochs=5, object=np.ones_like(ds.truth.object), client=c, device="cpu")
         gpu = daskpty.reconstruct(ds, epochs=5, object=np.ones_like(ds.truth.object), client=c, device="gpu")
     assert np.linalg.norm(gpu.object - cpu.object) / np.linalg.norm(cpu.object) < 1e-3
+
+
+@pytest.mark.gpu
+def test_dask_cuda_workers_match_cpu_spill_and_leave_the_client_off_the_gpu():
+    """dask-cuda worker processes from ``cuda_cluster`` (one per GPU / MIG slice) reconstruct a
+    Zarr data set like a CPU cluster, also when a tiny ``device_memory_limit`` makes them spill
+    chunks to host memory; the client process never creates a CUDA context (``meta`` everywhere,
+    the GPU probe runs on the workers). Runs in a fresh process: earlier tests here use CuPy."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    _cupy()
+    pytest.importorskip("dask_cuda")
+    script = os.path.join(os.path.dirname(__file__), "gpu_worker_run.py")
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["client_pid"] not in report["compute_pids"]
+    assert len(report["compute_pids"]) >= 1  # the workers did run on the GPU
+    assert "cupy" in report["gpu"]["worker_data_types"], report["gpu"]  # CuPy chunks on the worker
+    for name in ("gpu", "gpu_spilling"):
+        assert report[name]["relative_difference"] < 1e-3, (name, report[name])
+        assert report[name]["loss_ratio"] == pytest.approx(1.0, rel=1e-3), (name, report[name])

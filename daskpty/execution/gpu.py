@@ -87,6 +87,8 @@ def cuda_cluster(devices=None, *, device_fraction: float = 0.8, rmm_fraction: fl
 
     devices: None (all from ``nvidia-smi -L``; MIG slices when enabled), or a list of UUIDs /
     indices. On MIG all slices must share one profile (one absolute memory limit for all workers).
+    Other keyword arguments go to ``LocalCUDACluster`` and override the computed settings (e.g. an
+    explicit ``device_memory_limit="2GiB"``).
     """
     try:
         from dask_cuda import LocalCUDACluster
@@ -100,6 +102,6 @@ def cuda_cluster(devices=None, *, device_fraction: float = 0.8, rmm_fraction: fl
         chosen = [by_id.get(str(d), CudaDevice(str(d), str(d), str(d))) for d in devices]
     if not chosen:
         raise RuntimeError("no CUDA device found (nvidia-smi -L lists none); use the CPU cluster")
-    settings = worker_memory_settings(chosen[0], device_fraction, rmm_fraction)
+    settings = {**worker_memory_settings(chosen[0], device_fraction, rmm_fraction), **kwargs}
     return LocalCUDACluster(CUDA_VISIBLE_DEVICES=[d.uuid for d in chosen], ip="127.0.0.1",
-                            dashboard_address=dashboard_address, **settings, **kwargs)
+                            dashboard_address=dashboard_address, **settings)
