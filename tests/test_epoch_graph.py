@@ -125,6 +125,35 @@ def test_chunks_spread_evenly_and_one_chunk_task_per_worker_and_round(process_cl
         assert all(worker in holders[graph.block_keys[i]] for i in group)
 
 
+def test_chunks_the_scheduler_put_on_the_wrong_worker_still_give_even_rounds(process_client, monkeypatch):
+    """Chunks persisted 3 : 1 (as when the scheduler moves persist tasks) still give 2 : 2 round
+    tasks: each chunk's task goes to the worker it was meant for, which fetches it once and holds
+    it from then on. (The holder choice alone gave 3 : 1.)"""
+    from distributed import futures_of
+
+    from daskpty.execution import data as data_module
+    from daskpty.execution.epoch_graph import EpochGraph
+
+    ds = make_dataset(grid=12, seed=6)
+    with monkeypatch.context() as patch:  # persist 3 : 1 instead of 2 : 2
+        patch.setattr(data_module, "balanced_worker", lambda i, n, w: 0 if i < 3 else 1)
+        data = prepare_data(process_client, ds.intensities, ds.positions, chunk_length=36, persist=True)
+    workers = sorted(process_client.scheduler_info(n_workers=-1)["workers"])
+    keys = [f.key for f in futures_of(data.intensities)]
+    held = process_client.who_has(futures_of(data.intensities))
+    assert sorted(len([k for k in keys if w in held[k]]) for w in workers) == [1, 3]
+    adapter = LSQMLAdapter(lsqml.LSQMLOptions())
+    state = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
+    graph = EpochGraph(process_client, data, adapter, rounds=2)
+    assert sorted(len(chunks) for chunks in graph.groups) == [2, 2]
+    futures = graph.submit(process_client.scatter(EpochCarry(state), hash=False))
+    futures[0].result()
+    graph.close()
+    held = process_client.who_has(futures_of(data.intensities))
+    for w, chunks in enumerate(graph.groups):
+        assert all(graph.replicas[w] in held[graph.block_keys[i]] for i in chunks)
+
+
 @pytest.mark.parametrize("n,split_every", [(1, 8), (5, 2), (8, 8), (8, 4), (13, 3), (64, 8), (70, 8)])
 def test_fixed_tree_sums_like_tree_reduce_however_the_chunks_are_split(n, split_every):
     """Summing each worker's complete subtrees first and finishing the tree elsewhere gives the
