@@ -438,6 +438,8 @@ class MemorySampler:
     def callback(self, epoch, state, metrics):
         self.sample()
 
+    callback.takes_epoch_state = True  # reads no state: it stays on the workers
+
     def _loop(self, interval):
         while not self._stop.wait(interval):
             self.sample()

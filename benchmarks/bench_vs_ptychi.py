@@ -80,9 +80,12 @@ def main():
     # --- daskpty ------------------------------------------------------------------------------
     objects = {}
 
-    def keep(epoch, state, metrics):
+    def keep(epoch, state, metrics):  # gets daskpty's EpochState: fetch only the epochs compared
         if epoch in checkpoints:
+            state = state.get()
             objects[epoch] = (state.object.copy(), state.illumination.copy())
+
+    keep.takes_epoch_state = True
 
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True) as cluster, \
             Client(cluster) as client:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import signal
 import threading
 
@@ -9,11 +10,15 @@ from .results import Reconstruction
 
 
 class Checkpointer:
-    """Epoch callback that snapshots the state after every epoch and writes every ``every`` epochs.
+    """Epoch callback that keeps the history, remembers the last epoch's state and writes it
+    every ``every`` epochs (and on :meth:`write`, e.g. after an interrupt).
 
-    ``make_result(state, history)`` turns a state into a :class:`Reconstruction`. The snapshot holds
-    references only (engines never modify arrays in place), so it costs nothing per epoch.
+    ``make_result(state, history)`` turns a state into a :class:`Reconstruction`. It takes the
+    driver's :class:`~daskpty.execution.driver.EpochState` handles, so a state is fetched from
+    the workers only for an epoch that is written; without a path nothing is kept.
     """
+
+    takes_epoch_state = True
 
     def __init__(self, path, make_result, every: int = 10, history=None):
         if every < 1:
@@ -27,26 +32,28 @@ class Checkpointer:
 
     def __call__(self, epoch, state, metrics):
         self.history.append(metrics)
-        self.snapshot = (self._copy_state(state), list(self.history))
-        if self.path is not None and epoch % self.every == 0:
+        if self.path is None:
+            return
+        from .execution.driver import EpochState
+
+        self.snapshot = (state if isinstance(state, EpochState) else copy.copy(state), list(self.history))
+        if epoch % self.every == 0:
             self.write()
 
-    @staticmethod
-    def _copy_state(state):
-        import copy
-
-        return copy.copy(state)  # shallow: arrays are replaced, never modified, by the engines
-
     def write(self) -> Reconstruction | None:
-        """Write the last complete epoch's state (no-op when nothing ran or it is already written)."""
+        """Write the last complete epoch's state (no-op when nothing ran, there is no path, or it
+        is already written)."""
         if self.snapshot is None:
             return None
         state, history = self.snapshot
         if self.written_epoch == state.epoch:
             return None
+        from .execution.driver import EpochState
+
+        if isinstance(state, EpochState):  # fetch the state from the workers now
+            state = state.get()
         rec = self.make_result(state, history)
-        if self.path is not None:
-            rec.to_zarr(self.path, overwrite=True)
+        rec.to_zarr(self.path, overwrite=True)
         self.written_epoch = state.epoch
         return rec
 

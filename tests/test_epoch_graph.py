@@ -112,8 +112,8 @@ def test_chunks_spread_evenly_and_one_chunk_task_per_worker_and_round(process_cl
     log = _TaskLog()
     log.name = f"{log.name}-{fused}"
     process_client.register_plugin(log, name=log.name)
-    futures = graph.submit(process_client.scatter(EpochCarry(state), hash=False))
-    futures[0].result()
+    epoch = graph.submit(process_client.scatter(EpochCarry(state), hash=False))
+    epoch.ends[0].result()
     graph.close()
     holders = process_client.who_has(futures_of(data.intensities))
     prefix = ROUND_PREFIX if fused else CHUNK_PREFIX
@@ -146,8 +146,8 @@ def test_chunks_the_scheduler_put_on_the_wrong_worker_still_give_even_rounds(pro
     state = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
     graph = EpochGraph(process_client, data, adapter, rounds=2)
     assert sorted(len(chunks) for chunks in graph.groups) == [2, 2]
-    futures = graph.submit(process_client.scatter(EpochCarry(state), hash=False))
-    futures[0].result()
+    epoch = graph.submit(process_client.scatter(EpochCarry(state), hash=False))
+    epoch.ends[0].result()
     graph.close()
     held = process_client.who_has(futures_of(data.intensities))
     for w, chunks in enumerate(graph.groups):
@@ -193,11 +193,15 @@ def test_fixed_tree_sums_like_tree_reduce_however_the_chunks_are_split(n, split_
         assert total.scalars == reference.scalars
 
 
+@pytest.mark.parametrize("restart_from", ["surviving copy", "client copy"])
 def test_a_round_state_gone_from_its_worker_restarts_the_epoch_with_states_in_the_graph(process_client,
-                                                                                        monkeypatch):
+                                                                                        monkeypatch,
+                                                                                        restart_from):
     """If a fused round task does not find its state (as when dask moves or recomputes it on
-    another worker), the epoch restarts from the client's copy with the split graph, and the
-    result equals an undisturbed run bit for bit."""
+    another worker), the epoch restarts with the split graph, from the last finished epoch's
+    state on a worker or, when none is left, from the client's last copy (here the start: no
+    epoch's state was fetched), recomputing the epochs since then without reporting them twice.
+    The result and the history equal an undisturbed run bit for bit."""
     import daskpty.execution.driver as driver
     from daskpty.execution.epoch_graph import EpochGraph, _round_task
 
@@ -221,14 +225,55 @@ def test_a_round_state_gone_from_its_worker_restarts_the_epoch_with_states_in_th
                             return ends
             return ends
 
-    results = {}
+    if restart_from == "client copy":
+        monkeypatch.setattr(driver, "_state_of_any", lambda futures: None)
+    results, histories = {}, {}
     for name, graph_class in (("undisturbed", EpochGraph), ("disturbed", LosesAState)):
         monkeypatch.setattr(driver, "EpochGraph", graph_class)
         start = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
-        results[name] = run_epochs(process_client, data, adapter, start, epochs=4, rounds_per_epoch=3)[0]
+        results[name], histories[name] = run_epochs(process_client, data, adapter, start, epochs=4,
+                                                    rounds_per_epoch=3)
     assert len(graphs) == 1 and not graphs[0].fused  # it fell back to the split graph
     np.testing.assert_array_equal(results["disturbed"].object, results["undisturbed"].object)
     np.testing.assert_array_equal(results["disturbed"].probe, results["undisturbed"].probe)
+    assert [h["epoch"] for h in histories["disturbed"]] == [1, 2, 3, 4]
+    assert [h["loss"] for h in histories["disturbed"]] == [h["loss"] for h in histories["undisturbed"]]
+
+
+def test_states_stay_on_the_workers_unless_a_callback_asks(process_client, monkeypatch):
+    """With callbacks that take an EpochState and never fetch it, the client fetches one state,
+    the last; a plain callback gets every epoch's state. Both runs give the same bits."""
+    import daskpty.execution.driver as driver
+
+    fetched = []
+    original = driver.EpochState.get
+
+    def counting_get(self):
+        if not self.fetched:
+            fetched.append(self.epoch)
+        return original(self)
+
+    monkeypatch.setattr(driver.EpochState, "get", counting_get)
+    ds = make_dataset(grid=8, seed=2)
+    data = prepare_data(process_client, ds.intensities, ds.positions, chunk_length=16, persist=True)
+    adapter = LSQMLAdapter(lsqml.LSQMLOptions())
+
+    class Lazy:
+        takes_epoch_state = True
+        seen = []
+
+        def __call__(self, epoch, state, metrics):
+            self.seen.append((epoch, state.epoch, type(state).__name__))
+
+    results = {}
+    for name, callback in (("lazy", Lazy()), ("plain", lambda epoch, state, metrics: None)):
+        fetched.clear()
+        start = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
+        results[name] = run_epochs(process_client, data, adapter, start, epochs=5, rounds_per_epoch=2,
+                                   callbacks=[callback])[0]
+        assert fetched == ([5] if name == "lazy" else [1, 2, 3, 4, 5])
+    assert Lazy.seen == [(e, e, "EpochState") for e in range(1, 6)]
+    np.testing.assert_array_equal(results["lazy"].object, results["plain"].object)
 
 
 class _FailsInSecondEpoch(LSQMLAdapter):

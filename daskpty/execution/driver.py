@@ -106,10 +106,50 @@ def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_ev
     return state, scalars
 
 
-def _metrics(state, scalars: dict, seconds: float, n_total: int, rounds: int) -> dict:
+class EpochState:
+    """The engine state after one epoch; on the workers until :meth:`get` fetches it (once).
+
+    ``epoch`` (the state's epoch counter) is known at once. Callbacks that set
+    ``takes_epoch_state = True`` receive this handle and call :meth:`get` only when they need the
+    state (a checkpoint to write, an image to draw); others receive the state itself. An epoch
+    whose state nobody asks for never travels to the client (epoch graphs only; round by round
+    the state is on the client anyway).
+    """
+
+    def __init__(self, epoch: int, state=None, future=None):
+        self.epoch = int(epoch)
+        self._state = state
+        self._future = None
+        if future is not None:  # an own reference: the driver releases its futures as it goes
+            from distributed import Future
+
+            self._future = Future(future.key, future.client)
+
+    @property
+    def fetched(self) -> bool:
+        return self._state is not None
+
+    def get(self):
+        """The state (gathered from the workers on the first call)."""
+        if self._state is None:
+            self._state = self._future.result().state
+            self._future.release()
+            self._future = None
+        return self._state
+
+    def __del__(self):
+        future, self._future = getattr(self, "_future", None), None
+        if future is not None:
+            try:
+                future.release()
+            except Exception:  # the client is gone: nothing to release
+                pass
+
+
+def _metrics(epoch: int, scalars: dict, seconds: float, n_total: int, rounds: int) -> dict:
     n = max(scalars.get("n", 0.0), 1.0)
     return {
-        "epoch": state.epoch,
+        "epoch": epoch,
         "loss": scalars.get("loss", float("nan")) / n,
         "seconds": seconds,
         "patterns_per_second": n_total / seconds if seconds > 0 else float("nan"),
@@ -125,52 +165,71 @@ def _metrics(state, scalars: dict, seconds: float, n_total: int, rounds: int) ->
 
 
 def _client_epochs(client, data, adapter, state, epochs, rounds, split_every):
-    """Epochs run round by round from the client; yields ``(state, scalars, seconds)``."""
+    """Epochs run round by round from the client; yields ``(EpochState, scalars, seconds)``."""
     for _ in range(epochs):
         start = time.perf_counter()
         state = adapter.begin_epoch(state)
         state, scalars = _run_rounds(client, data, adapter, state, rounds, split_every)
         state = adapter.end_epoch(state)
-        yield state, scalars, time.perf_counter() - start
+        # a shallow copy: the next epoch rebinds this state's arrays (it never writes into them)
+        yield EpochState(state.epoch, state=copy.copy(state)), scalars, time.perf_counter() - start
 
 
 MAX_EPOCH_RESTARTS = 3
 
 
-def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
-    """Epochs as graphs on the workers, each submitted before the previous one is gathered, so the
-    client's work between epochs (gather, callbacks, checkpoints) overlaps the next epoch.
-    Yields ``(state, scalars, seconds)``; ``seconds`` is the time between two epochs' results
-    (the first: from the submission).
+def _state_of_any(futures):
+    """The state in the first of ``futures`` (copies of one epoch's end) still on a live worker."""
+    for future in futures or ():
+        if future.status != "finished":
+            continue
+        try:
+            return future.result(timeout=60).state
+        except Exception:  # its worker died meanwhile: try the next copy
+            continue
+    return None
 
-    A worker that dies takes data dask cannot recompute (the scattered start state, or the
-    previous epoch's result once that graph is forgotten, or the state a fused round task keeps
-    in its worker); dask then cancels the epoch or a round task raises
-    :class:`~.epoch_graph.StaleRoundState`, and the epoch is restarted from the client's copy of
-    its start state (at most ``MAX_EPOCH_RESTARTS`` times; after a stale state, with the state
-    kept as task results). Recomputation is deterministic, so the result equals an undisturbed run.
+
+def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
+    """Epochs as graphs on the workers, each submitted before the previous one is finished, so the
+    client's work between epochs (callbacks, checkpoints) overlaps the next epoch. Yields
+    ``(EpochState, scalars, seconds)``; ``seconds`` is the time between two epochs' summaries
+    (the first: from the submission). The client receives each epoch's summary (scalars, a few
+    hundred bytes); the state stays on the workers unless someone calls ``EpochState.get``.
+
+    A worker that dies takes data dask cannot recompute (the scattered start state, an epoch's
+    result once its graph is forgotten, or the state a fused round task keeps in its worker);
+    dask then cancels the epoch or a round task raises :class:`~.epoch_graph.StaleRoundState`,
+    and the epoch is restarted (at most ``MAX_EPOCH_RESTARTS`` times; after a stale state, with
+    the state kept as task results) from the last finished epoch's state on a surviving worker
+    (every worker holding chunks keeps a copy until the next epoch is finished), else from the
+    last state on the client, recomputing the epochs since then. Recomputation is
+    deterministic, so the result equals an undisturbed run.
     """
     graph = EpochGraph(client, data, adapter, rounds=rounds, split_every=split_every)
-    base = state  # the state the pending epoch starts from, on the client
+    base, base_done = state, 0  # the latest state on the client, and the epochs done to reach it
+    finished = None  # the last finished epoch (its state copies are the first restart point)
 
-    def release(*epochs):
+    def release(*submitted):
         # Release, never cancel: cancelling a key whose dependents nobody holds (the next
         # epoch's tasks) trips an assertion in distributed's scheduler (stimulus_cancel), which
         # then drops this client and every key it holds, the persisted data included.
-        for futures in epochs:
-            for future in futures or ():
-                future.release()
+        for epoch in submitted:
+            if epoch is not None:
+                epoch.release()
 
     start = time.perf_counter()
     pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
+    reaches = 1  # the epoch count (since the start of this run) the pending epoch reaches
     following = None
     done = restarts = 0
     try:
         while done < epochs:
-            if following is None and done + 1 < epochs:
+            if following is None and reaches < epochs:
                 following = graph.submit(pending)
             try:
-                out = pending[0].result()
+                epoch, scalars = pending.summary.result()
+                pending.summary.release()
             except (CancelledError, StaleRoundState) as exc:
                 restarts += 1
                 if restarts > MAX_EPOCH_RESTARTS:
@@ -178,18 +237,26 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 if isinstance(exc, StaleRoundState):  # a round task moved: keep states in the graph
                     graph.close()
                     graph.fused = False
+                survivor = _state_of_any(finished.ends) if finished is not None else None
+                if survivor is not None:
+                    base, base_done = survivor, done
                 release(pending, following)
                 following = None
                 pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
+                reaches = base_done + 1
                 continue
-            for future in pending:
-                future.release()
-            now = time.perf_counter()
-            yield out.state, out.scalars, now - start
-            start, base, done = now, out.state, done + 1
-            pending, following = following, None
-    finally:  # stopped early (a callback, an interrupt): drop the epoch submitted in advance
-        release(pending, following)
+            if reaches > done:  # (else an epoch recomputed after a restart: already reported)
+                handle = EpochState(epoch, future=pending.ends[0])
+                now = time.perf_counter()
+                yield handle, scalars, now - start
+                start, done = now, reaches
+                if handle.fetched:
+                    base, base_done = handle.get(), done
+            release(finished)
+            finished, pending, following = pending, following, None
+            reaches += 1
+    finally:  # stopped early (a callback, an interrupt): drop the epochs still held
+        release(finished, pending, following)
         graph.close()
 
 
@@ -198,7 +265,10 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
     """Run ``epochs`` epochs of ``rounds_per_epoch`` rounds each. Returns ``(state, history)``.
 
     Each callback is called as ``callback(epoch, state, metrics)`` after every epoch; a callback
-    returning ``False`` stops the loop after that epoch.
+    returning ``False`` stops the loop after that epoch. A callback with the attribute
+    ``takes_epoch_state = True`` gets an :class:`EpochState` instead of the state and fetches the
+    state only when it needs it: with epoch graphs, an epoch no callback fetches stays on the
+    workers.
     """
     history = []
     n_total = int(sum(data.chunk_lengths))
@@ -212,16 +282,20 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
         epochs_iter = _graph_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)
     else:
         epochs_iter = _client_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)
+    last = None
     try:
-        for state, scalars, seconds in epochs_iter:
-            metrics = _metrics(state, scalars, seconds, n_total, rounds_per_epoch)
+        for last, scalars, seconds in epochs_iter:
+            metrics = _metrics(last.epoch, scalars, seconds, n_total, rounds_per_epoch)
             history.append(metrics)
             stop = False
             for cb in callbacks:
-                if cb(state.epoch, state, metrics) is False:
+                given = last if getattr(cb, "takes_epoch_state", False) else last.get()
+                if cb(last.epoch, given, metrics) is False:
                     stop = True
             if stop:
                 break
+        if last is not None:
+            state = last.get()
     finally:
         epochs_iter.close()
     return state, history

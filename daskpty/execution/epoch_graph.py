@@ -114,6 +114,26 @@ def _end_epoch(carry: EpochCarry, adapter) -> EpochCarry:
     return EpochCarry(adapter.end_epoch(copy_state(adapter, carry.state)), carry.scalars)
 
 
+def _summary(carry: EpochCarry) -> tuple:
+    """What the client needs after every epoch: the state's epoch counter and the epoch's summed
+    scalars (a few hundred bytes; the state itself is gathered only when asked for)."""
+    return carry.state.epoch, carry.scalars
+
+
+@dataclass
+class SubmittedEpoch:
+    """One submitted epoch: ``ends``, one future per state copy of the :class:`EpochCarry` after
+    the epoch (all equal), and ``summary``, a future of ``(epoch counter, summed scalars)``."""
+
+    ends: list
+    summary: object
+
+    def release(self) -> None:
+        """Release (never cancel: see the driver) this epoch's futures."""
+        for future in (*self.ends, self.summary):
+            future.release()
+
+
 class StaleRoundState(RuntimeError):
     """A fused round task did not find the state it continues on its worker (the task was moved
     to another worker or recomputed); the epoch is restarted from the client's copy."""
@@ -189,11 +209,12 @@ class EpochGraph:
     (two levels per round). Both give the same bits; the sum does not depend on the placement.
 
     The graph is written out as a task dictionary (no ``dask.delayed`` per task: that cost 5–13 ms
-    of the client's time per epoch, time the scheduler in the same process lost). The result of
-    :meth:`submit` is one future per copy of an :class:`EpochCarry` (the state after the epoch,
-    the epoch's summed scalars). It equals running :func:`map_reduce` + ``adapter.apply`` round by
-    round on the client. For persisted data only (a Zarr-backed chunk read once for several rounds
-    would stay in memory between them).
+    of the client's time per epoch, time the scheduler in the same process lost). :meth:`submit`
+    returns a :class:`SubmittedEpoch`: one future per copy of an :class:`EpochCarry` (the state
+    after the epoch, the epoch's summed scalars) and one of a small summary (epoch counter,
+    scalars), which is all the client needs after most epochs. It equals running
+    :func:`map_reduce` + ``adapter.apply`` round by round on the client. For persisted data only
+    (a Zarr-backed chunk read once for several rounds would stay in memory between them).
     """
 
     def __init__(self, client, data: ChunkedData, adapter, *, rounds: int = 1,
@@ -237,15 +258,16 @@ class EpochGraph:
         worker = self.replicas[w]
         return {} if worker is None else {"workers": [worker], "allow_other_workers": True}
 
-    def submit(self, start) -> list:
+    def submit(self, start) -> SubmittedEpoch:
         """Submit one epoch. ``start``: the state to start from — one future of an
-        :class:`EpochCarry` for every state copy, or the list returned by the previous
-        :meth:`submit`. Returns one future per state copy (all equal; gather the first)."""
+        :class:`EpochCarry` for every state copy, or the previous :class:`SubmittedEpoch`."""
         from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
 
         tag = f"{self.count}-{self.token}"
         self.count += 1
         copies = len(self.replicas)
+        if isinstance(start, SubmittedEpoch):
+            start = start.ends
         if not isinstance(start, (list, tuple)):
             start = [start] * copies
         inputs = dict(self.inputs)
@@ -255,11 +277,14 @@ class EpochGraph:
         tree = FixedTree(len(self.block_keys), self.split_every)
         build = self._fused_tasks if self.fused else self._split_tasks
         ends = build(tasks, carries, tree, tag)
+        summary = (f"daskpty-summary-{tag}", 0)
+        tasks[0][summary] = (_summary, ends[0])
         layers = {"inputs": MaterializedLayer(inputs)}
         for w in range(copies):
             layers[f"daskpty-epoch-{tag}-{w}"] = MaterializedLayer(tasks[w], annotations=self._on_replica(w) or None)
         graph = HighLevelGraph(layers, {name: set() for name in layers})
-        return self.client.get(graph, ends, sync=False)
+        futures = self.client.get(graph, [*ends, summary], sync=False)
+        return SubmittedEpoch(futures[:-1], futures[-1])
 
     def _chunk_args(self, chunks) -> tuple:
         return [self.block_keys[i] for i in chunks], [self.position_keys[i] for i in chunks], chunks

@@ -627,6 +627,13 @@ def _state_on_scheduler(dask_scheduler=None):
     return state_of(dask_scheduler)
 
 
+def _fetched(state):
+    """The state itself, from the driver's EpochState handle (fetched from the workers) or as given."""
+    from ..execution.driver import EpochState
+
+    return state.get() if isinstance(state, EpochState) else state
+
+
 class DashboardPublisher:
     """``callback(epoch, state, metrics)`` that shows a running reconstruction on the dashboard.
 
@@ -714,12 +721,14 @@ class DashboardPublisher:
             self.sent_bytes += (len(obj.get("phase_png", b"")) + len(obj.get("amplitude_png", b""))
                                 + sum(len(p) for p in probe.get("pngs", ())))
 
+    takes_epoch_state = True  # fetches the state only for the epochs it draws
+
     def __call__(self, epoch, state, metrics):
         try:
             now = time.monotonic()
             last = self.epochs is not None and int(epoch) >= int(self.epochs)
             images = last or now - self._last_image >= self.image_interval
-            msg = self.message(epoch, state, metrics, images)
+            msg = self.message(epoch, _fetched(state) if images else None, metrics, images)
             if images:
                 self._last_image = now
                 self._pending = None
@@ -739,7 +748,7 @@ class DashboardPublisher:
         epoch, state = self._pending
         self._pending = None
         try:
-            msg = self.message(epoch, state, None, True)
+            msg = self.message(epoch, _fetched(state), None, True)
             del msg["metrics"]
             self._send(msg)
             self._last_image = time.monotonic()

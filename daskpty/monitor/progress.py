@@ -20,6 +20,8 @@ class ProgressPrinter:
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.done = 0
 
+    takes_epoch_state = True  # reads the metrics only: the state may stay on the workers
+
     def __call__(self, epoch, state, metrics):
         self.done += 1
         elapsed = time.perf_counter() - self.start
