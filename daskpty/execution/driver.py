@@ -194,7 +194,8 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
     """Epochs as graphs on the workers, each submitted before the previous one is finished, so the
     client's work between epochs (callbacks, checkpoints) overlaps the next epoch. Yields
     ``(EpochState, scalars, seconds)``; ``seconds`` is the time between two epochs' summaries
-    (the first: from the submission). The client receives each epoch's summary (scalars, a few
+    (the first: from the submission). A summary usually runs after the next epoch's first round
+    task on its worker, so it arrives about a round late and the last epoch reads that much short. The client receives each epoch's summary (scalars, a few
     hundred bytes); the state stays on the workers unless someone calls ``EpochState.get``.
 
     A worker that dies takes data dask cannot recompute (the scattered start state, an epoch's
