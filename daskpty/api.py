@@ -164,7 +164,10 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     seed : int
         Seed of every random choice (extra probe modes); the engines are deterministic.
     callback : callable, optional
-        ``callback(epoch, state, metrics)`` after every epoch; return False to stop.
+        ``callback(epoch, state, metrics)`` after every epoch; return False to stop. The state
+        travels from the workers to this process for every epoch; a callback with the attribute
+        ``takes_epoch_state = True`` gets a handle instead (``.epoch``, ``.get()`` fetches the
+        state), so epochs it does not look at stay on the workers.
     progress : bool
         Print epoch, loss, patterns/s and ETA to stderr.
     chunk_length : int, optional
