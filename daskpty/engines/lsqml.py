@@ -129,10 +129,12 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
 
     Two passes over sub-batches of the chunk (on the CPU sized to stay in cache, on the GPU the
     whole chunk). Pass 1: exit waves, far-field update, residual χ, object gradient
-    g_j = Σ_k conj(S_f P_k) χ_jk and illumination scattered into the box, and the probe-gradient
-    spectra G_j = conj(ramp_j) · F(conj(O_j) χ_j) (their sum is F of the probe update). Pass 2:
-    the step-length system, with a_j = ΔÔ_j S_f P, b_j = S_f ΔP̂ · O_j and these identities:
-    Re⟨a_j, χ_j⟩ = Re⟨ΔÔ_j, g_j⟩, and (F unitary) Re⟨b_j, χ_j⟩ = Re⟨F ΔP̂, G_j⟩ with F ΔP̂ = Σ_j G_j / B.
+    g_j = Σ_k conj(S_f P_k) χ_jk and illumination scattered into the box, and the sum of the
+    probe-gradient spectra G_j = conj(ramp_j) · F(conj(O_j) χ_j) (F of the probe update). Pass 2:
+    the step-length system with a_j = ΔÔ_j S_f P and b_j = S_f ΔP̂ · O_j. Kept between the passes:
+    S_f P and χ when the probe is updated (pass 2 forms Re⟨a_j, χ_j⟩ and Re⟨b_j, χ_j⟩ from them:
+    two arrays of the exit-wave shape, not three, which matters because the chunk's share of
+    them outgrows the caches); else g_j and Σ_k |S_f P_k|², with Re⟨a_j, χ_j⟩ = Re⟨ΔÔ_j, g_j⟩.
     """
     xp = get_xp(intensities)
     n = probe.shape[-1]
@@ -157,13 +159,15 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     blocks = [slice(s, min(s + step, n_patterns)) for s in range(0, n_patterns, step)]
 
     wave_shape = (n_patterns, n_modes, n, n)
-    shifted = xp.empty(wave_shape, np.complex64)            # S_f P (kept for pass 2)
-    obj_grad = xp.empty((n_patterns, n, n), np.complex64)   # g_j
+    work = xp.empty((step, n_modes, n, n), np.complex64)
     if update_probe:
-        spectra = xp.empty(wave_shape, np.complex64)        # G_j
+        shifted = xp.empty(wave_shape, np.complex64)        # S_f P, kept for pass 2
+        chis = xp.empty(wave_shape, np.complex64)           # χ, kept for pass 2
+        grad = xp.empty((step, n, n), np.complex64)         # g_j of one sub-batch
         spectra_sum = xp.zeros(n_modes * n * n, np.complex64)
     else:
-        work = xp.empty((step, n_modes, n, n), np.complex64)
+        shifted = xp.empty((step, n_modes, n, n), np.complex64)
+        obj_grad = xp.empty((n_patterns, n, n), np.complex64)   # g_j, kept for pass 2
         illum_patches = xp.empty((n_patterns, n, n), np.float32)
     obj_num = xp.zeros(obj_box.shape, dtype=np.complex64)
     patches = xp.empty((step, n, n), np.complex64)
@@ -179,10 +183,10 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     for batch in blocks:
         b = batch.stop - batch.start
         r = outer_ramps(ry[batch], rx[batch], out=ramp[:b])
-        sp = xp.multiply(r[:, None], probe_ft[None], out=shifted[batch])
+        sp = xp.multiply(r[:, None], probe_ft[None], out=shifted[batch] if update_probe else shifted[:b])
         _fft_in_place(sp, inverse=True)                     # S_f P = F⁻¹(ramp · F P)
         o = index.extract(obj_box, batch, out=patches[:b])
-        wave = spectra[batch] if update_probe else work[:b]
+        wave = chis[batch] if update_probe else work[:b]
         xp.multiply(sp, o[:, None], out=wave)               # ψ = S_f P · O
         _fft_in_place(wave)
         y = intensities[batch].astype(np.float32, copy=False)
@@ -192,7 +196,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         measured += ones[:b] @ y.reshape(b, -1)
         model += ones[:b] @ yhat.reshape(b, -1)
         chi = _fft_in_place(wave, inverse=True)             # χ = F⁻¹(Ψ' − Ψ)
-        g = obj_grad[batch]
+        g = grad[:b] if update_probe else obj_grad[batch]
         xp.conj(sp[:, 0], out=g)
         g *= chi[:, 0]
         for k in range(1, n_modes):
@@ -200,11 +204,11 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         w = model_intensity(sp)                             # Σ_k |S_f P_k|²
         index.scatter_add(obj_num, g, batch)
         index.scatter_add(illum, w, batch)
-        if update_probe:
-            chi *= xp.conj(o, out=o)[:, None]
-            _fft_in_place(chi)
-            chi *= xp.conj(r, out=r)[:, None]
-            spectra_sum += ones_c[:b] @ chi.reshape(b, -1)
+        if update_probe:  # G_j = conj(ramp_j) · F(conj(O_j) χ_j), summed; χ stays for pass 2
+            spec = xp.multiply(chi, xp.conj(o, out=o)[:, None], out=work[:b])
+            _fft_in_place(spec)
+            spec *= xp.conj(r, out=r)[:, None]
+            spectra_sum += ones_c[:b] @ spec.reshape(b, -1)
         else:
             illum_patches[batch] = w
     inv_precond = _preconditioner(illum, options.delta)
@@ -219,27 +223,28 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         spectra_sum = spectra_sum.reshape(n_modes, n, n)
         probe_sum = ifft2(spectra_sum)                      # Σ_j S_{-f_j}(conj(O_j) χ_j)
         probe_dir_ft = spectra_sum / np.float32(n_patterns)  # F ΔP̂
-        b_chi = real_dots(spectra, xp.broadcast_to(probe_dir_ft, spectra.shape))
-        del spectra
+        b_chi = xp.empty(n_patterns)
         a_b = xp.empty(n_patterns)
         b_b = xp.empty(n_patterns)
         a = xp.empty((step, n_modes, n, n), np.complex64)
-        bw = xp.empty((step, n_modes, n, n), np.complex64)
     dirs = xp.empty((step, n, n), np.complex64)
     for batch in blocks:
         b = batch.stop - batch.start
         d = index.extract(obj_dir, batch, out=dirs[:b])    # ΔÔ_j
-        a_chi[batch] = real_dots(d, obj_grad[batch])
         if update_probe:
             ab = xp.multiply(d[:, None], shifted[batch], out=a[:b])
             r = outer_ramps(ry[batch], rx[batch], out=ramp[:b])
-            bb = xp.multiply(r[:, None], probe_dir_ft[None], out=bw[:b])
+            bb = xp.multiply(r[:, None], probe_dir_ft[None], out=work[:b])
             _fft_in_place(bb, inverse=True)                # S_f ΔP̂
             bb *= index.extract(obj_box, batch, out=patches[:b])[:, None]
+            chi = chis[batch]
+            a_chi[batch] = real_dots(ab, chi)
+            b_chi[batch] = real_dots(bb, chi)
             a_a[batch] = real_dots(ab, ab)
             b_b[batch] = real_dots(bb, bb)
             a_b[batch] = real_dots(ab, bb)
-        else:  # Σ_k |ΔÔ_j S_f P_k|² = Σ |ΔÔ_j|² Σ_k |S_f P_k|²
+        else:  # Re⟨a_j, χ_j⟩ = Re⟨ΔÔ_j, g_j⟩; Σ_k |ΔÔ_j S_f P_k|² = Σ |ΔÔ_j|² Σ_k |S_f P_k|²
+            a_chi[batch] = real_dots(d, obj_grad[batch])
             d2 = xp.square(d.real)
             d2 += xp.square(d.imag)
             a_a[batch] = real_dots(d2, illum_patches[batch])
