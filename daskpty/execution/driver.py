@@ -228,6 +228,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
         while done < epochs:
             if following is None and reaches < epochs:
                 following = graph.submit(pending)
+                pending.release_last_round()  # the scheduler keeps them for the new graph
             try:
                 epoch, scalars = pending.summary.result()
                 pending.summary.release()

@@ -10,6 +10,7 @@ round is one level of the graph: one exchange of partial sums and nothing else.
 from __future__ import annotations
 
 import copy
+import threading
 import uuid
 from dataclasses import dataclass, field
 
@@ -123,14 +124,23 @@ def _summary(carry: EpochCarry) -> tuple:
 @dataclass
 class SubmittedEpoch:
     """One submitted epoch: ``ends``, one future per state copy of the :class:`EpochCarry` after
-    the epoch (all equal), and ``summary``, a future of ``(epoch counter, summed scalars)``."""
+    the epoch (all equal), and ``summary``, a future of ``(epoch counter, summed scalars)``.
+    A fused epoch also holds ``last_round`` (its last round tasks' futures, one per replica) and
+    its ``tag``: the next epoch's first round tasks start from them, not from ``ends``."""
 
     ends: list
     summary: object
+    tag: str = ""
+    last_round: list = field(default_factory=list)
 
     def release(self) -> None:
         """Release (never cancel: see the driver) this epoch's futures."""
-        for future in (*self.ends, self.summary):
+        for future in (*self.ends, self.summary, *self.last_round):
+            future.release()
+
+    def release_last_round(self) -> None:
+        """Release the last round's futures once the next epoch, which reads them, is submitted."""
+        for future in self.last_round:
             future.release()
 
 
@@ -140,21 +150,48 @@ class StaleRoundState(RuntimeError):
 
 
 #: The state each fused round task hands to the next one on the same worker, by (graph token,
-#: replica): ``(epoch tag, round, EpochCarry)``. One entry per replica; the epoch's end task
-#: removes it. Module-level, so several workers of one process (threads) share it by key.
+#: replica): ``(epoch tag, round, EpochCarry)``. One entry per replica, replaced by each round.
+#: Module-level, so several workers of one process (threads) share it by key.
 _ROUND_STATES: dict = {}
+
+#: The end of an epoch, by (graph token, replica, epoch tag), from whichever of its two users ran
+#: first on the worker (the epoch's end task, the next epoch's first round task) to the other.
+#: The lock keeps a worker with several threads from computing it twice (in-process clusters,
+#: whose workers share this module, end their copies one after the other: tests only).
+_ENDED: dict = {}
+_ENDED_LOCK = threading.Lock()
+
+
+def _ended(adapter, tree: FixedTree, token: str, tag: str, replica: int, rounds: int, previous) -> EpochCarry:
+    """The state after epoch ``tag`` on one replica: its last round finished (``previous``: every
+    replica's last round partial sums) and ``end_epoch`` run. Computed once per worker: the
+    first caller stores it for the second."""
+    key = (token, replica, tag)
+    with _ENDED_LOCK:
+        done = _ENDED.pop(key, None)
+        if done is not None:
+            return done
+        entry = _ROUND_STATES.get((token, replica))
+        if entry is None or entry[0] != tag or entry[1] != rounds - 1:
+            raise StaleRoundState(f"the end of epoch graph {tag} did not find its last round's state on this worker")
+        carry = _finish_round(entry[2], adapter, rounds == 1, tree, replica, *previous)
+        done = _ENDED[key] = _end_epoch(carry, adapter)
+        return done
 
 
 def _round_task(start, adapter, tree: FixedTree, token: str, tag: str, replica: int,
-                round_index: int, rounds: int, blocks, positions, indices, *previous) -> dict:
+                round_index: int, rounds: int, after: str | None, blocks, positions, indices,
+                *previous) -> dict:
     """Fused round ``r`` on one replica: finish round ``r − 1`` (sum ``previous``, the partial
     sums of every replica's round ``r − 1`` task, and ``apply`` them to this worker's state), then
     run round ``r``'s chunk steps on the new state. Returns only the partial sums; the state stays
-    in this worker's memory for the next round task. ``start``: the epoch's start carry (round 0);
-    ``previous`` holds one task result per replica, in replica order."""
+    in this worker's memory for the next round task. ``previous`` holds one task result per
+    replica, in replica order. Round 0 starts from ``start`` (an epoch's start carry) or, when
+    ``after`` names the previous epoch of this graph, ends that epoch itself (:func:`_ended`;
+    ``previous``: its last round), one scheduler hop sooner than waiting for its end task."""
     key = (token, replica)
     if round_index == 0:
-        carry = start
+        carry = start if after is None else _ended(adapter, tree, token, after, replica, rounds, previous)
     else:
         entry = _ROUND_STATES.get(key)
         if entry is None or entry[0] != tag or entry[1] != round_index - 1:
@@ -168,18 +205,15 @@ def _round_task(start, adapter, tree: FixedTree, token: str, tag: str, replica: 
 
 def _end_task(adapter, tree: FixedTree, token: str, tag: str, replica: int, rounds: int,
               *previous) -> EpochCarry:
-    """Finish the epoch's last round on one replica and run ``end_epoch``."""
-    entry = _ROUND_STATES.get((token, replica))
-    if entry is None or entry[0] != tag or entry[1] != rounds - 1:
-        raise StaleRoundState(f"the end of epoch graph {tag} did not find its last round's state on this worker")
-    carry = _finish_round(entry[2], adapter, rounds == 1, tree, replica, *previous)
-    _ROUND_STATES.pop((token, replica), None)
-    return _end_epoch(carry, adapter)
+    """The state after the epoch on one replica (:func:`_ended`)."""
+    return _ended(adapter, tree, token, tag, replica, rounds, previous)
 
 
 def _drop_round_states(token: str) -> None:
-    for key in [k for k in _ROUND_STATES if k[0] == token]:
-        _ROUND_STATES.pop(key, None)
+    with _ENDED_LOCK:
+        for store in (_ROUND_STATES, _ENDED):
+            for key in [k for k in store if k[0] == token]:
+                store.pop(key, None)
 
 
 class EpochGraph:
@@ -203,7 +237,10 @@ class EpochGraph:
     (:class:`FixedTree`), and keeps the state in the worker's memory for its next round task. A
     round is then one dependency level of the graph, one scheduler hop and one exchange of partial
     sums (measured ~4 ms per level with 2 worker processes on this 2-core machine, whatever the
-    work). Should a round task not find its state (dask moved it to another worker or recomputed
+    work). The end of an epoch is not a level of its own either: the next epoch's first round
+    tasks end it themselves from the last round's partial sums (the end tasks, which the client
+    may gather, compute the same state; whichever runs first on a worker hands it to the other).
+    Should a round task not find its state (dask moved it to another worker or recomputed
     it after a lost worker), it raises :class:`StaleRoundState` and the driver restarts the epoch
     with ``fused=False``: chunk tasks and round-end tasks that pass the state as a task result
     (two levels per round). Both give the same bits; the sum does not depend on the placement.
@@ -266,17 +303,25 @@ class EpochGraph:
         tag = f"{self.count}-{self.token}"
         self.count += 1
         copies = len(self.replicas)
-        if isinstance(start, SubmittedEpoch):
-            start = start.ends
-        if not isinstance(start, (list, tuple)):
-            start = [start] * copies
         inputs = dict(self.inputs)
-        inputs.update({f.key: f for f in start})
-        carries = [f.key for f in start]
+        after = None  # the previous fused epoch of this graph, continued on the workers
+        if isinstance(start, SubmittedEpoch) and self.fused and start.last_round:
+            after = start
+            inputs.update({f.key: f for f in start.last_round})
+            carries = [None] * copies
+        else:
+            if isinstance(start, SubmittedEpoch):
+                start = start.ends
+            if not isinstance(start, (list, tuple)):
+                start = [start] * copies
+            inputs.update({f.key: f for f in start})
+            carries = [f.key for f in start]
         tasks = [{} for _ in range(copies)]  # per replica: its tasks share one annotation
         tree = FixedTree(len(self.block_keys), self.split_every)
-        build = self._fused_tasks if self.fused else self._split_tasks
-        ends = build(tasks, carries, tree, tag)
+        if self.fused:
+            ends, last_round = self._fused_tasks(tasks, carries, tree, tag, after)
+        else:
+            ends, last_round = self._split_tasks(tasks, carries, tree, tag), []
         summary = (f"daskpty-summary-{tag}", 0)
         layers = {"inputs": MaterializedLayer(inputs)}
         for w in range(copies):
@@ -287,8 +332,8 @@ class EpochGraph:
         layers[f"daskpty-summary-{tag}"] = MaterializedLayer({summary: (_summary, ends[0])},
                                                              annotations=self._on_replica(0) or None)
         graph = HighLevelGraph(layers, {name: set() for name in layers})
-        futures = self.client.get(graph, [*ends, summary], sync=False)
-        return SubmittedEpoch(futures[:-1], futures[-1])
+        futures = self.client.get(graph, [*ends, summary, *last_round], sync=False)
+        return SubmittedEpoch(futures[:copies], futures[copies], tag, futures[copies + 1:])
 
     def _chunk_args(self, chunks) -> tuple:
         return [self.block_keys[i] for i in chunks], [self.position_keys[i] for i in chunks], chunks
@@ -316,16 +361,20 @@ class EpochGraph:
             ends.append(key)
         return ends
 
-    def _fused_tasks(self, tasks, carries, tree, tag) -> list:
+    def _fused_tasks(self, tasks, carries, tree, tag, after: SubmittedEpoch | None = None) -> tuple:
         """One task per replica and round (:func:`_round_task`): the end of the previous round and
-        this round's chunk steps, with the state kept in the worker between them."""
-        previous = []
+        this round's chunk steps, with the state kept in the worker between them. After a fused
+        epoch of this graph (``after``), the first round tasks end that epoch themselves.
+        Returns the end task keys and the last round task keys."""
+        previous = [f.key for f in after.last_round] if after is not None else []
         for r in range(self.rounds):
             keys = []
             for w, chunks in enumerate(self.groups):
                 key = (f"{ROUND_PREFIX}-{r}-{tag}", w)
                 tasks[w][key] = (_round_task, carries[w] if r == 0 else None, self.adapter_key, tree,
-                                 self.token, tag, w, r, self.rounds, *self._chunk_args(chunks), *previous)
+                                 self.token, tag, w, r, self.rounds,
+                                 after.tag if r == 0 and after is not None else None,
+                                 *self._chunk_args(chunks), *previous)
                 keys.append(key)
             previous = keys
         ends = []
@@ -333,7 +382,7 @@ class EpochGraph:
             key = (f"daskpty-end-{tag}", w)
             tasks[w][key] = (_end_task, self.adapter_key, tree, self.token, tag, w, self.rounds, *previous)
             ends.append(key)
-        return ends
+        return ends, previous
 
     def close(self) -> None:
         """Drop the fused round tasks' states left on the workers by an interrupted epoch."""
