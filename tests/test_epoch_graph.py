@@ -125,6 +125,42 @@ def test_chunks_spread_evenly_and_one_chunk_task_per_worker_and_round(process_cl
         assert all(worker in holders[graph.block_keys[i]] for i in group)
 
 
+def test_an_epoch_starts_from_the_previous_last_round_not_from_its_end(process_client):
+    """Chained fused epochs: the first round tasks of epoch 2 depend on epoch 1's last round
+    tasks (they end epoch 1 themselves) and on no end task, so an epoch boundary costs no extra
+    scheduler hop; epoch 1's end tasks still give its state, equal to what epoch 2 started from."""
+    from daskpty.execution.epoch_graph import EpochGraph
+    from daskpty.execution.rounds import ROUND_PREFIX
+
+    ds = make_dataset(grid=8, seed=4)
+    data = prepare_data(process_client, ds.intensities, ds.positions, chunk_length=16, persist=True)
+    adapter = LSQMLAdapter(lsqml.LSQMLOptions())
+    state = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
+    graph = EpochGraph(process_client, data, adapter, rounds=2)
+    submitted = []
+
+    class Recording:  # the client, keeping the graphs the epoch graph submits
+        def get(self, hlg, keys, **kwargs):
+            submitted.append(dict(hlg))
+            return process_client.get(hlg, keys, **kwargs)
+
+    graph.client = Recording()
+    first = graph.submit(process_client.scatter(EpochCarry(state), hash=False))
+    second = graph.submit(first)
+    graph.client = process_client
+    round0 = [(f"{ROUND_PREFIX}-0-{second.tag}", w) for w in range(len(graph.replicas))]
+    last_round = {f.key for f in first.last_round}
+    ends = {f.key for f in first.ends}
+    for key in round0:
+        args = set(a for a in submitted[1][key][1:] if isinstance(a, tuple))
+        assert last_round <= args and not ends & args
+    ended = [f.result() for f in first.ends]
+    assert ended[0].state.epoch == 1
+    np.testing.assert_array_equal(ended[0].state.object, ended[-1].state.object)
+    second.ends[0].result()
+    graph.close()
+
+
 def test_chunks_the_scheduler_put_on_the_wrong_worker_still_give_even_rounds(process_client, monkeypatch):
     """Chunks persisted 3 : 1 (as when the scheduler moves persist tasks) still give 2 : 2 round
     tasks: each chunk's task goes to the worker it was meant for, which fetches it once and holds
