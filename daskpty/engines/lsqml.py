@@ -280,18 +280,23 @@ def apply(state: LSQMLState, total: Partial, options: LSQMLOptions) -> LSQMLStat
     """Add a reduced partial to the state: O += β ΔO / √(W² + (δ max W)²), P += β ΔP / N."""
     if "object" not in total.boxes:
         return state
+    # New arrays, never writes into the state's (copies of a state share them).
     obj = state.object.copy()
     num = total.boxes["object"]
     illum = total.boxes["illumination"]
-    step = (options.beta * num.data / _preconditioner(illum.data, options.delta)).astype(np.complex64)
+    scale = _preconditioner(illum.data, options.delta)
+    np.divide(np.float32(options.beta), scale, out=scale)  # β / p: complex ÷ real is 5× slower
+    step = num.data * scale
     BoxedArray(num.offset, step).add_into(obj)
     probe = state.probe
     if "probe" in total.arrays:
         probe = (probe + options.beta * total.arrays["probe"] / np.float32(total.scalars["n"])).astype(np.complex64)
-    full_illum = np.zeros(obj.shape, dtype=np.float32)
-    illum.add_into(full_illum)
-    state.object, state.probe = obj, probe
-    state.illumination = full_illum if state.illumination is None else np.maximum(state.illumination, full_illum)
+    # The epoch's illumination: the largest of its rounds', pixel by pixel (zero outside the boxes).
+    full_illum = (np.zeros(obj.shape, dtype=np.float32) if state.illumination is None
+                  else state.illumination.copy())
+    (y0, x0), (y1, x1) = illum.offset, illum.stop
+    np.maximum(full_illum[y0:y1, x0:x1], illum.data, out=full_illum[y0:y1, x0:x1])
+    state.object, state.probe, state.illumination = obj, probe, full_illum
     return state
 
 
