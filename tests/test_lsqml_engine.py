@@ -156,3 +156,34 @@ def test_chunk_step_matches_direct_reference(monkeypatch, noise, update_probe, m
     for key in ("loss", "alpha_object", "alpha_probe", "sum_measured", "sum_model"):
         assert part.scalars[key] == pytest.approx(ref[key], rel=1e-4, abs=1e-12), key
     assert part.scalars["n"] == len(y)
+
+
+def test_apply_adds_the_preconditioned_step_and_keeps_the_epochs_largest_illumination():
+    """O += β ΔO / √(W² + (δ max W)²) on the update's box (the state's arrays are not written),
+    P += β ΔP / N, and the illumination is the pixelwise maximum of the epoch's rounds'."""
+    rng = np.random.default_rng(3)
+    options = lsqml.LSQMLOptions(beta=0.7, delta=0.2)
+    obj = (rng.normal(size=(30, 40)) + 1j * rng.normal(size=(30, 40))).astype(np.complex64)
+    probe = (rng.normal(size=(1, 4, 4)) + 1j * rng.normal(size=(1, 4, 4))).astype(np.complex64)
+    state = lsqml.LSQMLState(object=obj.copy(), probe=probe.copy())
+    frames = []
+    for offset, shape in (((2, 3), (10, 12)), ((8, 1), (15, 30))):
+        num = (rng.normal(size=shape) + 1j * rng.normal(size=shape)).astype(np.complex64)
+        illum = rng.random(shape).astype(np.float32) * 5
+        dprobe = (rng.normal(size=(1, 4, 4)) + 1j * rng.normal(size=(1, 4, 4))).astype(np.complex64)
+        total = Partial(boxes={"object": BoxedArray(offset, num), "illumination": BoxedArray(offset, illum)},
+                        arrays={"probe": dprobe}, scalars={"n": 8.0})
+        before_object, before_probe = state.object, state.probe
+        expected = before_object.astype(np.complex128)
+        box = (slice(offset[0], offset[0] + shape[0]), slice(offset[1], offset[1] + shape[1]))
+        precond = np.sqrt(illum.astype(np.float64) ** 2 + (0.2 * illum.max()) ** 2)
+        expected[box] += 0.7 * num / precond
+        frame = np.zeros(obj.shape, np.float32)
+        frame[box] = illum
+        frames.append(frame)
+        kept = before_object.copy()
+        state = lsqml.apply(state, total, options)
+        np.testing.assert_array_equal(before_object, kept)  # not written in place
+        np.testing.assert_allclose(state.object, expected, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(state.probe, before_probe + 0.7 * dprobe / 8.0, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(state.illumination, np.maximum(*frames))
