@@ -193,9 +193,10 @@ def _state_of_any(futures):
 def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
     """Epochs as graphs on the workers, each submitted before the previous one is finished, so the
     client's work between epochs (callbacks, checkpoints) overlaps the next epoch. Yields
-    ``(EpochState, scalars, seconds)``; ``seconds`` is the time between two epochs' summaries
-    (the first: from the submission). A summary usually runs after the next epoch's first round
-    task on its worker, so it arrives about a round late and the last epoch reads that much short. The client receives each epoch's summary (scalars, a few
+    ``(EpochState, scalars, seconds)``; ``seconds`` is the time between the ends of two epochs
+    on the worker of the first state copy (the first: from the submission, on this clock). A
+    summary usually runs after the next epoch's first round task on its worker, so it arrives
+    about a round after its epoch ended. The client receives each epoch's summary (scalars, a few
     hundred bytes); the state stays on the workers unless someone calls ``EpochState.get``.
 
     A worker that dies takes data dask cannot recompute (the scattered start state, an epoch's
@@ -220,6 +221,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 epoch.release()
 
     start = time.perf_counter()
+    last_end = None  # when (worker clock) the last reported epoch ended
     pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
     reaches = 1  # the epoch count (since the start of this run) the pending epoch reaches
     following = None
@@ -230,7 +232,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 following = graph.submit(pending)
                 pending.release_last_round()  # the scheduler keeps them for the new graph
             try:
-                epoch, scalars = pending.summary.result()
+                epoch, scalars, ended_at = pending.summary.result()
                 pending.summary.release()
             except (CancelledError, StaleRoundState) as exc:
                 restarts += 1
@@ -249,9 +251,10 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 continue
             if reaches > done:  # (else an epoch recomputed after a restart: already reported)
                 handle = EpochState(epoch, future=pending.ends[0])
-                now = time.perf_counter()
-                yield handle, scalars, now - start
-                start, done = now, reaches
+                seconds = time.perf_counter() - start if last_end is None else ended_at - last_end
+                last_end = ended_at
+                yield handle, scalars, seconds
+                done = reaches
                 if handle.fetched:
                     base, base_done = handle.get(), done
             release(finished)

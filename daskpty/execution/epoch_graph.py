@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -31,10 +32,12 @@ from .rounds import (
 @dataclass
 class EpochCarry:
     """What one round hands to the next inside an epoch graph: the engine state and the sums of
-    the rounds' scalars so far."""
+    the rounds' scalars so far; after the epoch's end also when (``time.time()`` on the worker)
+    it ended."""
 
     state: object
     scalars: dict = field(default_factory=dict)
+    ended_at: float | None = None
 
 
 def _chunks_of_round(blocks, positions, carry: EpochCarry, adapter, round_index, rounds,
@@ -112,13 +115,14 @@ def _holders(client, array, blocks) -> dict:
 
 
 def _end_epoch(carry: EpochCarry, adapter) -> EpochCarry:
-    return EpochCarry(adapter.end_epoch(copy_state(adapter, carry.state)), carry.scalars)
+    return EpochCarry(adapter.end_epoch(copy_state(adapter, carry.state)), carry.scalars, time.time())
 
 
 def _summary(carry: EpochCarry) -> tuple:
-    """What the client needs after every epoch: the state's epoch counter and the epoch's summed
-    scalars (a few hundred bytes; the state itself is gathered only when asked for)."""
-    return carry.state.epoch, carry.scalars
+    """What the client needs after every epoch: the state's epoch counter, the epoch's summed
+    scalars and when it ended (a few hundred bytes; the state is gathered only when asked for).
+    The summary task often runs a round after the end (see the driver), hence the time stamp."""
+    return carry.state.epoch, carry.scalars, carry.ended_at
 
 
 @dataclass
