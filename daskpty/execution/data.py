@@ -7,6 +7,7 @@ import dask.array as da
 import numpy as np
 
 from .ordering import compact_order
+from .placement import balanced_worker
 from .rounds import ChunkedData
 
 #: Bytes of working memory one chunk step needs per pattern, per mode and per pixel
@@ -172,22 +173,17 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
     return ChunkedData(intensities, pos, positions, order, persist)
 
 
-def balanced_worker(chunk: int, n_chunks: int, n_workers: int) -> int:
-    """The worker (index into the sorted addresses) that holds ``chunk``: contiguous runs,
-    ⌊chunk · W / n⌋."""
-    return chunk * n_workers // n_chunks
-
-
 def persist_balanced(client, array: da.Array) -> da.Array:
     """Persist ``array`` (chunked along axis 0 only) with its chunks spread evenly over the
-    workers: chunk i on worker ⌊i·W/n⌋ (contiguous runs, workers sorted by address).
+    workers: chunk i on worker ⌊i·W/n⌋ (contiguous runs, workers sorted by address; see
+    :mod:`.placement`).
 
     ``client.persist`` leaves placement to the scheduler, which measured 5 : 3 chunks on 2
     workers; each round then waits for the busier worker. The restriction is loose (a lost
     worker's chunks are recomputed elsewhere). Falls back to ``client.persist`` when no worker
     is connected yet.
     """
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])  # all, as _holders sees them
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])  # all, as chunk_annotations sees them
     blocks = list(array.to_delayed().ravel())
     if not workers or len(blocks) < 2:
         return client.persist(array)

@@ -137,14 +137,6 @@ class EpochState:
             self._future = None
         return self._state
 
-    def __del__(self):
-        future, self._future = getattr(self, "_future", None), None
-        if future is not None:
-            try:
-                future.release()
-            except Exception:  # the client is gone: nothing to release
-                pass
-
 
 def _metrics(epoch: int, scalars: dict, seconds: float, n_total: int, rounds: int) -> dict:
     n = max(scalars.get("n", 0.0), 1.0)
@@ -194,9 +186,10 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
     """Epochs as graphs on the workers, each submitted before the previous one is finished, so the
     client's work between epochs (callbacks, checkpoints) overlaps the next epoch. Yields
     ``(EpochState, scalars, seconds)``; ``seconds`` is the time between the ends of two epochs
-    on the worker of the first state copy (the first: from the submission, on this clock). A
-    summary usually runs after the next epoch's first round task on its worker, so it arrives
-    about a round after its epoch ended. The client receives each epoch's summary (scalars, a few
+    (the first: from the submission), by ``time.time()`` on the worker of the first state copy
+    and, for the submission, here. A summary usually runs after the next epoch's first round
+    task on its worker, so it arrives about a round after its epoch ended; timing the arrivals
+    would add that round to the first epoch. The client receives each epoch's summary (scalars, a few
     hundred bytes); the state stays on the workers unless someone calls ``EpochState.get``.
 
     A worker that dies takes data dask cannot recompute (the scattered start state, an epoch's
@@ -211,6 +204,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
     graph = EpochGraph(client, data, adapter, rounds=rounds, split_every=split_every)
     base, base_done = state, 0  # the latest state on the client, and the epochs done to reach it
     finished = None  # the last finished epoch (its state copies are the first restart point)
+    finished_reached = 0  # the epoch count it reached
 
     def release(*submitted):
         # Release, never cancel: cancelling a key whose dependents nobody holds (the next
@@ -220,8 +214,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
             if epoch is not None:
                 epoch.release()
 
-    start = time.perf_counter()
-    last_end = None  # when (worker clock) the last reported epoch ended
+    last_end = time.time()  # when the last reported epoch ended (time.time() on the worker)
     pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
     reaches = 1  # the epoch count (since the start of this run) the pending epoch reaches
     following = None
@@ -243,7 +236,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                     graph.fused = False
                 survivor = _state_of_any(finished.ends) if finished is not None else None
                 if survivor is not None:
-                    base, base_done = survivor, done
+                    base, base_done = survivor, finished_reached
                 release(pending, following)
                 following = None
                 pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
@@ -251,14 +244,14 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 continue
             if reaches > done:  # (else an epoch recomputed after a restart: already reported)
                 handle = EpochState(epoch, future=pending.ends[0])
-                seconds = time.perf_counter() - start if last_end is None else ended_at - last_end
-                last_end = ended_at
+                seconds, last_end = ended_at - last_end, ended_at
                 yield handle, scalars, seconds
                 done = reaches
                 if handle.fetched:
                     base, base_done = handle.get(), done
             release(finished)
-            finished, pending, following = pending, following, None
+            finished, finished_reached = pending, reaches
+            pending, following = following, None
             reaches += 1
     finally:  # stopped early (a callback, an interrupt): drop the epochs still held
         release(finished, pending, following)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import dask
 import numpy as np
 
-from .data import balanced_worker
+from .placement import chunk_annotations
 from .rounds import (
     CHUNK_PREFIX,
     ROUND_PREFIX,
@@ -81,37 +81,6 @@ def _finish_round(carry: EpochCarry, adapter, first: bool, tree: FixedTree, own:
             scalars[k] = scalars.get(k, 0.0) + v
     scalars["exchanged_bytes"] = scalars.get("exchanged_bytes", 0.0) + float(received)
     return EpochCarry(state, scalars)
-
-
-def _holders(client, array, blocks) -> dict:
-    """``dask.annotate`` arguments that keep each chunk task on a worker holding its data chunk.
-
-    Otherwise the scheduler weighs the chunk (on its holder) against the payload (on the worker
-    that ran the previous round's end) and work stealing moves tasks: measured 5 : 3 chunks per
-    worker instead of 4 : 4. Each chunk goes to the worker :func:`~.data.persist_balanced` meant
-    it for, also when it lives elsewhere (the scheduler may move a persist task: seen once in ~15
-    runs as 5 : 3 chunks at 1,600 × 128², rounds 25 % longer); its first round task then fetches
-    it once. With no worker list, a chunk goes to its least loaded holder. The restriction is
-    loose, so a lost worker does not stall the round.
-    """
-    from distributed import futures_of
-
-    futures = futures_of(array)
-    if not futures:
-        return {}
-    who_has = client.who_has(futures)
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    load: dict = {}
-    out = {}
-    for i, b in enumerate(blocks):
-        holders = sorted(who_has.get(b.key, ()))
-        if not holders:
-            continue
-        planned = workers[balanced_worker(i, len(blocks), len(workers))] if workers else None
-        chosen = planned if planned is not None else min(holders, key=lambda w: load.get(w, 0))
-        load[chosen] = load.get(chosen, 0) + 1
-        out[b.key] = {"workers": [chosen], "allow_other_workers": True}
-    return out
 
 
 def _end_epoch(carry: EpochCarry, adapter) -> EpochCarry:
@@ -271,8 +240,8 @@ class EpochGraph:
         self.token = uuid.uuid4().hex
         blocks = list(data.intensities.to_delayed().ravel())
         self.block_keys = [b.key for b in blocks]
-        holders = _holders(client, data.intensities, blocks)
-        annotations = [holders.get(k, {}) for k in self.block_keys]
+        pinned = chunk_annotations(client, data.intensities, blocks)
+        annotations = [pinned.get(k, {}) for k in self.block_keys]
         # The workers that keep a copy of the state (None: let the scheduler place one copy).
         self.replicas = sorted({a["workers"][0] for a in annotations if a}) or [None]
         replica_of = [self.replicas.index(a["workers"][0]) if a else 0 for a in annotations]

@@ -19,6 +19,7 @@ import dask.array as da
 import numpy as np
 
 from ..engines.partials import Partial, sum_partials
+from .placement import chunk_annotations
 from .tuning import release_memory, tune_allocator
 
 
@@ -154,18 +155,26 @@ def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0
     ``payload`` is broadcast once to every worker for this round.
     """
     payload_future = client.scatter(payload, broadcast=True, hash=False)
-    parts = da.blockwise(
-        run_chunk, "i",
-        data.intensities, "ijk",
-        data.positions, "il",
-        payload_future, None, func, None, round_index, None, rounds, None,
-        concatenate=True, dtype=object, adjust_chunks={"i": 1},
-        meta=np.empty((0,), dtype=object),
-    )
+    if data.persisted:  # each chunk task on its chunk's worker (see .placement)
+        blocks = list(data.intensities.to_delayed().ravel())
+        pinned = chunk_annotations(client, data.intensities, blocks)
+        parts = []
+        for block, positions in zip(blocks, data.positions.to_delayed().ravel()):
+            with dask.annotate(**pinned.get(block.key, {})):
+                parts.append(dask.delayed(run_chunk, pure=False)(block, positions, payload_future, func,
+                                                                 round_index, rounds))
+    else:  # read from the store by whichever worker is free
+        parts = list(da.blockwise(
+            run_chunk, "i",
+            data.intensities, "ijk",
+            data.positions, "il",
+            payload_future, None, func, None, round_index, None, rounds, None,
+            concatenate=True, dtype=object, adjust_chunks={"i": 1},
+            meta=np.empty((0,), dtype=object),
+        ).to_delayed().ravel())
     if split_every is None:
         split_every = default_split_every(data.n_chunks)
-    root = tree_reduce(list(parts.to_delayed().ravel()), max(2, int(split_every)),
-                       name=f"{ROUND_PREFIX}-{uuid.uuid4().hex}")
+    root = tree_reduce(parts, max(2, int(split_every)), name=f"{ROUND_PREFIX}-{uuid.uuid4().hex}")
     future = client.compute(root, optimize_graph=False)
     try:
         return future.result()
