@@ -12,10 +12,12 @@
 # seconds are skipped and every step's timeout is cut to what is left), EPOCHS (default 5),
 # SIZES (default "16384 65536": patterns of 128x128, simulated with Poisson noise).
 #
-# Steps: install the wheels into /tmp/site; nvidia-smi -L; versions; pytest -m gpu
+# Steps: install the wheels into /tmp/site; nvidia-smi -L; versions; the in-process GPU tests of
 # tests/test_gpu.py; bench_epoch on the GPU backend with one worker for each size (s/epoch,
 # patterns/s, device memory, CuPy pool, cuFFT plan cache hits/misses read in the worker's task
-# thread); the bare-FFT floor of the largest size on the same worker setup.
+# thread); the bare-FFT floor of the largest size on the same worker setup; last the test on
+# dask-cuda worker processes (CPU equality, spilling under a small device_memory_limit, no CUDA
+# context in the client).
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
@@ -71,7 +73,8 @@ except Exception as exc:
     print("cupy device query failed:", exc)
 EOF
 
-step "pytest -m gpu tests/test_gpu.py" 300 "$PY" -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider
+step "pytest -m gpu tests/test_gpu.py (in-process)" 200 "$PY" -m pytest -q -m gpu tests/test_gpu.py \
+    -k "not dask_cuda" -p no:cacheprovider
 
 last=""
 for n in $SIZES; do
@@ -84,6 +87,10 @@ if [ -n "$last" ]; then
   step "bench_fft_floor gpu ${last} x 128^2" 120 "$PY" benchmarks/bench_fft_floor.py --backend gpu --workers 1 \
       --n-patterns "$last" --probe-size 128 --repeat 5
 fi
+
+# Last, as it starts dask-cuda worker processes three times (a test in a subprocess, ~1-2 min).
+step "pytest -m gpu tests/test_gpu.py (dask-cuda workers)" 240 "$PY" -m pytest -q -m gpu tests/test_gpu.py \
+    -k "dask_cuda" -p no:cacheprovider
 
 echo "=== gpu_check done in $((SECONDS - START))s, status $status"
 return $status
