@@ -189,8 +189,8 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
     (the first: from the submission), by ``time.time()`` on the worker of the first state copy
     and, for the submission, here. A summary usually runs after the next epoch's first round
     task on its worker, so it arrives about a round after its epoch ended; timing the arrivals
-    would add that round to the first epoch. The client receives each epoch's summary (scalars, a few
-    hundred bytes); the state stays on the workers unless someone calls ``EpochState.get``.
+    would add that round to the first epoch. The client receives each epoch's summary (scalars,
+    a few hundred bytes); the state stays on the workers unless someone calls ``EpochState.get``.
 
     A worker that dies takes data dask cannot recompute (the scattered start state, an epoch's
     result once its graph is forgotten, or the state a fused round task keeps in its worker);

@@ -97,7 +97,7 @@ def _summary(carry: EpochCarry) -> tuple:
 @dataclass
 class SubmittedEpoch:
     """One submitted epoch: ``ends``, one future per state copy of the :class:`EpochCarry` after
-    the epoch (all equal), and ``summary``, a future of ``(epoch counter, summed scalars)``.
+    the epoch (all equal), and ``summary``, a future of :func:`_summary`'s triple.
     A fused epoch also holds ``last_round`` (its last round tasks' futures, one per replica) and
     its ``tag``: the next epoch's first round tasks start from them, not from ``ends``."""
 
@@ -119,7 +119,7 @@ class SubmittedEpoch:
 
 class StaleRoundState(RuntimeError):
     """A fused round task did not find the state it continues on its worker (the task was moved
-    to another worker or recomputed); the epoch is restarted from the client's copy."""
+    to another worker or recomputed); the driver restarts the epoch with the split graph."""
 
 
 #: The state each fused round task hands to the next one on the same worker, by (graph token,
@@ -135,10 +135,11 @@ _ENDED: dict = {}
 _ENDED_LOCK = threading.Lock()
 
 
-def _ended(adapter, tree: FixedTree, token: str, tag: str, replica: int, rounds: int, previous) -> EpochCarry:
+def _ended(adapter, tree: FixedTree, token: str, tag: str, replica: int, rounds: int, *previous) -> EpochCarry:
     """The state after epoch ``tag`` on one replica: its last round finished (``previous``: every
-    replica's last round partial sums) and ``end_epoch`` run. Computed once per worker: the
-    first caller stores it for the second."""
+    replica's last round partial sums) and ``end_epoch`` run. It is the epoch's end task and is
+    called by the next epoch's first round task; computed once per worker, the first caller
+    storing it for the second (the last epoch's entry stays until :meth:`EpochGraph.close`)."""
     key = (token, replica, tag)
     with _ENDED_LOCK:
         done = _ENDED.pop(key, None)
@@ -164,7 +165,7 @@ def _round_task(start, adapter, tree: FixedTree, token: str, tag: str, replica: 
     ``previous``: its last round), one scheduler hop sooner than waiting for its end task."""
     key = (token, replica)
     if round_index == 0:
-        carry = start if after is None else _ended(adapter, tree, token, after, replica, rounds, previous)
+        carry = start if after is None else _ended(adapter, tree, token, after, replica, rounds, *previous)
     else:
         entry = _ROUND_STATES.get(key)
         if entry is None or entry[0] != tag or entry[1] != round_index - 1:
@@ -174,12 +175,6 @@ def _round_task(start, adapter, tree: FixedTree, token: str, tag: str, replica: 
     nodes = _chunks_of_round(blocks, positions, carry, adapter, round_index, rounds, indices, tree)
     _ROUND_STATES[key] = (tag, round_index, carry)
     return nodes
-
-
-def _end_task(adapter, tree: FixedTree, token: str, tag: str, replica: int, rounds: int,
-              *previous) -> EpochCarry:
-    """The state after the epoch on one replica (:func:`_ended`)."""
-    return _ended(adapter, tree, token, tag, replica, rounds, previous)
 
 
 def _drop_round_states(token: str) -> None:
@@ -353,7 +348,7 @@ class EpochGraph:
         ends = []
         for w in range(len(self.groups)):
             key = (f"daskpty-end-{tag}", w)
-            tasks[w][key] = (_end_task, self.adapter_key, tree, self.token, tag, w, self.rounds, *previous)
+            tasks[w][key] = (_ended, self.adapter_key, tree, self.token, tag, w, self.rounds, *previous)
             ends.append(key)
         return ends, previous
 

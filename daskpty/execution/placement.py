@@ -20,28 +20,15 @@ def balanced_worker(chunk: int, n_chunks: int, n_workers: int) -> int:
 
 def chunk_annotations(client, array, blocks) -> dict:
     """``dask.annotate`` arguments per chunk key of the persisted ``array`` (``blocks``: its
-    delayed chunks, in order) that keep a task reading the chunk on the chunk's worker.
-
-    Each chunk goes to the worker it was placed on (:func:`balanced_worker`), also when it lives
-    elsewhere (then the first task fetches it once). With no worker list, a chunk goes to its
-    least loaded holder. The restriction is loose, so a lost worker does not stall a round.
-    Empty for chunks that are not persisted.
+    delayed chunks, in order) that keep a task reading the chunk on the chunk's worker
+    (:func:`balanced_worker`), also when the chunk lives elsewhere (then the first task fetches
+    it once). The restriction is loose, so a lost worker does not stall a round. Empty when the
+    chunks are not persisted or no worker is connected.
     """
     from distributed import futures_of
 
-    futures = futures_of(array)
-    if not futures:
+    workers = sorted(client.scheduler_info(n_workers=-1)["workers"]) if futures_of(array) else []
+    if not workers:
         return {}
-    who_has = client.who_has(futures)
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    load: dict = {}
-    out = {}
-    for i, b in enumerate(blocks):
-        holders = sorted(who_has.get(b.key, ()))
-        if not holders:
-            continue
-        planned = workers[balanced_worker(i, len(blocks), len(workers))] if workers else None
-        chosen = planned if planned is not None else min(holders, key=lambda w: load.get(w, 0))
-        load[chosen] = load.get(chosen, 0) + 1
-        out[b.key] = {"workers": [chosen], "allow_other_workers": True}
-    return out
+    return {b.key: {"workers": [workers[balanced_worker(i, len(blocks), len(workers))]],
+                    "allow_other_workers": True} for i, b in enumerate(blocks)}
