@@ -22,7 +22,51 @@ def add_parser(subparsers):
     p.add_argument("--check", action="store_true",
                    help="read all intensities once; exit 2 on NaN / infinite / negative values")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--plot", metavar="FIG", default=None,
+                   help="also draw the scan positions and the mean diffraction pattern (log "
+                        "scale) to FIG (.png, .pdf, .svg; needs matplotlib)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --plot figure")
     return p
+
+
+def overlap_warning(d: dict) -> str | None:
+    """A warning when the median step and the probe diameter give little linear overlap."""
+    from daskpty.monitor.scan_plot import LOW_OVERLAP
+
+    p = d["positions"]
+    overlap = p["linear_overlap"]
+    if not math.isfinite(overlap) or overlap >= LOW_OVERLAP:
+        return None
+    return (f"little overlap: the median scan step is {p['median_step_px']:.1f} px and the probe "
+            f"about {p['probe_diameter_px']:.1f} px across ({p['probe_diameter_source']}), a "
+            f"linear overlap of {100 * overlap:.0f} % (below {100 * LOW_OVERLAP:.0f} %); "
+            f"reconstructions converge poorly — check the positions' units and pixel size, or "
+            f"scan with smaller steps")
+
+
+def write_plot(data, d: dict, path: str, overwrite: bool) -> None:
+    """Draw :func:`daskpty.monitor.scan_plot.scan_figure` to ``path`` atomically."""
+    import os
+    import uuid
+
+    from .show import _check_output
+
+    fmt = _check_output(path, overwrite)
+    try:
+        from daskpty.monitor.scan_plot import scan_figure
+        import matplotlib  # noqa: F401
+    except ImportError as exc:
+        raise ValueError("daskpty info --plot needs matplotlib: pip install 'daskpty[plot]'") \
+            from exc
+    fig = scan_figure(data, probe_diameter_px=d["positions"]["probe_diameter_px"])
+    out = os.path.abspath(path)
+    tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        fig.savefig(tmp, format=fmt, dpi=100)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def _probe_size_estimate(data):
@@ -170,10 +214,17 @@ def run(args) -> int:
     if args.check:
         report = check_values(data)
         d["check"] = report.as_dict()
+    if args.plot is not None:
+        write_plot(data, d, args.plot, args.overwrite)
     if args.json:
         print(json.dumps(d, indent=2, default=str, allow_nan=True))
     else:
         print(format_text(d))
+    warning = overlap_warning(d)
+    if warning:
+        import warnings
+
+        warnings.warn(warning, UserWarning, stacklevel=1)
     if report is not None:
         report.raise_if_bad()
     return 0

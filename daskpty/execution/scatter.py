@@ -1,0 +1,61 @@
+"""Send in-memory intensities to the workers once, instead of inside every task graph.
+
+``da.from_array(numpy_array)`` puts the array's chunks into the graph itself, so each graph
+built on it (value check, initial probe, persist) ships the whole data set again through the
+scheduler ("Sending large graph of size ..."). Scattering the chunks once and building the dask
+array on the resulting futures keeps every later graph small.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+#: in-graph array bytes above which intensities are scattered instead
+EMBEDDED_LIMIT = 1 * 2**20
+
+
+def embedded_bytes(x) -> int:
+    """Bytes of NumPy arrays held literally in the graph of dask array ``x``."""
+    from dask.highlevelgraph import MaterializedLayer
+
+    total = 0
+    graph = x.__dask_graph__()
+    layers = getattr(graph, "layers", {"": graph})
+    for layer in layers.values():
+        mapping = getattr(layer, "mapping", layer) if isinstance(layer, MaterializedLayer) \
+            else (layer if isinstance(layer, dict) else None)
+        for value in (mapping or {}).values():
+            value = getattr(value, "value", value)  # task-spec DataNode
+            if isinstance(value, np.ndarray):
+                total += value.nbytes
+    return total
+
+
+def scatter_in_memory(client, data, intensities, chunk_length=None):
+    """(data, intensities) with in-memory intensities replaced by a dask array on scattered
+    chunks; store-backed (lazy) arrays are returned unchanged.
+
+    NumPy input is cut into ``chunk_length`` (default 256) patterns per chunk; a dask array
+    keeps its chunks. ``data`` (a :class:`~daskpty.io.store.PtychoData`) gets the new array too.
+    """
+    import dask.array as da
+
+    if not hasattr(intensities, "dask"):
+        arr = np.asarray(intensities)
+        step = max(1, chunk_length or 256)
+        blocks = [arr[i:i + step] for i in range(0, len(arr), step)]
+    elif embedded_bytes(intensities) > EMBEDDED_LIMIT:
+        x = intensities.rechunk({1: -1, 2: -1})
+        blocks = [np.asarray(x.blocks[i].compute(scheduler="sync"))
+                  for i in range(x.numblocks[0])]
+    else:
+        return data, intensities
+    futures = client.scatter(blocks)
+    parts = [da.from_delayed(f, shape=b.shape, dtype=b.dtype, meta=b[:0])
+             for f, b in zip(futures, blocks)]
+    scattered = da.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+    if dataclasses.is_dataclass(data) and getattr(data, "path", "") is None \
+            and hasattr(data, "intensities"):
+        data = dataclasses.replace(data, intensities=scattered)
+    return data, scattered

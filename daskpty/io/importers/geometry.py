@@ -1,0 +1,151 @@
+"""Experiment geometry for importers: units, photon/electron wavelength, positions to pixels."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..validate import fail
+
+#: Planck constant (J s), speed of light (m/s), electron rest mass (kg), elementary charge (C)
+H_J_S = 6.62607015e-34
+C_M_S = 299792458.0
+M_E_KG = 9.1093837015e-31
+E_C = 1.602176634e-19
+
+#: length units accepted for positions (metres per unit); "px" means object pixels already
+LENGTH_UNITS = {"m": 1.0, "mm": 1e-3, "um": 1e-6, "µm": 1e-6, "micron": 1e-6, "microns": 1e-6,
+                "nm": 1e-9, "a": 1e-10, "å": 1e-10, "angstrom": 1e-10, "px": None,
+                "pixel": None, "pixels": None}
+RADIATIONS = ("xray", "electron")
+
+
+def unit_scale(units: str | None, what: str = "positions") -> float | None:
+    """Metres per ``units`` (None for object pixels); DataError for unknown or missing units."""
+    if units is None or str(units).strip() == "":
+        fail(f"the units of the {what} are unknown (the file does not say); pass --units "
+             f"m|mm|um|nm|A|px (Python: units=...)")
+    key = str(units).strip().lower().replace("meter", "m").replace("metre", "m")
+    key = {"meters": "m", "ms": "m", "micrometer": "um", "micrometre": "um", "nanom": "nm",
+           "nanometer": "nm"}.get(key, key)
+    if key not in LENGTH_UNITS:
+        fail(f"unknown units {units!r} for the {what}; use one of m, mm, um, nm, A, px")
+    return LENGTH_UNITS[key]
+
+
+def attr_units(dataset) -> str | None:
+    """The ``units`` attribute of an HDF5 dataset as text, or None."""
+    value = dataset.attrs.get("units") if hasattr(dataset, "attrs") else None
+    if value is None:
+        return None
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    if isinstance(value, np.ndarray):
+        value = value.ravel()[0]
+        value = value.decode() if isinstance(value, bytes) else str(value)
+    return str(value)
+
+
+def wavelength_from_energy(energy_ev: float, radiation: str = "xray") -> float:
+    """Wavelength (m) of a photon or (relativistic) electron of kinetic energy ``energy_ev``."""
+    if radiation not in RADIATIONS:
+        fail(f"radiation must be one of {RADIATIONS}, got {radiation!r}")
+    if not (isinstance(energy_ev, (int, float)) and math.isfinite(energy_ev) and energy_ev > 0):
+        fail(f"the beam energy must be a positive number of eV, got {energy_ev!r}")
+    joules = energy_ev * E_C
+    if radiation == "xray":
+        return H_J_S * C_M_S / joules
+    return H_J_S / math.sqrt(2 * M_E_KG * joules * (1 + joules / (2 * M_E_KG * C_M_S ** 2)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Beam and detector geometry in SI units; any field may be None (unknown).
+
+    ``energy_ev`` is converted with ``radiation`` when no ``wavelength_m`` is given; the
+    detector pixel size is the raw (unbinned) one; ``object_pixel_size_m`` overrides the value
+    derived as wavelength·distance / (n·binned pixel).
+    """
+
+    wavelength_m: float | None = None
+    energy_ev: float | None = None
+    distance_m: float | None = None
+    pixel_size_m: float | None = None
+    object_pixel_size_m: float | None = None
+    radiation: str = "xray"
+
+    def __post_init__(self):
+        if self.radiation not in RADIATIONS:
+            fail(f"radiation must be one of {RADIATIONS}, got {self.radiation!r}")
+        for name in ("wavelength_m", "energy_ev", "distance_m", "pixel_size_m",
+                     "object_pixel_size_m"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float, np.floating, np.integer))
+                                      and math.isfinite(float(v)) and float(v) > 0):
+                fail(f"geometry {name} must be a positive number, got {v!r}")
+
+    def over(self, base: "Geometry") -> "Geometry":
+        """These values where given, else ``base``'s (flags override the file)."""
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if f.name != "radiation" and getattr(self, f.name) is not None}
+        if "wavelength_m" not in given and "energy_ev" in given:
+            given["wavelength_m"] = None  # an energy flag beats a wavelength read from the file
+        return dataclasses.replace(base, **given, radiation=self.radiation)
+
+    @property
+    def wavelength(self) -> float | None:
+        if self.wavelength_m is not None:
+            return float(self.wavelength_m)
+        if self.energy_ev is not None:
+            return wavelength_from_energy(float(self.energy_ev), self.radiation)
+        return None
+
+
+def positions_to_pixels(raw, *, units: str | None, object_pixel_size_m: float | None,
+                        motion: str = "probe", columns: str = "yx", pattern_size: int,
+                        basis=None) -> np.ndarray:
+    """Scan positions as recorded → (N, 2) float64 (y, x) object pixels, smallest at n/2.
+
+    raw: (N, 2) in ``columns`` order, or (N, 3) CXI translations (x, y, z). ``motion="sample"``
+    means the values say where the sample moved (the probe moved the opposite way over it).
+    ``basis``: optional (2, 2) unit vectors of the detector's row and column axes in the lab
+    (x, y) plane; positions are projected onto them so the object frame matches the patterns.
+    """
+    pos = np.asarray(raw, dtype=np.float64)
+    if pos.ndim != 2 or pos.shape[1] not in (2, 3):
+        fail(f"positions have shape {pos.shape}; expected (N, 2) or CXI (N, 3) translations")
+    if motion not in ("probe", "sample"):
+        fail(f"motion must be 'probe' or 'sample', got {motion!r}")
+    if pos.shape[1] == 3:
+        xy = pos[:, :2]
+    elif columns == "yx":
+        xy = pos[:, ::-1]
+    elif columns == "xy":
+        xy = pos
+    else:
+        fail(f"columns must be 'yx' or 'xy', got {columns!r}")
+    if not np.isfinite(xy).all():
+        bad = int(np.flatnonzero(~np.isfinite(xy).all(axis=1))[0])
+        fail(f"position {bad} is NaN or infinite; fix or drop that pattern")
+    if motion == "sample":
+        xy = -xy
+    scale = unit_scale(units)
+    if scale is not None:
+        if object_pixel_size_m is None:
+            fail(f"positions are in {units} but the object pixel size is unknown: give the "
+                 f"wavelength (--energy or --wavelength), --distance and --pixel-size, or "
+                 f"--object-pixel-size, or positions in px")
+        xy = xy * (scale / float(object_pixel_size_m))
+    if basis is not None:
+        b = np.asarray(basis, dtype=np.float64)
+        yx = xy @ b.T  # row axis, column axis components
+    else:
+        yx = xy[:, ::-1]
+    return yx - yx.min(axis=0) + pattern_size / 2.0
+
+
+def raster_positions(rows: int, cols: int, step: float) -> np.ndarray:
+    """(rows·cols, 2) (y, x) raster in row-major frame order, ``step`` apart."""
+    iy, ix = np.divmod(np.arange(rows * cols), cols)
+    return np.stack([iy, ix], axis=1).astype(np.float64) * float(step)
