@@ -279,6 +279,10 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
 
     with client_context(client, n_workers=n_workers) as c:
         enable_low_latency(c)
+        if not hasattr(intensities, "dask") or getattr(data, "path", "") is None:
+            from .execution.scatter import scatter_in_memory  # once, not inside every graph
+
+            data, intensities = scatter_in_memory(c, data, intensities, chunk_length)
         if check_data:
             check_values(data if hasattr(data, "path") else intensities, client=c).raise_if_bad()
         if persist == "auto":
@@ -298,10 +302,6 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
 
                 print(f"daskpty dashboard: {publisher.link}", file=sys.stderr)
             callbacks.insert(1, publisher)
-        if not hasattr(intensities, "dask"):
-            import dask.array as da
-
-            intensities = da.from_array(np.asarray(intensities), chunks=(max(1, chunk_length or 256), -1, -1))
         if resumed is not None:
             state = adapter.new_state(resumed.object, resumed.probe, resumed.epochs, resumed.engine_state)
             state.illumination = resumed.illumination

@@ -9,10 +9,10 @@ import argparse
 import sys
 import warnings
 
-from . import info, reconstruct, show, simulate
+from . import export, import_data, info, reconstruct, show, simulate
 
 #: subcommand modules, in the order ``daskpty --help`` lists them
-COMMANDS = [simulate, info, reconstruct, show]
+COMMANDS = [simulate, info, import_data, reconstruct, show, export]
 
 #: exceptions that mean "bad input": reported as one line on stderr with exit code 2
 USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError,
