@@ -1,4 +1,5 @@
-"""Input/output: the Zarr v3 data-set store, its validation, scan-geometry helpers.
+"""Input/output: the Zarr v3 data-set store, its validation, scan-geometry helpers, importers
+of measured files (:mod:`.importers`) and exporters of reconstructions (:mod:`.export`).
 
 Names are imported lazily (PEP 562) so ``import daskpty`` stays cheap and dask/zarr load only
 when a store is used.
@@ -20,6 +21,16 @@ _EXPORTS = {
     "check_values": ".validate",
     "FORMAT_NAME": ".validate",
     "FORMAT_VERSION": ".validate",
+    "import_file": ".importers",
+    "import_cxi": ".importers",
+    "import_hdf5": ".importers",
+    "import_empad": ".importers",
+    "import_numpy": ".importers",
+    "import_tiff": ".importers",
+    "export_cxi": ".export",
+    "export_hdf5": ".export",
+    "export_tiff": ".export",
+    "export_png": ".export",
 }
 
 __all__ = sorted(_EXPORTS)
