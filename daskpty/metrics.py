@@ -1,6 +1,10 @@
-"""Figures of merit against ground truth: aligned NRMSE, Fourier ring correlation, probe error.
+"""Figures of merit: aligned NRMSE, Fourier ring correlation, probe error; half-set FRC.
 
-Pure NumPy/SciPy, host arrays only (pass ``cupy.asnumpy(x)`` for device arrays). Reductions run in
+Half-set FRC (:func:`half_set_frc`, :func:`registered_frc`, :func:`split_halves`; implemented in
+:mod:`daskpty.half_set`) needs no ground truth: it compares reconstructions of two halves of the data.
+
+Pure NumPy/SciPy, host arrays only (pass ``cupy.asnumpy(x)`` for device arrays; only
+:func:`half_set_frc`, which runs reconstructions, imports dask, when called). Reductions run in
 float64 / complex128 whatever the input precision.
 
 Conventions
@@ -16,7 +20,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Alignment", "FRCResult", "align", "frc", "nrmse", "probe_error"]
+__all__ = ["Alignment", "FRCResult", "HalfSetFRC", "align", "frc", "half_set_frc", "nrmse", "probe_error",
+           "registered_frc", "split_halves"]
+
+# Half-set FRC lives in daskpty/half_set.py (it runs reconstructions); its names are served from
+# here lazily, so that importing either module first works.
+_HALF_SET = ("BAND", "HalfSetFRC", "common_region", "half_set_frc", "illumination_map", "registered_frc",
+             "split_halves")
+
+
+def __getattr__(name):
+    if name in _HALF_SET:
+        from . import half_set
+
+        return getattr(half_set, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # Zoom stages of the sub-pixel peak search: (step, half-width in steps), in units of one coarse bin
 # (one pixel for shifts, one FFT bin 1/H, 1/W for ramps); the last grid is refined by a quadratic fit.
