@@ -1,0 +1,303 @@
+"""Multislice engines: LSQML (per-slice directions and step lengths) and the AD gradient, per chunk.
+
+The forward model is :mod:`daskpty.physics.multislice` (K slices Δz apart, entrance first) followed
+by the detector operator (far field, or the near-field kernel ``detector``). The object is
+(K, H, W); a partial holds K boxed slices as one (K, h, w) :class:`BoxedArray` (every slice shares
+the chunk's windows). No dask in here.
+
+LSQML multislice (after Odstrčil et al., Opt. Express 26, 3108, 2018, and the multislice LSQML of
+PtychoShelves' GPU_MS), per chunk:
+
+1. forward through the slices keeping the incident waves φ_k; far-field update → exit residual χ;
+2. χ is carried back through the slices with the exact adjoint chain (physics.multislice_vjp),
+   giving per slice the object numerator Σ_j Σ_m conj(φ_kjm) χ_kjm and illumination Σ|φ_k|² on the
+   box, and at the entrance surface the probe direction Σ_j S_{−f_j}(conj(O_1j) χ_1j) (as single
+   slice);
+3. step lengths: each direction — ΔÔ_k φ_k per slice, S_f ΔP̂ · O_1 for the probe — is carried to
+   the exit by the remaining slices (T_k, physics.transmit), and per pattern the (K + 1) × (K + 1)
+   least-squares system Re⟨T_i d_i, T_l d_l⟩ α = Re⟨T_i d_i, χ⟩ is solved (K + 1 unknowns: one
+   step per slice and the probe's), regularised and clipped as the single-slice 2 × 2 system of
+   :mod:`.lsqml`, then trimmed means over the chunk. Solving jointly keeps slices that explain the
+   same part of χ (the low spatial frequencies) from each taking the whole step.
+
+With K = 1 every step is the single-slice LSQML step of :func:`daskpty.engines.lsqml.chunk_step`
+(same equations; that function stays the K = 1 code path). Working set per chunk: about 2K + 4
+exit-wave-sized (B, M, n, n) arrays (single slice: ~3); the chunk is processed as one batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..physics import fft2, get_xp, ifft2, model_intensity
+from ..physics.backend import asarray_like, real_dots, to_numpy
+from ..physics.multislice import (
+    detector_forward,
+    multislice_forward,
+    multislice_vjp,
+    slice_windows,
+    transmit,
+)
+from ..physics.noise import far_field_update
+from ..physics.patches import PatchIndex
+from ..physics.propagation import angular_spectrum_adjoint
+from ..physics.shifts import outer_ramps, shift_ramp_factors, split_positions
+from . import lsqml
+from .lsqml import LSQMLOptions, LSQMLState, begin_epoch, rescale_probe  # noqa: F401  (re-exported)
+from .partials import BoxedArray, Partial
+
+
+def detector_adjoint(waves, detector=None):
+    """Adjoint of :func:`daskpty.physics.multislice.detector_forward`."""
+    return ifft2(waves) if detector is None else angular_spectrum_adjoint(waves, detector)
+
+
+class _Chunk:
+    """A chunk's geometry: the object box (K, h, w), windows, shift ramps, S_f P."""
+
+    def __init__(self, obj, probe, intensities, positions, kernel, detector, cdtype=np.complex64):
+        xp = get_xp(intensities)
+        self.xp = xp
+        obj = obj[None] if obj.ndim == 2 else obj
+        probe = probe[None] if probe.ndim == 2 else probe
+        self.n_slices, self.n = obj.shape[0], probe.shape[-1]
+        n = self.n
+        if self.n_slices > 1 and kernel is None:
+            raise ValueError(f"{self.n_slices} slices need the slice-to-slice kernel (SliceGeometry.kernel)")
+        corners, fractions = split_positions(to_numpy(positions), n)
+        self.box0 = corners.min(axis=0)
+        box1 = corners.max(axis=0) + n
+        if self.box0.min() < 0 or box1[0] > obj.shape[-2] or box1[1] > obj.shape[-1]:
+            raise ValueError(f"probe windows span {self.box0.tolist()}..{box1.tolist()}, outside the object "
+                             f"of shape {tuple(obj.shape[-2:])}")
+        self.obj_box = xp.ascontiguousarray(
+            asarray_like(obj[:, self.box0[0]:box1[0], self.box0[1]:box1[1]], intensities), dtype=cdtype)
+        self.probe = asarray_like(probe, intensities).astype(cdtype, copy=False)
+        self.kernel = None if kernel is None else asarray_like(kernel, intensities).astype(cdtype, copy=False)
+        self.detector = None if detector is None else asarray_like(detector, intensities).astype(cdtype, copy=False)
+        self.index = PatchIndex(corners - self.box0, n, self.obj_box.shape, xp)
+        ry, rx = shift_ramp_factors(fractions, n, xp, cdtype)
+        self.ramps = outer_ramps(ry, rx) if cdtype == np.complex64 else ry[:, :, None] * rx[:, None, :]
+        self.shifted = ifft2(self.ramps[:, None] * fft2(self.probe)[None], overwrite=True)   # S_f P
+        self.patches = slice_windows(self.index, self.obj_box)                               # (K, B, n, n)
+
+    @property
+    def origin(self):
+        return (int(self.box0[0]), int(self.box0[1]))
+
+    def probe_gradient_spectra(self, g_q):
+        """Σ_j conj(ramp_j) F[g_Qj] (M, n, n): F of the adjoint shift, summed over the chunk."""
+        spectra = fft2(g_q, overwrite=True)
+        spectra *= self.xp.conj(self.ramps)[:, None]
+        return spectra.sum(axis=0)
+
+    def boxes(self, per_slice, dtype):
+        """Scatter-add per-slice patches (K, B, n, n) into a (K, h, w) box."""
+        out = self.xp.zeros(self.obj_box.shape, dtype)
+        for k in range(self.n_slices):
+            self.index.scatter_add(out[k], per_slice[k])
+        return out
+
+
+def _sums(y, yhat, valid, xp):
+    mask = None if valid is None else asarray_like(valid, y).astype(np.float64)
+    if mask is None:
+        return float(y.sum(dtype=np.float64)), float(yhat.sum(dtype=np.float64))
+    return float((y * mask).sum(dtype=np.float64)), float((yhat * mask).sum(dtype=np.float64))
+
+
+def _preconditioner(illum, delta: float):
+    """√(W² + (δ max W)²) per slice of W (K, h, w)."""
+    xp = get_xp(illum)
+    peak = illum.reshape(illum.shape[0], -1).max(axis=1)
+    floor = ((np.float32(delta) * peak) ** 2).astype(np.float32)[:, None, None]
+    return xp.sqrt(illum * illum + floor).astype(np.float32, copy=False)
+
+
+def _step_lengths(gram, rhs, options: LSQMLOptions, update_probe: bool, xp):
+    """Per-pattern LSQ steps (B, D) from Gram (B, D, D) and right-hand sides (B, D), regularised as
+    lsqml's 2 × 2 (with probe: + λ·mean diagonal; without: diagonal · (1 + λ)), clipped ≥ 0."""
+    d = gram.shape[-1]
+    eye = xp.eye(d)
+    diag = xp.diagonal(gram, axis1=1, axis2=2)                     # (B, D)
+    if update_probe:
+        gram = gram + (options.tikhonov * diag.mean(axis=0) + 1e-30)[None, :, None] * eye
+    else:
+        gram = gram + (options.tikhonov * diag + 1e-30)[:, :, None] * eye
+    alpha = xp.linalg.solve(gram, rhs[..., None])[..., 0]
+    return xp.clip(alpha, 0.0, None)
+
+
+def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, kernel=None, detector=None,
+               update_probe: bool = True, valid=None) -> Partial:
+    """One multislice LSQML step for one chunk of patterns, as an additive partial.
+
+    obj (K, H, W) complex64 (or (H, W): K = 1); probe (M, n, n); intensities (B, n, n) (far field:
+    zero frequency at index 0; near field: as recorded); positions (B, 2) (y, x) object pixels;
+    kernel: slice-to-slice transfer function (n, n) (``SliceGeometry.kernel``; unused for K = 1);
+    detector: None (far field) or the near-field kernel (n, n); valid: optional (n, n) bool mask.
+
+    Returns a :class:`Partial` with ``boxes["object"]`` (K, h, w) = α_k Σ conj(φ_k) χ_k per slice
+    and ``boxes["illumination"]`` (K, h, w) = Σ|φ_k|², ``arrays["probe"]`` = α_P Σ_j S_{−f}(conj(O_1) χ_1)
+    when updating the probe, ``arrays["alpha_slices"]`` (K,) = α_k B, and the scalars of
+    :func:`daskpty.engines.lsqml.chunk_step` (``alpha_object`` is the mean of the α_k, times B).
+    """
+    n_patterns = intensities.shape[0]
+    if n_patterns == 0:
+        return Partial()
+    c = _Chunk(obj, probe, intensities, positions, kernel, detector)
+    xp, n_slices = c.xp, c.n_slices
+    y = xp.asarray(intensities).astype(np.float32, copy=False)
+    if valid is not None:
+        valid = asarray_like(valid, intensities)
+
+    exit_waves, incident = multislice_forward(c.shifted, c.patches, c.kernel)
+    far = detector_forward(exit_waves, c.detector)
+    delta_far, yhat, loss = far_field_update(options.noise, far, y, valid, options.eps, overwrite=True)
+    chi = detector_adjoint(delta_far, c.detector)                        # χ at the exit surface
+    grads, g_q, _ = multislice_vjp(chi, c.patches, incident, c.kernel)
+    obj_num = c.boxes(grads, np.complex64)
+    illum = c.boxes(xp.stack([model_intensity(incident[k]) for k in range(n_slices)]), np.float32)
+    obj_dir = obj_num * (np.float32(1.0) / _preconditioner(illum, options.delta))   # ΔÔ_k
+
+    # Directions carried to the exit, then the per-pattern (K + 1)-unknown step system.
+    directions = []
+    dir_patches = slice_windows(c.index, obj_dir)
+    for k in range(n_slices):
+        directions.append(transmit(dir_patches[k][:, None] * incident[k], c.patches, c.kernel, k))
+    probe_sum = None
+    if update_probe:
+        spectra_sum = c.probe_gradient_spectra(g_q)                      # F Σ_j S_{−f_j} g_Qj
+        probe_sum = ifft2(spectra_sum)
+        b = ifft2(c.ramps[:, None] * (spectra_sum / np.float32(n_patterns))[None], overwrite=True)
+        directions.append(transmit(b * c.patches[0][:, None], c.patches, c.kernel, 0))
+    d = len(directions)
+    gram = xp.empty((n_patterns, d, d))
+    rhs = xp.empty((n_patterns, d))
+    for i in range(d):
+        rhs[:, i] = real_dots(directions[i], chi)
+        for l in range(i, d):
+            gram[:, i, l] = gram[:, l, i] = real_dots(directions[i], directions[l])
+    alpha = _step_lengths(gram, rhs, options, update_probe, xp)
+    steps = [lsqml._trimmed_mean(alpha[:, i], xp) for i in range(d)]
+    alpha_slices = np.asarray(steps[:n_slices])
+    alpha_p = steps[n_slices] if update_probe else 0.0
+
+    obj_num *= xp.asarray(alpha_slices.astype(np.float32))[:, None, None]
+    sum_measured, sum_model = _sums(y, yhat, valid, xp)
+    part = Partial(
+        boxes={"object": BoxedArray(c.origin, obj_num), "illumination": BoxedArray(c.origin, illum)},
+        arrays={"alpha_slices": alpha_slices * n_patterns},
+        scalars={"loss": float(loss.sum()), "n": float(n_patterns),
+                 "alpha_object": float(alpha_slices.mean()) * n_patterns, "alpha_probe": alpha_p * n_patterns,
+                 "sum_measured": sum_measured, "sum_model": sum_model},
+    )
+    if probe_sum is not None:
+        part.arrays["probe"] = (np.float32(alpha_p) * probe_sum).astype(np.complex64, copy=False)
+    return part.to_numpy()
+
+
+def apply(state: LSQMLState, total: Partial, options: LSQMLOptions) -> LSQMLState:
+    """Add a reduced partial to a (K, H, W) state: O_k += β ΔO_k / √(W_k² + (δ max W_k)²),
+    P += β ΔP / N; the epoch's illumination (K, H, W) keeps the largest of its rounds'."""
+    if "object" not in total.boxes:
+        return state
+    obj = state.object.copy()
+    num, illum = total.boxes["object"], total.boxes["illumination"]
+    scale = _preconditioner(illum.data, options.delta)
+    np.divide(np.float32(options.beta), scale, out=scale)
+    BoxedArray(num.offset, num.data * scale).add_into(obj)
+    probe = state.probe
+    if "probe" in total.arrays:
+        probe = (probe + options.beta * total.arrays["probe"] / np.float32(total.scalars["n"])).astype(np.complex64)
+    full = np.zeros(obj.shape, np.float32) if state.illumination is None else state.illumination.copy()
+    (y0, x0), (y1, x1) = illum.offset, illum.stop
+    np.maximum(full[:, y0:y1, x0:x1], illum.data, out=full[:, y0:y1, x0:x1])
+    state.object, state.probe, state.illumination = obj, probe, full
+    return state
+
+
+def end_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
+    """:func:`daskpty.engines.lsqml.end_epoch` (momentum, mode orthogonalisation) with the scale
+    ambiguity removed slice by slice (:func:`normalize_scale`)."""
+    state = lsqml.end_epoch(state, dataclasses.replace(options, normalize_every=0))
+    if options.normalize_every and state.epoch % options.normalize_every == 0:
+        normalize_scale(state)
+    return state
+
+
+def normalize_scale(state: LSQMLState) -> None:
+    """Remove the slices' scale ambiguity O_k c_k, P / Π c_k: mean |O_k| = 1 where slice k is lit."""
+    if state.illumination is None:
+        return
+    obj = state.object.copy()
+    total = 1.0
+    for k in range(obj.shape[0]):
+        w = state.illumination[k]
+        lit = w > 0.5 * w.max()
+        c = float(np.abs(obj[k][lit]).mean()) if lit.any() else 0.0
+        if c > 0 and np.isfinite(c):
+            obj[k] /= np.float32(c)
+            total *= c
+            if state.velocity is not None:
+                state.velocity = state.velocity.copy()
+                state.velocity[k] /= np.float32(c)
+    state.object = obj
+    state.probe = (state.probe * np.float32(total)).astype(np.complex64)
+
+
+def forward_sums(obj, probe, intensities, positions, *, kernel=None, detector=None, valid=None) -> Partial:
+    """Σ measured and Σ model intensity of one chunk (for :func:`rescale_probe`)."""
+    c = _Chunk(obj, probe, intensities, positions, kernel, detector)
+    exit_waves, _ = multislice_forward(c.shifted, c.patches, c.kernel, keep=False)
+    yhat = model_intensity(detector_forward(exit_waves, c.detector))
+    y = c.xp.asarray(intensities)
+    sum_measured, sum_model = _sums(y, yhat, valid, c.xp)
+    return Partial(scalars={"sum_measured": sum_measured, "sum_model": sum_model, "n": float(y.shape[0])})
+
+
+# --------------------------------------------------------------------------------------------------
+# AD: the loss and its exact gradient w.r.t. every slice and the probe
+
+
+def chunk_gradient(obj, probe, intensities, positions, *, kernel=None, detector=None, loss: str = "gaussian",
+                   valid=None, eps: float = 1e-6, want_probe: bool = True) -> Partial:
+    """Loss and exact gradients of one chunk through K slices, as an additive partial.
+
+    Inputs as :func:`chunk_step`; complex128 object or probe works in complex128 (else complex64).
+    ``loss``: a loss of :func:`daskpty.engines.ad.loss_and_gradient` (gaussian = amplitude least
+    squares Σ(√(ŷ+ε) − √y)², poisson, intensity). Gradient convention of the AD engine
+    (g = ∂L/∂Re z + i ∂L/∂Im z). Returns ``boxes["object_grad"]`` and ``boxes["illumination"]``
+    (K, h, w), ``arrays["probe_grad"]`` (M, n, n) and ``arrays["probe_illumination"]`` (n, n)
+    = Σ_j |O_1j|² when ``want_probe``, ``scalars`` loss, n, sum_measured, sum_model.
+    """
+    from .ad import loss_and_gradient
+
+    n_patterns = intensities.shape[0]
+    if n_patterns == 0:
+        return Partial()
+    wide = any(np.dtype(a.dtype) == np.complex128 for a in (obj, probe))
+    cdtype, rdtype = (np.complex128, np.float64) if wide else (np.complex64, np.float32)
+    c = _Chunk(obj, probe, intensities, positions, kernel, detector, cdtype)
+    xp = c.xp
+    y = xp.asarray(intensities).astype(rdtype, copy=False)
+    if valid is not None:
+        valid = asarray_like(valid, intensities)
+    exit_waves, incident = multislice_forward(c.shifted, c.patches, c.kernel)
+    far = detector_forward(exit_waves, c.detector)
+    yhat = model_intensity(far)
+    per_pattern, g_far = loss_and_gradient(far, y, loss=loss, valid=valid, eps=eps)
+    g_exit = detector_adjoint(g_far, c.detector)
+    grads, g_q, _ = multislice_vjp(g_exit, c.patches, incident, c.kernel)
+    sum_measured, sum_model = _sums(y, yhat, valid, xp)
+    part = Partial(scalars={"loss": float(per_pattern.sum()), "n": float(n_patterns),
+                            "sum_measured": sum_measured, "sum_model": sum_model})
+    part.boxes["object_grad"] = BoxedArray(c.origin, c.boxes(grads, cdtype))
+    part.boxes["illumination"] = BoxedArray(
+        c.origin, c.boxes(xp.stack([model_intensity(incident[k]) for k in range(c.n_slices)]), rdtype))
+    if want_probe:
+        part.arrays["probe_grad"] = ifft2(c.probe_gradient_spectra(g_q)).astype(cdtype, copy=False)
+        power = xp.abs(c.patches[0]) ** 2
+        part.arrays["probe_illumination"] = power.sum(axis=0).astype(rdtype)
+    return part.to_numpy()
