@@ -179,7 +179,8 @@ def export_tiff(recon, path, *, what: str = "object", overwrite: bool = False) -
         _fail("writing TIFF needs tifffile: pip install 'daskpty[hdf5]'")
     pages = _pages(_reconstruction(recon), what)
     with _atomic_file(path, overwrite) as tmp:
-        tifffile.imwrite(tmp, pages, description=json.dumps({"daskpty": what}))
+        tifffile.imwrite(tmp, pages, photometric="minisblack",
+                         description=json.dumps({"daskpty": what}))
     return os.fspath(path)
 
 

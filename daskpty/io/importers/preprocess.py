@@ -5,7 +5,7 @@ subtract the dark frame and the constant background → non-finite values → 0,
 bad pixels (file mask) → 0 → transpose, flip rows, flip columns → sum b × b bins. The mask
 follows the same geometry (a binned pixel is valid when all its detector pixels are).
 Saturated pixels (raw value ≥ threshold in any frame), non-finite ones and hot pixels (mean or
-variance far above their 3 × 3 neighbourhood) are found while the frames stream through and
+variance far above their 5 × 5 neighbourhood) are found while the frames stream through and
 marked invalid in the final mask.
 """
 from __future__ import annotations
@@ -190,7 +190,8 @@ class Plan:
         return x.astype(self.dtype)
 
     def hot_pixels(self) -> np.ndarray:
-        """Output pixels whose mean or variance is a robust outlier above its 3 × 3 median."""
+        """Output pixels whose mean or variance lies far above the median of its 5 × 5
+        neighbourhood, in units of the local median absolute deviation."""
         from scipy.ndimage import median_filter
 
         hot = np.zeros((self.size, self.size), bool)
@@ -199,10 +200,10 @@ class Plan:
         mean = self.sum / self.count
         var = np.clip(self.sumsq / self.count - mean ** 2, 0, None)
         for v in (mean, var):
-            excess = v - median_filter(v, size=3, mode="nearest")
-            scale = 1.4826 * np.median(np.abs(excess - np.median(excess)))
-            if scale > 0:
-                hot |= excess > self.pre.hot_sigma * scale
+            excess = v - median_filter(v, size=5, mode="nearest")
+            scale = 1.4826 * median_filter(np.abs(excess), size=5, mode="nearest")
+            floor = np.median(scale)
+            hot |= excess > self.pre.hot_sigma * np.maximum(scale, floor if floor > 0 else 1e-12)
         return hot
 
     def mask(self) -> np.ndarray:
