@@ -1,0 +1,272 @@
+"""Propagators, the multislice model and its engines: adjoints, gradients, K = 1, ground truth."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daskpty import metrics
+from daskpty.engines import ad, lsqml
+from daskpty.engines import multislice as ms
+from daskpty.physics import exit_waves, shift_ramps, split_positions
+from daskpty.physics.multislice import (
+    SliceGeometry,
+    multislice_forward,
+    multislice_intensities,
+    multislice_vjp,
+    transmit,
+    transmit_adjoint,
+)
+from daskpty.physics.propagation import (
+    angular_spectrum,
+    angular_spectrum_adjoint,
+    angular_spectrum_kernel,
+    near_field,
+    near_field_adjoint,
+    near_field_kernel,
+)
+from daskpty.physics.shifts import shift_probe
+from daskpty.simulate_multislice import simulate_multislice
+
+from synthetic import make_dataset
+
+LAM = 1.9687e-12   # 300 kV electrons
+DX = 0.25e-10
+
+
+def crandn(rng, shape, dtype=np.complex128):
+    return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+
+
+def inner(a, b):
+    return complex(np.vdot(np.asarray(a, np.complex128).ravel(), np.asarray(b, np.complex128).ravel()))
+
+
+def adjoint_error(ax, y, x, ahy):
+    """|<Ax, y> − <x, Aᴴy>| relative to ‖Ax‖‖y‖."""
+    return abs(inner(ax, y) - inner(x, ahy)) / (np.linalg.norm(ax) * np.linalg.norm(y))
+
+
+# ------------------------------------------------------------------------------------ propagators
+
+def test_angular_spectrum_adjoint_with_an_active_band_limit():
+    rng = np.random.default_rng(0)
+    n = 48
+    kernel = angular_spectrum_kernel(n, 1e-6, 1e-9, 0.2, band_limit=True)   # 2z/L ≈ 8300: cuts
+    assert 0 < (kernel == 0).mean() < 1 and kernel.dtype == np.complex64
+    x, y = crandn(rng, (3, n, n), np.complex64), crandn(rng, (3, n, n), np.complex64)
+    assert adjoint_error(angular_spectrum(x, kernel), y, x, angular_spectrum_adjoint(y, kernel)) < 1e-6
+    # with zeros in H the adjoint is not the inverse
+    back = angular_spectrum_adjoint(angular_spectrum(x, kernel), kernel)
+    assert np.linalg.norm(back - x) > 0.1 * np.linalg.norm(x)
+
+
+def test_angular_spectrum_kernel_paraxial_limit_composition_and_evanescent_cut():
+    n = 64
+    k1 = angular_spectrum_kernel(n, DX, LAM, 1e-9, band_limit=False, dtype=np.complex128)
+    k2 = angular_spectrum_kernel(n, DX, LAM, 2e-9, band_limit=False, dtype=np.complex128)
+    np.testing.assert_allclose(k1 * k1, k2, atol=1e-12)
+    u = np.fft.fftfreq(n, d=DX)
+    paraxial = np.exp(-1j * np.pi * LAM * 1e-9 * (u[:, None] ** 2 + u[None, :] ** 2))
+    theta2 = LAM**2 * (u[:, None] ** 2 + u[None, :] ** 2)                 # θ ≤ 57 mrad at the corner
+    next_term = -2 * np.pi * 1e-9 / LAM * theta2**2 / 8                   # exact − paraxial ≈ −k z θ⁴/8
+    np.testing.assert_allclose(np.angle(k1 * np.conj(paraxial)), next_term, atol=2e-5)
+    assert np.abs(next_term).max() > 3e-3
+    back = angular_spectrum_kernel(n, DX, LAM, -1e-9, band_limit=False, dtype=np.complex128)
+    np.testing.assert_allclose(k1 * back, 1.0, atol=1e-12)
+    evanescent = angular_spectrum_kernel(16, 0.4e-9, 1e-9, 1e-6, band_limit=False)  # λ > 2Δx: |u| ≥ 1/λ exists
+    assert (evanescent == 0).any() and evanescent[0, 0] == 1
+
+
+def test_near_field_operator_geometry_and_adjoint():
+    rng = np.random.default_rng(1)
+    n, p, lam, z1, z2 = 100, 55e-6, 0.9795e-10, 3.65e-3, 1.12
+    kernel = near_field_kernel(n, p, lam, z2, z1)
+    m = (z1 + z2) / z1
+    ref = angular_spectrum_kernel(n, p / m, lam, z1 * z2 / (z1 + z2))
+    np.testing.assert_array_equal(kernel, ref)
+    plane = near_field_kernel(n, p, lam, z2)
+    np.testing.assert_array_equal(plane, angular_spectrum_kernel(n, p, lam, z2))
+    x, y = crandn(rng, (2, n, n), np.complex64), crandn(rng, (2, n, n), np.complex64)
+    assert adjoint_error(near_field(x, kernel), y, x, near_field_adjoint(y, kernel)) < 1e-6
+
+
+# ------------------------------------------------------------------------------------ multislice model
+
+def _ms_inputs(rng, k=3, b=4, m=2, n=24, dtype=np.complex128):
+    kernel = angular_spectrum_kernel(n, DX, LAM, 2e-9, dtype=dtype)
+    slices = (np.exp(1j * 0.5 * rng.standard_normal((k, b, n, n))) * 0.9).astype(dtype)
+    q = crandn(rng, (b, m, n, n), dtype)
+    return kernel, slices, q
+
+
+def test_multislice_adjoint_wrt_probe_waves_and_each_slice():
+    rng = np.random.default_rng(2)
+    kernel, slices, q = _ms_inputs(rng)
+    exit_waves_, incident = multislice_forward(q, slices, kernel)
+    y = crandn(rng, exit_waves_.shape)
+    grads, g_q, residuals = multislice_vjp(y, slices, incident, kernel, want_residuals=True)
+    # linear in the probe waves: <A q, y> = <q, Aᴴ y>
+    assert adjoint_error(exit_waves_, y, q, g_q) < 1e-12
+    # linear in each slice k separately: ψ_K(O with O_k -> δ) is J_k δ
+    for k in range(slices.shape[0]):
+        delta = crandn(rng, slices.shape[1:])
+        s = slices.copy()
+        s[k] = delta
+        j_delta, _ = multislice_forward(q, s, kernel, keep=False)
+        assert adjoint_error(j_delta, y, delta, grads[k]) < 1e-12, k
+    np.testing.assert_array_equal(residuals[-1], y)
+    # transmit / transmit_adjoint
+    w = crandn(rng, q.shape)
+    assert adjoint_error(transmit(w, slices, kernel, 0), y, w, transmit_adjoint(y, slices, kernel, 0)) < 1e-12
+
+
+def test_one_slice_is_the_single_slice_exit_wave():
+    ds = make_dataset(n=32, grid=4, modes=2, seed=4, noise=False)
+    corners, fractions = split_positions(ds.positions, 32)
+    ramps = shift_ramps(fractions, 32)
+    psi, q, patches = exit_waves(ds.truth.object, ds.truth.probe, corners, ramps)
+    out, _ = multislice_forward(q, patches[None], None)
+    np.testing.assert_array_equal(out, psi)
+    y = multislice_intensities(ds.truth.object[None], ds.truth.probe, ds.positions)
+    np.testing.assert_allclose(np.fft.fftshift(y, axes=(-2, -1)), ds.intensities, rtol=1e-4, atol=1e-3)
+
+
+def _loss_setup(seed=5, k=2, detector=False):
+    rng = np.random.default_rng(seed)
+    n = 24
+    geom = SliceGeometry(k, 2e-9, LAM, DX)
+    kernel = geom.kernel(n, dtype=np.complex128)
+    det = near_field_kernel(n, 55e-6, 1e-10, 1.0, 3e-3, dtype=np.complex128) if detector else None
+    h = 40
+    slices = np.exp(1j * 0.3 * rng.standard_normal((k, h, h))).astype(np.complex128)
+    probe = (0.2 * crandn(rng, (2, n, n))).astype(np.complex128)
+    pos = rng.uniform(n / 2 + 1, h - n / 2 - 1, (6, 2))
+    y = np.abs(crandn(rng, (6, n, n))) ** 2 * 0.1
+    return slices, probe, pos, y, kernel, det, rng
+
+
+@pytest.mark.parametrize("loss,detector", [("gaussian", False), ("poisson", False), ("gaussian", True)])
+def test_multislice_gradient_matches_finite_differences(loss, detector):
+    slices, probe, pos, y, kernel, det, rng = _loss_setup(detector=detector)
+    kw = dict(kernel=kernel, detector=det, loss=loss)
+    part = ms.chunk_gradient(slices, probe, y, pos, **kw)
+    g_obj = np.zeros_like(slices)
+    part.boxes["object_grad"].add_into(g_obj)
+    g_probe = part.arrays["probe_grad"]
+
+    def loss_at(s, p):
+        return ms.chunk_gradient(s, p, y, pos, want_probe=False, **kw).scalars["loss"]
+
+    eps = 1e-6
+    for k in range(slices.shape[0]):
+        v = np.zeros_like(slices)
+        v[k] = crandn(rng, slices.shape[1:])
+        fd = (loss_at(slices + eps * v, probe) - loss_at(slices - eps * v, probe)) / (2 * eps)
+        assert fd == pytest.approx(np.vdot(g_obj, v).real, rel=1e-6), k
+    v = crandn(rng, probe.shape)
+    fd = (loss_at(slices, probe + eps * v) - loss_at(slices, probe - eps * v)) / (2 * eps)
+    assert fd == pytest.approx(np.vdot(g_probe, v).real, rel=1e-6)
+
+
+def test_ad_gradient_with_one_slice_equals_the_ad_engine():
+    ds = make_dataset(n=32, grid=4, modes=2, seed=6)
+    obj = ds.truth.object * np.complex64(0.9)
+    y = np.fft.ifftshift(ds.intensities, axes=(-2, -1))
+    want = ad.chunk_gradient(obj, ds.truth.probe, y, ds.positions)
+    got = ms.chunk_gradient(obj[None], ds.truth.probe, y, ds.positions)
+    rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)  # noqa: E731
+    assert rel(got.boxes["object_grad"].data[0], want.boxes["object_grad"].data) < 1e-5
+    assert rel(got.arrays["probe_grad"], want.arrays["probe_grad"]) < 1e-5
+    assert got.scalars["loss"] == pytest.approx(want.scalars["loss"], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------ LSQML, K = 1
+
+@pytest.mark.parametrize("noise", ["gaussian", "poisson"])
+@pytest.mark.parametrize("update_probe", [True, False])
+def test_lsqml_with_one_slice_equals_the_single_slice_engine(noise, update_probe):
+    ds = make_dataset(n=32, grid=5, modes=2, seed=11)
+    rng = np.random.default_rng(0)
+    obj = (ds.truth.object * (1 + 0.1 * rng.standard_normal(ds.truth.object.shape))).astype(np.complex64)
+    probe = (ds.truth.probe * 0.8).astype(np.complex64)
+    y = np.fft.ifftshift(ds.intensities, axes=(-2, -1))
+    valid = rng.random((32, 32)) > 0.1
+    options = lsqml.LSQMLOptions(noise=noise)
+    want = lsqml.chunk_step(obj, probe, y, ds.positions, options=options, update_probe=update_probe, valid=valid)
+    got = ms.chunk_step(obj[None], probe, y, ds.positions, options=options, update_probe=update_probe, valid=valid)
+    for key in ("object", "illumination"):
+        a, b = got.boxes[key], want.boxes[key]
+        assert a.offset == b.offset
+        assert np.linalg.norm(a.data[0] - b.data) <= 1e-5 * np.linalg.norm(b.data), key
+    if update_probe:
+        assert np.linalg.norm(got.arrays["probe"] - want.arrays["probe"]) <= 1e-5 * np.linalg.norm(want.arrays["probe"])
+    for key, value in want.scalars.items():
+        assert got.scalars[key] == pytest.approx(value, rel=1e-5, abs=1e-9), key
+    s1 = lsqml.apply(lsqml.LSQMLState(obj.copy(), probe.copy()), want, options)
+    s2 = ms.apply(lsqml.LSQMLState(obj[None].copy(), probe.copy()), got, options)
+    assert np.linalg.norm(s2.object[0] - s1.object) <= 1e-5 * np.linalg.norm(s1.object)
+    np.testing.assert_allclose(s2.illumination[0], s1.illumination, rtol=1e-5, atol=1e-3)
+
+
+def test_slice_normalisation_keeps_the_model():
+    ds = simulate_multislice(n=24, grid=4, step=4.0, seed=3)
+    rng = np.random.default_rng(0)
+    state = lsqml.LSQMLState((ds.truth.slices * np.array([2.0, 0.5j])[:, None, None]).astype(np.complex64),
+                             ds.truth.probe.copy())
+    state.illumination = (1 + rng.random(state.object.shape)).astype(np.float32)
+    before = multislice_intensities(state.object, state.probe, ds.positions, ds.kernel)
+    ms.normalize_scale(state)
+    after = multislice_intensities(state.object, state.probe, ds.positions, ds.kernel)
+    np.testing.assert_allclose(after, before, rtol=2e-4, atol=1e-2)
+    for k in range(2):
+        assert np.abs(state.object[k]).mean() == pytest.approx(1.0, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------ ground truth
+
+def _phase_nrmse(estimate, truth, mask):
+    """Phase NRMSE after aligning (shift, ramp, complex scale): ‖Δφ‖ / ‖φ − mean φ‖ on the mask."""
+    a = metrics.align(estimate, truth, mask=mask)
+    pa, pt = np.angle(a), np.angle(truth)
+    pa = pa - pa[mask].mean()
+    pt = pt - pt[mask].mean()
+    return float(np.sqrt(((pa - pt)[mask] ** 2).sum() / (pt[mask] ** 2).sum()))
+
+
+def _fit(ds, n_slices, epochs=40):
+    y = np.fft.ifftshift(ds.intensities, axes=(-2, -1))
+    g = ds.geometry
+    kernel = SliceGeometry(n_slices, g.spacing_m, g.wavelength_m, g.pixel_size_m).kernel(y.shape[-1])
+    options = lsqml.LSQMLOptions(momentum=0.0)
+    shape = (n_slices,) + ds.truth.slices.shape[1:]
+    # probe from physics with the nominal optics (the simulator's), refined with the object
+    state = lsqml.LSQMLState(np.ones(shape, np.complex64), ds.probe0.copy())
+    state = ms.rescale_probe(state, ms.forward_sums(state.object, state.probe, y, ds.positions, kernel=kernel))
+    for _ in range(epochs):
+        state = ms.begin_epoch(state, options)
+        part = ms.chunk_step(state.object, state.probe, y, ds.positions, options=options, kernel=kernel)
+        state = ms.apply(state, part, options)
+        state = ms.end_epoch(state, options)
+    return state, part.scalars["loss"]
+
+
+@pytest.mark.parametrize("n_slices", [2, 3])
+def test_multislice_lsqml_recovers_each_slice_far_better_than_one_slice(n_slices):
+    from daskpty.physics.probes import electron_probe
+
+    ds = simulate_multislice(n_slices=n_slices, noise=True, seed=n_slices)
+    ds.probe0 = electron_probe(32, DX, ds.wavelength_m, 25e-3, defocus_m=6e-9, power=1.0)
+    multi, loss_multi = _fit(ds, n_slices)
+    single, loss_single = _fit(ds, 1)
+    lit = multi.illumination[0] > 0.3 * multi.illumination[0].max()
+    err_multi = [_phase_nrmse(multi.object[k], ds.truth.slices[k], lit) for k in range(n_slices)]
+    err_single = [_phase_nrmse(single.object[0], ds.truth.slices[k], lit) for k in range(n_slices)]
+    cplx_multi = [metrics.nrmse(multi.object[k], ds.truth.slices[k], mask=lit) for k in range(n_slices)]
+    cplx_single = [metrics.nrmse(single.object[0], ds.truth.slices[k], mask=lit) for k in range(n_slices)]
+    print(f"K={n_slices}: phase NRMSE per slice multislice {np.round(err_multi, 3)} vs one slice "
+          f"{np.round(err_single, 3)}; complex NRMSE {np.round(cplx_multi, 4)} vs {np.round(cplx_single, 4)}; "
+          f"loss {loss_multi:.4g} vs {loss_single:.4g}")
+    assert max(err_multi) < 0.3
+    assert max(err_multi) < 0.4 * min(err_single)
+    assert max(cplx_multi) < 0.4 * min(cplx_single)
+    assert loss_multi < 0.3 * loss_single
