@@ -161,42 +161,52 @@ class Plan:
 
     def apply(self, raw) -> np.ndarray:
         """Preprocess a (k, n, n) block of the raw window into the output dtype; tally it."""
-        x = np.asarray(raw, dtype=np.float64)
+        x = np.array(raw)  # a private, writeable copy (memory-mapped sources are read-only)
         if self.pre.saturation is not None:
             self.saturated |= (x >= self.pre.saturation).any(axis=0)
-        if self.dark is not None:
-            x -= self.dark
-        if self.pre.background:
-            x -= float(self.pre.background)
-        finite = np.isfinite(x)
-        if not finite.all():
-            self.nonfinite |= ~finite.all(axis=0)
-            x[~finite] = 0.0
-        neg = x < 0
-        if neg.any():
-            self.n_negative += int(neg.sum())
-            x[neg] = 0.0
+        if x.dtype.kind in "iub" and self.dark is None and not self.pre.background:
+            if x.dtype.kind == "i":  # integer counts, nothing subtracted: stay exact
+                neg = x < 0
+                if neg.any():
+                    self.n_negative += int(neg.sum())
+                    x[neg] = 0
+        else:
+            x = x.astype(np.float64, copy=False)
+            if self.dark is not None:
+                x -= self.dark
+            if self.pre.background:
+                x -= float(self.pre.background)
+            finite = np.isfinite(x)
+            if not finite.all():
+                self.nonfinite |= ~finite.all(axis=0)
+                x[~finite] = 0.0
+            neg = x < 0
+            if neg.any():
+                self.n_negative += int(neg.sum())
+                x[neg] = 0.0
         if self.bad is not None:
-            x[:, self.bad] = 0.0
+            x[:, self.bad] = 0
         x = _bin(self.orient(x), self.pre.bin)
-        if self._limit is not None:
+        if self._limit is not None and x.dtype != self.dtype:
             over = x > self._limit
             if over.any():
                 self.n_overflow += int(over.sum())
-                x[over] = self._limit
+                x = np.minimum(x, self._limit)
         self.count += x.shape[0]
-        self.sum += x.sum(axis=0)
-        self.sumsq += np.einsum("kij,kij->ij", x, x)
-        return x.astype(self.dtype)
+        if self.pre.hot_sigma is not None:
+            xf = x.astype(np.float64)
+            self.sum += xf.sum(axis=0)
+            self.sumsq += np.einsum("kij,kij->ij", xf, xf)
+        return x.astype(self.dtype, copy=False)
 
     def hot_pixels(self) -> np.ndarray:
         """Output pixels whose mean or variance lies far above the median of its 5 × 5
         neighbourhood, in units of the local median absolute deviation."""
-        from scipy.ndimage import median_filter
-
         hot = np.zeros((self.size, self.size), bool)
         if self.pre.hot_sigma is None or self.count == 0:
             return hot
+        from scipy.ndimage import median_filter
+
         mean = self.sum / self.count
         var = np.clip(self.sumsq / self.count - mean ** 2, 0, None)
         for v in (mean, var):
