@@ -155,7 +155,9 @@ def test_multislice_gradient_matches_finite_differences(loss, detector):
     g_probe = part.arrays["probe_grad"]
 
     def loss_at(s, p):
-        return ms.chunk_gradient(s, p, y, pos, want_probe=False, **kw).scalars["loss"]
+        return ms.chunk_loss(s, p, y, pos, **kw).scalars["loss"]
+
+    assert loss_at(slices, probe) == pytest.approx(part.scalars["loss"], rel=1e-12)
 
     eps = 1e-6
     for k in range(slices.shape[0]):
@@ -166,6 +168,14 @@ def test_multislice_gradient_matches_finite_differences(loss, detector):
     v = crandn(rng, probe.shape)
     fd = (loss_at(slices, probe + eps * v) - loss_at(slices, probe - eps * v)) / (2 * eps)
     assert fd == pytest.approx(np.vdot(g_probe, v).real, rel=1e-6)
+
+
+def test_kernel_shape_is_checked():
+    slices, probe, pos, y, kernel, _, _ = _loss_setup()
+    with pytest.raises(ValueError, match="kernel must be"):
+        ms.chunk_loss(slices, probe, y, pos, kernel=kernel[:-1])
+    with pytest.raises(ValueError, match="need the slice-to-slice kernel"):
+        ms.chunk_loss(slices, probe, y, pos)
 
 
 def test_ad_gradient_with_one_slice_equals_the_ad_engine():

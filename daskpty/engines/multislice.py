@@ -74,6 +74,9 @@ class _Chunk:
         self.obj_box = xp.ascontiguousarray(
             asarray_like(obj[:, self.box0[0]:box1[0], self.box0[1]:box1[1]], intensities), dtype=cdtype)
         self.probe = asarray_like(probe, intensities).astype(cdtype, copy=False)
+        for name, k in (("kernel", kernel), ("detector", detector)):
+            if k is not None and tuple(k.shape) != (n, n):
+                raise ValueError(f"{name} must be ({n}, {n}) like the probe, got shape {tuple(k.shape)}")
         self.kernel = None if kernel is None else asarray_like(kernel, intensities).astype(cdtype, copy=False)
         self.detector = None if detector is None else asarray_like(detector, intensities).astype(cdtype, copy=False)
         self.index = PatchIndex(corners - self.box0, n, self.obj_box.shape, xp)
@@ -301,3 +304,21 @@ def chunk_gradient(obj, probe, intensities, positions, *, kernel=None, detector=
         power = xp.abs(c.patches[0]) ** 2
         part.arrays["probe_illumination"] = power.sum(axis=0).astype(rdtype)
     return part.to_numpy()
+
+
+def chunk_loss(obj, probe, intensities, positions, *, kernel=None, detector=None, loss: str = "gaussian",
+               valid=None, eps: float = 1e-6) -> Partial:
+    """Loss only (forward model, no adjoint) of one chunk: ``scalars`` loss (float64 sum) and n."""
+    from .ad import loss_and_gradient
+
+    if intensities.shape[0] == 0:
+        return Partial()
+    wide = any(np.dtype(a.dtype) == np.complex128 for a in (obj, probe))
+    cdtype, rdtype = (np.complex128, np.float64) if wide else (np.complex64, np.float32)
+    c = _Chunk(obj, probe, intensities, positions, kernel, detector, cdtype)
+    exit_waves, _ = multislice_forward(c.shifted, c.patches, c.kernel, keep=False)
+    y = c.xp.asarray(intensities).astype(rdtype, copy=False)
+    valid = None if valid is None else asarray_like(valid, intensities)
+    per_pattern, _ = loss_and_gradient(detector_forward(exit_waves, c.detector), y, loss=loss, valid=valid,
+                                       eps=eps, gradient=False)
+    return Partial(scalars={"loss": float(per_pattern.sum()), "n": float(intensities.shape[0])})
