@@ -191,6 +191,8 @@ def format_text(d: dict) -> str:
         f"provenance   {d['provenance'] or '—'}",
     ]
     for key, value in d["other_metadata"].items():
+        if key == "import" and isinstance(value, dict):  # the provenance line says what was done
+            value = f"{value.get('format')} file {value.get('source')} (details: --json)"
         text = json.dumps(value) if not isinstance(value, str) else value
         if len(text) > 300:
             text = text[:297] + "..."
