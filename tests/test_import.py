@@ -450,3 +450,18 @@ def test_own_data_page_runs(tmp_path):
         assert os.path.getsize(tmp_path / name) > 0 or os.path.isdir(tmp_path / name), name
     rec = daskpty.Reconstruction.from_zarr(str(tmp_path / "p25-recon.zarr"))
     assert rec.epochs == 2 and rec.probe.shape[-1] == 64
+
+
+@pytest.mark.parametrize("step, warns", [(2.0, False), (30.0, True)])
+def test_info_plot_and_overlap_warning(tmp_path, capsys, step, warns):
+    image = pytest.importorskip("matplotlib.image")
+    np.save(tmp_path / "f.npy", frames(n=16))
+    np.save(tmp_path / "p.npy", raster(16, 4, step))
+    assert run_cli(["import", tmp_path / "f.npy", "--positions", tmp_path / "p.npy", "--units",
+                    "px", "-o", tmp_path / "d.zarr", "--quiet"], capsys)[0] == 0
+    code, out, err = run_cli(["info", tmp_path / "d.zarr", "--plot", tmp_path / "scan.png"], capsys)
+    assert code == 0
+    assert image.imread(tmp_path / "scan.png").shape[:2] == (460, 1000)
+    assert ("little overlap" in err) == warns
+    assert run_cli(["info", tmp_path / "d.zarr", "--plot", tmp_path / "scan.png"], capsys)[0] == 2
+    assert not glob.glob(str(tmp_path / ".scan.png.partial-*"))
