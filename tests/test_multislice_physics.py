@@ -24,7 +24,6 @@ from daskpty.physics.propagation import (
     near_field_adjoint,
     near_field_kernel,
 )
-from daskpty.physics.shifts import shift_probe
 from daskpty.simulate_multislice import simulate_multislice
 
 from synthetic import make_dataset

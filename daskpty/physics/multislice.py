@@ -88,11 +88,11 @@ def multislice_forward(probe_waves, slice_patches, kernel, *, keep: bool = True)
     incident = xp.empty((n_slices,) + probe_waves.shape, dtype) if keep else None
     phi = probe_waves
     for k in range(n_slices):
-        if k:
-            phi = angular_spectrum(psi, kernel)
         if keep:
             incident[k] = phi
         psi = phi * slice_patches[k][:, None]
+        if k + 1 < n_slices:
+            phi = angular_spectrum(psi, kernel)
     return psi, incident
 
 
