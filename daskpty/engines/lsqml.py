@@ -34,6 +34,15 @@ from ..physics.noise import far_field_update
 from ..physics.patches import PatchIndex
 from ..physics.shifts import outer_ramps, shift_ramp_factors
 from .partials import BoxedArray, Partial
+from .positions import (
+    PositionOptions,
+    accumulate_affine,
+    central_gradients,
+    finish_step,
+    lsqml_shift,
+    positions_for_step,
+    step_with_momentum,
+)
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,9 @@ class LSQMLState:
     epoch_start_object: np.ndarray | None = None
     illumination: np.ndarray | None = None  # last epoch's Σ|S_f P|² (object frame, float32)
     extra: dict = field(default_factory=dict)
+    affine: np.ndarray | None = None        # position refinement: map fitted after the last epoch
+    affine_boost: np.ndarray | None = None  # the extra affine move of the next epoch (see positions)
+    affine_sums: dict | None = None         # its normal equations, summed over this epoch's rounds
 
     def update_probe(self, options: LSQMLOptions) -> bool:
         return options.probe_start_epoch is not None and self.epoch >= options.probe_start_epoch
@@ -119,7 +131,7 @@ def _fft_in_place(buf, inverse: bool = False):
 
 
 def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, update_probe: bool = True,
-               valid=None) -> Partial:
+               valid=None, position_terms: bool = False) -> Partial:
     """One LSQML step for one chunk of patterns, returned as an additive partial.
 
     obj: (H, W) complex64 (whole object; only the chunk's bounding box is read).
@@ -135,6 +147,11 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     S_f P and χ when the probe is updated (pass 2 forms Re⟨a_j, χ_j⟩ and Re⟨b_j, χ_j⟩ from them:
     two arrays of the exit-wave shape, not three, which matters because the chunk's share of
     them outgrows the caches); else g_j and Σ_k |S_f P_k|², with Re⟨a_j, χ_j⟩ = Re⟨ΔÔ_j, g_j⟩.
+
+    ``position_terms``: also the LSQML position shift of every pattern, in ``local["shift"]``
+    (B, 2): Δr_a = Re Σ_k conj(S_f P_k ∂_a O_j) χ_jk / Σ_k |S_f P_k ∂_a O_j|², formed in pass 1
+    as Re⟨∂_a O_j, g_j⟩ / ⟨|∂_a O_j|², Σ_k |S_f P_k|²⟩ (∂_a O by central differences on the
+    box): two gathers and four dot products per pattern, no FFT.
     """
     xp = get_xp(intensities)
     n = probe.shape[-1]
@@ -178,6 +195,11 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     measured = xp.zeros(n * n)  # Σ_j y_j and Σ_j ŷ_j per pixel (the mask is applied at the end)
     model = xp.zeros(n * n)
     loss = 0.0
+    if position_terms:
+        box_dy, box_dx = central_gradients(obj_box, xp)
+        shift_num = xp.empty((n_patterns, 2))
+        shift_den = xp.empty((n_patterns, 2))
+        d_patch = xp.empty((step, n, n), np.complex64)
 
     # Pass 1.
     for batch in blocks:
@@ -202,6 +224,13 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         for k in range(1, n_modes):
             g += xp.conj(sp[:, k]) * chi[:, k]
         w = model_intensity(sp)                             # Σ_k |S_f P_k|²
+        if position_terms:
+            for axis, box_d in enumerate((box_dy, box_dx)):
+                d = index.extract(box_d, batch, out=d_patch[:b])
+                shift_num[batch, axis] = real_dots(d, g)
+                d2 = xp.square(d.real)
+                d2 += xp.square(d.imag)
+                shift_den[batch, axis] = real_dots(d2, w)
         index.scatter_add(obj_num, g, batch)
         index.scatter_add(illum, w, batch)
         if update_probe:  # G_j = conj(ramp_j) · F(conj(O_j) χ_j), summed; χ stays for pass 2
@@ -273,11 +302,38 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     )
     if probe_sum is not None:
         parts.arrays["probe"] = (np.float32(alpha_p) * probe_sum).astype(np.complex64, copy=False)
+    if position_terms:
+        parts.local["shift"] = lsqml_shift(to_numpy(shift_num), to_numpy(shift_den))
     return parts.to_numpy()
+
+
+def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, options: LSQMLOptions,
+                        positions: PositionOptions, epoch: int, affine=None, update_probe: bool = True,
+                        valid=None) -> Partial:
+    """:func:`chunk_step` at the refined positions ``local["positions"]`` of these patterns,
+    moving them (from epoch ``positions.start_epoch`` on).
+
+    Before the step the refined positions are pulled towards ``affine`` (the map fitted after the
+    last epoch, if any); after it each moves by the LSQML shift with momentum, limited to
+    ``max_step`` per axis and kept inside the object. The partial gains the affine normal
+    equations of the new positions (additive), ``position_update_sq`` / ``position_refined``
+    (for the rms update) and, in ``local``, the patterns' new per-pattern state.
+    """
+    n = probe.shape[-1]
+    refined = positions_for_step(local, nominal, affine, positions, epoch, n, obj.shape)
+    active = positions.active(epoch)
+    part = chunk_step(obj, probe, intensities, refined, options=options, update_probe=update_probe,
+                      valid=valid, position_terms=active)
+    if not active or not part.scalars:
+        part.local = {}
+        return part
+    new, _ = step_with_momentum({**local, "positions": refined}, part.local.pop("shift"), positions)
+    return finish_step(part, new, refined, nominal, positions, epoch, n, obj.shape)
 
 
 def apply(state: LSQMLState, total: Partial, options: LSQMLOptions) -> LSQMLState:
     """Add a reduced partial to the state: O += β ΔO / √(W² + (δ max W)²), P += β ΔP / N."""
+    accumulate_affine(state, total)
     if "object" not in total.boxes:
         return state
     # New arrays, never writes into the state's (copies of a state share them).
@@ -332,7 +388,9 @@ def begin_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
     if options.momentum > 0:
         state.epoch_start_object = state.object.copy()
     state.illumination = None
+    state.affine_sums = None
     return state
+
 
 
 def end_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:

@@ -57,11 +57,18 @@ class Partial:
 
     ``boxes`` and ``arrays`` are dicts of same-keyed entries; ``scalars`` are float64 sums.
     Missing keys on one side are treated as zero.
+
+    ``local`` is not a sum: the per-pattern state a chunk step updated (refined positions and
+    their optimiser memory). From an engine's chunk step it holds the updated arrays of the
+    step's patterns (``{name: (B, ...) array}``); the execution layer re-keys it by chunk index
+    (``{chunk: {name: array}}``), and adding partials takes the union of those (chunks are
+    disjoint). Epoch graphs keep it on the chunk's worker and never reduce it.
     """
 
     boxes: dict = field(default_factory=dict)
     arrays: dict = field(default_factory=dict)
     scalars: dict = field(default_factory=dict)
+    local: dict = field(default_factory=dict)
 
     def __add__(self, other: "Partial") -> "Partial":
         if other is None:
@@ -75,7 +82,7 @@ class Partial:
         scalars = dict(self.scalars)
         for k, v in other.scalars.items():
             scalars[k] = scalars.get(k, 0.0) + v
-        return Partial(boxes, arrays, scalars)
+        return Partial(boxes, arrays, scalars, {**self.local, **other.local})
 
     def __radd__(self, other):
         if other == 0 or other is None:
@@ -86,11 +93,16 @@ class Partial:
         """Host copy (CuPy → NumPy), so reduced results can leave a GPU worker."""
         return Partial({k: v.to_numpy() for k, v in self.boxes.items()},
                        {k: to_numpy(v) for k, v in self.arrays.items()},
-                       {k: float(v) for k, v in self.scalars.items()})
+                       {k: float(v) for k, v in self.scalars.items()},
+                       _local_to_numpy(self.local))
 
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.boxes.values()) + sum(int(a.nbytes) for a in self.arrays.values())
+
+
+def _local_to_numpy(local: dict) -> dict:
+    return {k: _local_to_numpy(v) if isinstance(v, dict) else to_numpy(v) for k, v in local.items()}
 
 
 def _sum_boxes(boxes: list) -> BoxedArray:
@@ -129,7 +141,9 @@ def sum_partials(*parts: Partial) -> Partial:
             total = total + v
         arrays[key] = total
     scalars = {}
+    local = {}
     for p in parts:
         for k, v in p.scalars.items():
             scalars[k] = scalars.get(k, 0.0) + v
-    return Partial(boxes, arrays, scalars)
+        local.update(p.local)
+    return Partial(boxes, arrays, scalars, local)

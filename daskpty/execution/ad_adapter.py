@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engines import ad
+from ..engines.positions import PositionOptions, affine_parameters, fit_affine, initial_local, positions_for_step
 from .rounds import ChunkedData, map_reduce
 
 
@@ -27,15 +28,29 @@ class ADPayload:
     want_object: bool
     want_probe: bool
     valid: np.ndarray | None
+    positions: PositionOptions | None = None  # position refinement (None: off)
+    epoch: int = 0
+    affine: tuple | None = None
 
 
-def ad_gradient_chunk(intensities, positions, payload: ADPayload):
+def ad_gradient_chunk(intensities, positions, payload: ADPayload, local=None):
+    """The AD gradient step; with ``local`` (position refinement) at the refined positions, which it
+    also moves, ``positions`` being the nominal ones."""
+    if local is not None:
+        return ad.refining_chunk_gradient(payload.object, payload.probe, intensities, positions, local,
+                                          options=payload.options, positions=payload.positions,
+                                          epoch=payload.epoch, affine=payload.affine, valid=payload.valid,
+                                          want_object=payload.want_object, want_probe=payload.want_probe)
     return ad.chunk_gradient(payload.object, payload.probe, intensities, positions, options=payload.options,
                              valid=payload.valid, want_object=payload.want_object,
                              want_probe=payload.want_probe)
 
 
-def ad_loss_chunk(intensities, positions, payload: ADPayload):
+def ad_loss_chunk(intensities, positions, payload: ADPayload, local=None):
+    """The loss only (CG line search), at the refined positions when refining (none move)."""
+    if local is not None:
+        positions = positions_for_step(local, positions, payload.affine, payload.positions, payload.epoch,
+                                       payload.probe.shape[-1], payload.object.shape)
     return ad.chunk_loss(payload.object, payload.probe, intensities, positions, options=payload.options,
                          valid=payload.valid)
 
@@ -51,9 +66,23 @@ class ADAdapter:
     chunk_function = staticmethod(ad_gradient_chunk)
     loss_function = staticmethod(ad_loss_chunk)
 
-    def __init__(self, options: ad.ADOptions | None = None, valid: np.ndarray | None = None):
+    def __init__(self, options: ad.ADOptions | None = None, valid: np.ndarray | None = None,
+                 positions: PositionOptions | None = None):
         self.options = options if options is not None else ad.ADOptions()
         self.valid = valid
+        self.positions = positions
+
+    @property
+    def local_state(self) -> bool:
+        """Per-pattern state (refined positions, their optimiser's memory) kept with each chunk."""
+        return self.positions is not None
+
+    def initial_local(self, nominal) -> dict:
+        return initial_local(nominal, self.positions, "ad")
+
+    def epoch_scalars(self, state) -> dict:
+        """The fitted affine map's parameters, for the epoch's history entry."""
+        return {} if state.affine is None else affine_parameters(state.affine)
 
     @property
     def needs_evaluations(self) -> bool:
@@ -64,7 +93,8 @@ class ADAdapter:
         return ADPayload(state.object if object is None else object,
                          state.probe if probe is None else probe, self.options,
                          state.active("object", self.options), state.active("probe", self.options),
-                         self.valid)
+                         self.valid, self.positions, state.epoch,
+                         None if state.affine is None else (state.affine, state.affine_boost))
 
     def apply(self, state, total, evaluate=None):
         return ad.apply(state, total, self.options, evaluate=evaluate)
@@ -73,6 +103,8 @@ class ADAdapter:
         return ad.begin_epoch(state, self.options)
 
     def end_epoch(self, state):
+        if self.positions is not None:
+            fit_affine(state, self.positions)
         return ad.end_epoch(state, self.options)
 
     def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None) -> ad.ADState:
@@ -89,12 +121,12 @@ class ADAdapter:
         return ad.rescale_probe(state, sums)
 
     def run_round(self, client, data: ChunkedData, state, *, round_index: int = 0, rounds: int = 1,
-                  split_every: int | None = None):
+                  split_every: int | None = None, local: dict | None = None):
         """Gradient map-reduce, then apply — with loss-only map-reduces on the same slice when the
         optimiser asks for them. Returns ``(state, total)``; ``total.scalars["loss_evaluations"]``
-        counts the extra map-reduces."""
+        counts the extra map-reduces; ``total.local`` the chunks' moved positions (with ``local``)."""
         total = map_reduce(client, data, self.chunk_function, self.payload(state),
-                           round_index=round_index, rounds=rounds, split_every=split_every)
+                           round_index=round_index, rounds=rounds, split_every=split_every, local=local)
         count = 0
 
         def evaluate(params):
@@ -102,7 +134,7 @@ class ADAdapter:
             count += 1
             part = map_reduce(client, data, self.loss_function,
                               self.payload(state, params.get("object"), params.get("probe")),
-                              round_index=round_index, rounds=rounds, split_every=split_every)
+                              round_index=round_index, rounds=rounds, split_every=split_every, local=local)
             return part.scalars.get("loss", float("nan"))
 
         state = self.apply(state, total, evaluate=evaluate if self.needs_evaluations else None)

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engines import lsqml
+from ..engines.positions import PositionOptions, affine_parameters, fit_affine, initial_local
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
+from .local_state import initial_locals
 from .rounds import ChunkedData, default_split_every, map_reduce
 
 
@@ -35,9 +37,19 @@ class LSQMLPayload:
     options: lsqml.LSQMLOptions
     update_probe: bool
     valid: np.ndarray | None
+    positions: PositionOptions | None = None  # position refinement (None: off)
+    epoch: int = 0
+    affine: np.ndarray | None = None
 
 
-def lsqml_chunk(intensities, positions, payload: LSQMLPayload):
+def lsqml_chunk(intensities, positions, payload: LSQMLPayload, local=None):
+    """The LSQML chunk step; with ``local`` (position refinement) at the refined positions,
+    ``positions`` being the nominal ones."""
+    if local is not None:
+        return lsqml.refining_chunk_step(payload.object, payload.probe, intensities, positions, local,
+                                         options=payload.options, positions=payload.positions,
+                                         epoch=payload.epoch, affine=payload.affine,
+                                         update_probe=payload.update_probe, valid=payload.valid)
     return lsqml.chunk_step(payload.object, payload.probe, intensities, positions,
                             options=payload.options, update_probe=payload.update_probe,
                             valid=payload.valid)
@@ -53,12 +65,28 @@ class LSQMLAdapter:
     name = "lsqml"
     chunk_function = staticmethod(lsqml_chunk)
 
-    def __init__(self, options: lsqml.LSQMLOptions, valid: np.ndarray | None = None):
+    def __init__(self, options: lsqml.LSQMLOptions, valid: np.ndarray | None = None,
+                 positions: PositionOptions | None = None):
         self.options = options
         self.valid = valid
+        self.positions = positions
+
+    @property
+    def local_state(self) -> bool:
+        """Per-pattern state (refined positions) kept with each chunk."""
+        return self.positions is not None
+
+    def initial_local(self, nominal) -> dict:
+        return initial_local(nominal, self.positions, "lsqml")
 
     def payload(self, state: lsqml.LSQMLState) -> LSQMLPayload:
-        return LSQMLPayload(state.object, state.probe, self.options, state.update_probe(self.options), self.valid)
+        return LSQMLPayload(state.object, state.probe, self.options, state.update_probe(self.options), self.valid,
+                            self.positions, state.epoch,
+                            None if state.affine is None else (state.affine, state.affine_boost))
+
+    def epoch_scalars(self, state) -> dict:
+        """The fitted affine map's parameters, for the epoch's history entry."""
+        return {} if state.affine is None else affine_parameters(state.affine)
 
     def apply(self, state, total):
         return lsqml.apply(state, total, self.options)
@@ -72,16 +100,23 @@ class LSQMLAdapter:
         return lsqml.begin_epoch(state, self.options)
 
     def end_epoch(self, state):
+        if self.positions is not None:
+            fit_affine(state, self.positions)
         return lsqml.end_epoch(state, self.options)
 
     def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
         """A state from an object, a probe and (when resuming) the saved engine arrays."""
         engine_state = engine_state or {}
-        return lsqml.LSQMLState(object=obj, probe=probe, epoch=epoch, velocity=engine_state.get("velocity"))
+        return lsqml.LSQMLState(object=obj, probe=probe, epoch=epoch, velocity=engine_state.get("velocity"),
+                                affine=engine_state.get("affine"), affine_boost=engine_state.get("affine_boost"))
 
     def engine_state(self, state) -> dict:
         """Arrays beyond object and probe needed to continue exactly (for checkpoints)."""
-        return {} if state.velocity is None else {"velocity": state.velocity}
+        out = {} if state.velocity is None else {"velocity": state.velocity}
+        for name in ("affine", "affine_boost"):
+            if getattr(state, name) is not None:
+                out[name] = getattr(state, name)
+        return out
 
     def initialise(self, client, data: ChunkedData, state, *, split_every: int):
         """First-epoch probe intensity rescale so that Σŷ = Σy."""
@@ -89,21 +124,39 @@ class LSQMLAdapter:
         return lsqml.rescale_probe(state, sums)
 
 
-def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_every: int):
-    """One epoch round by round from the client: returns ``(state, summed scalars)``."""
+def with_local(state, local: dict | None):
+    """A shallow copy of ``state`` carrying ``chunk_local``: every chunk's per-pattern state
+    (``{chunk: {name: array}}``, see :mod:`.local_state`), as callbacks and results see it."""
+    state = copy.copy(state)
+    state.chunk_local = local
+    return state
+
+
+def _carry_of(state) -> EpochCarry:
+    """The start carry of an epoch graph: the state, its chunks' per-pattern state beside it."""
+    local = getattr(state, "chunk_local", None)
+    if local is None:
+        return EpochCarry(state)
+    return EpochCarry(with_local(state, None), local=local)
+
+
+def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_every: int, local=None):
+    """One epoch round by round from the client: returns ``(state, summed scalars, local)``."""
     scalars: dict[str, float] = {}
     for r in range(rounds):
         if hasattr(adapter, "run_round"):  # engines that need extra evaluations (line searches)
             state, total = adapter.run_round(client, data, state, round_index=r, rounds=rounds,
-                                             split_every=split_every)
+                                             split_every=split_every, local=local)
         else:
             total = map_reduce(client, data, adapter.chunk_function, adapter.payload(state),
-                               round_index=r, rounds=rounds, split_every=split_every)
+                               round_index=r, rounds=rounds, split_every=split_every, local=local)
             state = adapter.apply(state, total)
         if total is not None:
+            if total.local:
+                local = {**local, **total.local}
             for k, v in total.scalars.items():
                 scalars[k] = scalars.get(k, 0.0) + v
-    return state, scalars
+    return state, scalars, local
 
 
 class EpochState:
@@ -116,25 +169,35 @@ class EpochState:
     the state is on the client anyway).
     """
 
-    def __init__(self, epoch: int, state=None, future=None):
+    def __init__(self, epoch: int, state=None, future=None, local_futures=()):
         self.epoch = int(epoch)
         self._state = state
         self._future = None
-        if future is not None:  # an own reference: the driver releases its futures as it goes
+        self._local = []
+        if future is not None:  # own references: the driver releases its futures as it goes
             from distributed import Future
 
             self._future = Future(future.key, future.client)
+            self._local = [Future(f.key, f.client) for f in local_futures]
 
     @property
     def fetched(self) -> bool:
         return self._state is not None
 
     def get(self):
-        """The state (gathered from the workers on the first call)."""
+        """The state (gathered from the workers on the first call); with per-pattern state, its
+        ``chunk_local`` holds every chunk's, gathered from the workers that keep them."""
         if self._state is None:
-            self._state = self._future.result().state
+            state = self._future.result().state
+            if self._local:
+                local = {}
+                for future in self._local:
+                    local.update(future.result())
+                    future.release()
+                state = with_local(state, local)
+            self._state = state
             self._future.release()
-            self._future = None
+            self._future, self._local = None, []
         return self._state
 
 
@@ -153,32 +216,60 @@ def _metrics(epoch: int, scalars: dict, seconds: float, n_total: int, rounds: in
         "exchanged_bytes_per_round": scalars["exchanged_bytes"] / rounds if "exchanged_bytes" in scalars
         else None,
         "loss_evaluations": scalars.get("loss_evaluations", 0.0),
+        **_position_metrics(scalars),
     }
+
+
+def _position_metrics(scalars: dict) -> dict:
+    """History entries of position refinement: rms update per refined pattern and the affine fit."""
+    if "position_refined" not in scalars:
+        return {}
+    refined = scalars["position_refined"]
+    out = {"position_rms_update": float(np.sqrt(scalars.get("position_update_sq", 0.0) / refined))
+           if refined > 0 else 0.0}
+    out.update({k: v for k, v in scalars.items() if k.startswith("affine_")})
+    return out
 
 
 def _client_epochs(client, data, adapter, state, epochs, rounds, split_every):
     """Epochs run round by round from the client; yields ``(EpochState, scalars, seconds)``."""
+    local = getattr(state, "chunk_local", None)
     for _ in range(epochs):
         start = time.perf_counter()
         state = adapter.begin_epoch(state)
-        state, scalars = _run_rounds(client, data, adapter, state, rounds, split_every)
+        state, scalars, local = _run_rounds(client, data, adapter, state, rounds, split_every, local)
         state = adapter.end_epoch(state)
+        if hasattr(adapter, "epoch_scalars"):
+            scalars.update(adapter.epoch_scalars(state))
         # a shallow copy: the next epoch rebinds this state's arrays (it never writes into them)
-        yield EpochState(state.epoch, state=copy.copy(state)), scalars, time.perf_counter() - start
+        yield EpochState(state.epoch, state=with_local(state, local)), scalars, time.perf_counter() - start
 
 
 MAX_EPOCH_RESTARTS = 3
 
 
-def _state_of_any(futures):
-    """The state in the first of ``futures`` (copies of one epoch's end) still on a live worker."""
-    for future in futures or ():
+def _state_of_any(epoch):
+    """The state after a finished epoch (a :class:`~.epoch_graph.SubmittedEpoch`) from the first
+    of its copies still on a live worker; with per-pattern state, only when every worker's share
+    of it survived too (else None: restart from the client's copy)."""
+    if epoch is None:
+        return None
+    local = None
+    if epoch.locals:
+        try:
+            local = {}
+            for future in epoch.locals:
+                local.update(future.result(timeout=60))
+        except Exception:  # a worker's chunks' state is lost with it
+            return None
+    for future in epoch.ends:
         if future.status != "finished":
             continue
         try:
-            return future.result(timeout=60).state
+            state = future.result(timeout=60).state
         except Exception:  # its worker died meanwhile: try the next copy
             continue
+        return state if local is None else with_local(state, local)
     return None
 
 
@@ -215,7 +306,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 epoch.release()
 
     last_end = time.time()  # when the last reported epoch ended (time.time() on the worker)
-    pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
+    pending = graph.submit(client.scatter(_carry_of(base), hash=False))
     reaches = 1  # the epoch count (since the start of this run) the pending epoch reaches
     following = None
     done = restarts = 0
@@ -234,16 +325,16 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 if isinstance(exc, StaleRoundState):  # a round task moved: keep states in the graph
                     graph.close()
                     graph.fused = False
-                survivor = _state_of_any(finished.ends) if finished is not None else None
+                survivor = _state_of_any(finished)
                 if survivor is not None:
                     base, base_done = survivor, finished_reached
                 release(pending, following)
                 following = None
-                pending = graph.submit(client.scatter(EpochCarry(base), hash=False))
+                pending = graph.submit(client.scatter(_carry_of(base), hash=False))
                 reaches = base_done + 1
                 continue
             if reaches > done:  # (else an epoch recomputed after a restart: already reported)
-                handle = EpochState(epoch, future=pending.ends[0])
+                handle = EpochState(epoch, future=pending.ends[0], local_futures=pending.locals)
                 seconds, last_end = ended_at - last_end, ended_at
                 yield handle, scalars, seconds
                 done = reaches
@@ -272,6 +363,8 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
     n_total = int(sum(data.chunk_lengths))
     if split_every is None:
         split_every = default_split_every(data.n_chunks)
+    if getattr(adapter, "local_state", False) and getattr(state, "chunk_local", None) is None:
+        state = with_local(state, initial_locals(adapter, data.positions_host, data.chunk_lengths))
     if initialise and state.epoch == 0:
         state = adapter.initialise(client, data, state, split_every=split_every)
     if epochs <= 0:

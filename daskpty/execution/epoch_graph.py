@@ -33,21 +33,45 @@ from .rounds import (
 class EpochCarry:
     """What one round hands to the next inside an epoch graph: the engine state and the sums of
     the rounds' scalars so far; after the epoch's end also when (``time.time()`` on the worker)
-    it ended."""
+    it ended. ``local``: the per-pattern state of the chunks this copy's worker holds
+    (``{chunk: {name: array}}``; empty for engines without one, or before a chunk's first step:
+    it then starts from ``adapter.initial_local``). Unlike ``state`` it differs between copies:
+    each worker keeps its own chunks'."""
 
     state: object
     scalars: dict = field(default_factory=dict)
     ended_at: float | None = None
+    local: dict = field(default_factory=dict)
 
 
 def _chunks_of_round(blocks, positions, carry: EpochCarry, adapter, round_index, rounds,
-                     indices, tree: FixedTree) -> dict:
+                     indices, tree: FixedTree) -> tuple[dict, dict]:
     """The chunk steps of one round for the chunks one worker holds (``indices``), summed over
-    the complete subtrees of the fixed tree among them: ``{(level, index): partial}``."""
+    the complete subtrees of the fixed tree among them: ``({(level, index): partial}, local)``,
+    ``local`` the chunks' updated per-pattern state (empty without one), kept out of the sums."""
     payload = adapter.payload(carry.state)
-    parts = {(0, i): run_chunk(b, p, payload, adapter.chunk_function, round_index, rounds)
-             for i, b, p in zip(indices, blocks, positions)}
-    return tree.reduce(parts)
+    keeps_local = getattr(adapter, "local_state", False)
+    parts, local = {}, {}
+    for i, b, p in zip(indices, blocks, positions):
+        own = None
+        if keeps_local:
+            own = carry.local.get(i)
+            if own is None:
+                own = adapter.initial_local(p)
+        part = run_chunk(b, p, payload, adapter.chunk_function, round_index, rounds, own, i)
+        if part is not None and part.local:
+            local.update(part.local)
+            part.local = {}
+        parts[(0, i)] = part
+    return tree.reduce(parts), local
+
+
+def _split_chunk_task(*args) -> dict:
+    """:func:`_chunks_of_round` as a task of the split graph: the local state rides in the result
+    under ``"local"`` (only the own replica's round end keeps it)."""
+    nodes, local = _chunks_of_round(*args)
+    nodes["local"] = local
+    return nodes
 
 
 def copy_state(adapter, state):
@@ -64,7 +88,12 @@ def _finish_round(carry: EpochCarry, adapter, first: bool, tree: FixedTree, own:
     ``exchanged_bytes``."""
     nodes = {}
     received = 0
+    local = carry.local
     for i, group in enumerate(groups):
+        group = dict(group)
+        updated = group.pop("local", None)
+        if i == own and updated:
+            local = {**local, **updated}
         nodes.update(group)
         if i != own:
             received += sum(p.nbytes for p in group.values() if p is not None)
@@ -80,11 +109,22 @@ def _finish_round(carry: EpochCarry, adapter, first: bool, tree: FixedTree, own:
         for k, v in total.scalars.items():
             scalars[k] = scalars.get(k, 0.0) + v
     scalars["exchanged_bytes"] = scalars.get("exchanged_bytes", 0.0) + float(received)
-    return EpochCarry(state, scalars)
+    return EpochCarry(state, scalars, local=local)
 
 
 def _end_epoch(carry: EpochCarry, adapter) -> EpochCarry:
-    return EpochCarry(adapter.end_epoch(copy_state(adapter, carry.state)), carry.scalars, time.time())
+    state = adapter.end_epoch(copy_state(adapter, carry.state))
+    scalars = carry.scalars
+    epoch_scalars = getattr(adapter, "epoch_scalars", None)
+    if epoch_scalars is not None:
+        scalars = {**scalars, **epoch_scalars(state)}
+    return EpochCarry(state, scalars, time.time(), local=carry.local)
+
+
+def _own_local(carry: EpochCarry, indices) -> dict:
+    """The per-pattern state of one worker's chunks after an epoch (a copy started from the
+    client's state holds every chunk's; only its own ones are current)."""
+    return {i: carry.local[i] for i in indices if i in carry.local}
 
 
 def _summary(carry: EpochCarry) -> tuple:
@@ -105,10 +145,11 @@ class SubmittedEpoch:
     summary: object
     tag: str = ""
     last_round: list = field(default_factory=list)
+    locals: list = field(default_factory=list)  # per replica: its chunks' per-pattern state
 
     def release(self) -> None:
         """Release (never cancel: see the driver) this epoch's futures."""
-        for future in (*self.ends, self.summary, *self.last_round):
+        for future in (*self.ends, self.summary, *self.last_round, *self.locals):
             future.release()
 
     def release_last_round(self) -> None:
@@ -172,7 +213,9 @@ def _round_task(start, adapter, tree: FixedTree, token: str, tag: str, replica: 
             raise StaleRoundState(f"round {round_index} of epoch graph {tag} did not find round "
                                   f"{round_index - 1}'s state on this worker")
         carry = _finish_round(entry[2], adapter, round_index == 1, tree, replica, *previous)
-    nodes = _chunks_of_round(blocks, positions, carry, adapter, round_index, rounds, indices, tree)
+    nodes, local = _chunks_of_round(blocks, positions, carry, adapter, round_index, rounds, indices, tree)
+    if local:  # a new carry: the old one may be read again (its task recomputed)
+        carry = EpochCarry(carry.state, carry.scalars, carry.ended_at, {**carry.local, **local})
     _ROUND_STATES[key] = (tag, round_index, carry)
     return nodes
 
@@ -228,6 +271,7 @@ class EpochGraph:
 
         self.client = client
         self.fused = fused
+        self.keeps_local = bool(getattr(adapter, "local_state", False))
         self.rounds = int(rounds)
         if split_every is None:
             split_every = default_split_every(data.n_chunks)
@@ -299,9 +343,18 @@ class EpochGraph:
         # but that round starts ~3 ms sooner (measured with priority=1 at 576 × 64²).
         layers[f"daskpty-summary-{tag}"] = MaterializedLayer({summary: (_summary, ends[0])},
                                                              annotations=self._on_replica(0) or None)
+        local_keys = []
+        if self.keeps_local:  # each worker's chunks' per-pattern state, fetched with the state
+            for w in range(copies):
+                key = (f"daskpty-local-{tag}", w)
+                layers[f"daskpty-local-{tag}-{w}"] = MaterializedLayer(
+                    {key: (_own_local, ends[w], self.groups[w])}, annotations=self._on_replica(w) or None)
+                local_keys.append(key)
         graph = HighLevelGraph(layers, {name: set() for name in layers})
-        futures = self.client.get(graph, [*ends, summary, *last_round], sync=False)
-        return SubmittedEpoch(futures[:copies], futures[copies], tag, futures[copies + 1:])
+        futures = self.client.get(graph, [*ends, summary, *local_keys, *last_round], sync=False)
+        n_local = len(local_keys)
+        return SubmittedEpoch(futures[:copies], futures[copies], tag, futures[copies + 1 + n_local:],
+                              futures[copies + 1:copies + 1 + n_local])
 
     def _chunk_args(self, chunks) -> tuple:
         return [self.block_keys[i] for i in chunks], [self.position_keys[i] for i in chunks], chunks
@@ -313,7 +366,7 @@ class EpochGraph:
             for w, chunks in enumerate(self.groups):
                 key = (f"{CHUNK_PREFIX}-{r}-{tag}", w)
                 blocks, positions, _ = self._chunk_args(chunks)
-                tasks[w][key] = (_chunks_of_round, blocks, positions, carries[w], self.adapter_key,
+                tasks[w][key] = (_split_chunk_task, blocks, positions, carries[w], self.adapter_key,
                                  r, self.rounds, chunks, tree)
                 lists.append(key)
             new = []

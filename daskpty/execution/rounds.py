@@ -48,19 +48,35 @@ class ChunkedData:
         return self.intensities.chunks[0]
 
 
-def run_chunk(block, positions, payload, func, round_index, rounds):
+def run_chunk(block, positions, payload, func, round_index, rounds, local=None, chunk_index=None):
     """The chunk task: ``func(intensities, positions, payload) -> Partial`` on slice
-    ``round_index::rounds`` of one chunk, with the worker's allocator tuned around it."""
+    ``round_index::rounds`` of one chunk, with the worker's allocator tuned around it.
+
+    ``local``: the chunk's per-pattern state (``{name: (B, ...) array}`` over the whole chunk, see
+    :mod:`.local_state`), or None when the engine keeps none. It is sliced like the data and passed
+    as ``func(..., local=slice)``; the arrays the step returns in ``Partial.local`` are written
+    into a copy of ``local`` (never into it: a task may run again), returned as
+    ``part.local = {chunk_index: new_local}``. A step that updates nothing returns no local.
+    """
     tune_allocator()
+    sliced = local
     if rounds > 1:
         block = block[round_index::rounds]
         positions = positions[round_index::rounds]
+        if local is not None:
+            sliced = {k: v[round_index::rounds] for k, v in local.items()}
     try:
-        part = func(block, positions, payload)
+        part = func(block, positions, payload) if local is None else func(block, positions, payload,
+                                                                          local=sliced)
     finally:
         release_memory()
     if part is not None:
         part.scalars["reduced_bytes"] = float(part.nbytes)
+        if part.local:
+            updated = {k: v.copy() for k, v in local.items()}
+            for k, v in part.local.items():
+                updated[k][round_index::rounds] = v
+            part.local = {chunk_index: updated}
     return part  # the block of an object-dtype array: dask passes it through untouched
 
 
@@ -148,21 +164,26 @@ def tree_reduce(blocks, split_every: int, name: str | None = None):
 
 
 def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0, rounds: int = 1,
-               split_every: int | None = None) -> Partial:
+               split_every: int | None = None, local: dict | None = None) -> Partial:
     """Run ``func(intensities_chunk, positions_chunk, payload) -> Partial`` on every chunk
     (or on slice ``round_index::rounds`` of every chunk) and return the tree-reduced sum.
 
-    ``payload`` is broadcast once to every worker for this round.
+    ``payload`` is broadcast once to every worker for this round. ``local``: the per-pattern
+    state of every chunk (``{chunk: {name: array}}``, see :func:`run_chunk`); the chunks' updates
+    come back in the sum's ``local``. Round by round the chunks have no home worker that could keep
+    it (out of core, any worker reads a chunk), so it travels with the tasks: 16–48 bytes per
+    pattern, against the pattern itself read from the store.
     """
     payload_future = client.scatter(payload, broadcast=True, hash=False)
-    if data.persisted:  # each chunk task on its chunk's worker (see .placement)
+    if data.persisted or local is not None:  # one task per chunk (persisted: on its chunk's worker)
         blocks = list(data.intensities.to_delayed().ravel())
-        pinned = chunk_annotations(client, data.intensities, blocks)
+        pinned = chunk_annotations(client, data.intensities, blocks) if data.persisted else {}
         parts = []
-        for block, positions in zip(blocks, data.positions.to_delayed().ravel()):
+        for i, (block, positions) in enumerate(zip(blocks, data.positions.to_delayed().ravel())):
+            extra = () if local is None else (local[i], i)
             with dask.annotate(**pinned.get(block.key, {})):
                 parts.append(dask.delayed(run_chunk, pure=False)(block, positions, payload_future, func,
-                                                                 round_index, rounds))
+                                                                 round_index, rounds, *extra))
     else:  # read from the store by whichever worker is free
         parts = list(da.blockwise(
             run_chunk, "i",

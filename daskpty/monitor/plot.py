@@ -16,7 +16,7 @@ import numpy as np
 
 __all__ = [
     "MAX_PROBE_PANELS", "complex_to_rgb", "format_length", "panel_names", "plot_frc", "plot_history",
-    "plot_object", "plot_probe", "scale_bar", "scale_bar_length", "summary_figure", "summary_panels",
+    "plot_object", "plot_positions", "plot_probe", "scale_bar", "scale_bar_length", "summary_figure", "summary_panels",
     "truth_frame",
 ]
 
@@ -249,6 +249,37 @@ def plot_history(ax, history):
     ax.text(0.98, 0.95, f"final {last:.4g}", transform=ax.transAxes, ha="right", va="top", fontsize=8)
 
 
+def plot_positions(ax, rec, *, max_arrows: int = 4000):
+    """Position refinement: the nominal scan (grey dots) and arrows to the refined positions,
+    coloured by the distance moved (arrows enlarged so that the median one is visible), with the
+    last epoch's affine fit in the title."""
+    _mpl()
+    nominal = np.asarray(rec.nominal_positions, dtype=np.float64)
+    refined = np.asarray(rec.positions, dtype=np.float64)
+    moved = refined - nominal
+    distance = np.hypot(moved[:, 0], moved[:, 1])
+    every = max(1, len(nominal) // max_arrows)
+    ax.scatter(nominal[:, 1], nominal[:, 0], s=2, color="0.6", lw=0)
+    step = np.median(np.hypot(*np.diff(nominal, axis=0).T)) if len(nominal) > 1 else 1.0
+    typical = float(np.median(distance)) if np.median(distance) > 0 else 1.0
+    gain = max(1.0, 0.5 * step / typical)
+    arrows = ax.quiver(nominal[::every, 1], nominal[::every, 0], moved[::every, 1] * gain,
+                       moved[::every, 0] * gain, distance[::every], cmap="viridis",
+                       angles="xy", scale_units="xy", scale=1.0, width=0.004)
+    ax.figure.colorbar(arrows, ax=ax, label="moved [px]", shrink=0.8)
+    ax.invert_yaxis()
+    ax.set_aspect("equal")
+    ax.set_xlabel("x [px]")
+    ax.set_ylabel("y [px]")
+    last = rec.history[-1] if rec.history else {}
+    title = f"positions: rms moved {np.sqrt(np.mean(distance ** 2)):.2f} px (arrows ×{gain:.0f})"
+    if "affine_scale_x" in last:
+        title += (f"\naffine: scale {last['affine_scale_y']:.4f}/{last['affine_scale_x']:.4f}, "
+                  f"rotation {last['affine_rotation_deg']:.2f}°")
+    ax.set_title(title, fontsize=9)
+    return distance
+
+
 def truth_frame(rec, truth, fraction=COMPARE_FRACTION):
     """The reconstruction's object in the ground truth's frame, and the illuminated mask there
     (see :func:`daskpty.metrics.truth_frame`). Returns ``(estimate, mask, offset)``."""
@@ -297,12 +328,13 @@ def plot_frc(ax, rec, truth, pixel_size_m=None, *, fraction=COMPARE_FRACTION):
 # ------------------------------------------------------------------------------------- summary
 
 
-def summary_panels(n_modes: int, has_truth: bool) -> list[str]:
+def summary_panels(n_modes: int, has_truth: bool, has_positions: bool = False) -> list[str]:
     """Names of the panels :func:`summary_figure` draws, in order — the single place that decides
     the layout's content (colour bars are not panels)."""
     shown = min(int(n_modes), MAX_PROBE_PANELS)
     probe = ["probe"] if shown == 1 else [f"probe mode {k + 1}" for k in range(shown)]
-    return ["object phase", "object amplitude", *probe, "loss", *(["FRC"] if has_truth else [])]
+    return ["object phase", "object amplitude", *probe, "loss", *(["FRC"] if has_truth else []),
+            *(["positions"] if has_positions else [])]
 
 
 def _has_truth(truth) -> bool:
@@ -324,7 +356,8 @@ def summary_figure(rec, truth=None, pixel_size_m=None, *, figsize=None):
     if probe.ndim == 2:
         probe = probe[None]
     with_truth = _has_truth(truth)
-    names = summary_panels(probe.shape[0], with_truth)
+    with_positions = getattr(rec, "nominal_positions", None) is not None
+    names = summary_panels(probe.shape[0], with_truth, with_positions)
     probe_names = [n for n in names if n.startswith("probe")]
     n_probe = len(probe_names)
     p_rows = 1 if n_probe <= 2 else 2
@@ -333,7 +366,8 @@ def summary_figure(rec, truth=None, pixel_size_m=None, *, figsize=None):
     fig = Figure(figsize=figsize or (12.0, 8.5), layout="constrained")
     outer = fig.add_gridspec(2, 1, height_ratios=[1.25, 1.0])
     top = outer[0].subgridspec(1, 2)
-    bottom_blocks = [max(1.0, p_cols / p_rows), 1.3] + ([1.3] if with_truth else [])
+    bottom_blocks = ([max(1.0, p_cols / p_rows), 1.3] + ([1.3] if with_truth else [])
+                     + ([1.3] if with_positions else []))
     bottom = outer[1].subgridspec(1, len(bottom_blocks), width_ratios=bottom_blocks)
 
     axes = {}
@@ -345,6 +379,8 @@ def summary_figure(rec, truth=None, pixel_size_m=None, *, figsize=None):
     axes["loss"] = fig.add_subplot(bottom[0, 1])
     if with_truth:
         axes["FRC"] = fig.add_subplot(bottom[0, 2])
+    if with_positions:
+        axes["positions"] = fig.add_subplot(bottom[0, len(bottom_blocks) - 1])
     for name in names:  # panel order in fig.axes = summary_panels order; labels name them
         _mark(axes[name], name)
 
@@ -353,6 +389,8 @@ def summary_figure(rec, truth=None, pixel_size_m=None, *, figsize=None):
     plot_history(axes["loss"], rec.history)
     if with_truth:
         plot_frc(axes["FRC"], rec, truth, pixel_size_m)
+    if with_positions:
+        plot_positions(axes["positions"], rec)
 
     obj = _squeeze_image(rec.object)
     epochs = getattr(rec, "epochs", len(rec.history))

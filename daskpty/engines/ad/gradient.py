@@ -1,0 +1,253 @@
+"""AD per-chunk forward model and its adjoint: :func:`chunk_gradient`, :func:`chunk_loss`."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...physics import fft2, get_xp, ifft2, model_intensity
+from ...physics.backend import asarray_like, real_dots, to_numpy
+from ...physics.patches import PatchIndex
+from ...physics.shifts import outer_ramps, shift_ramp_factors
+from ..lsqml import _fft_in_place
+from ..partials import BoxedArray, Partial
+from ..positions import finish_step, positions_for_step, step_with_optimizer
+from .losses import _far_field_loss
+from .state import ADOptions
+
+# --------------------------------------------------------------------------------------------------
+# Per-chunk forward model and its adjoint
+
+#: Target size of one sub-batch (b, M, n, n) of waves on the CPU (as in the LSQML engine): small
+#: enough that a block's temporaries stay in the L2/L3 caches between the FFTs and the element-wise
+#: passes. On the GPU a chunk is one block.
+CPU_BLOCK_BYTES = 1 << 20
+
+
+def _split(positions, n: int):
+    """Integer corners and float64 fractions (the convention of physics.split_positions, full precision)."""
+    top_left = np.asarray(positions, dtype=np.float64) - n / 2.0
+    corners = np.floor(top_left + 0.5).astype(np.int64)
+    return corners, top_left - corners
+
+
+def _working_dtypes(*arrays):
+    wide = any(np.dtype(a.dtype) in (np.complex128, np.float64) for a in arrays)
+    return (np.complex128, np.float64) if wide else (np.complex64, np.float32)
+
+
+def _ramp_factors(fractions, n: int, rdtype, xp):
+    """Separable shift ramps exp(−2πi k f) per axis, each (B, n), in the working precision."""
+    return shift_ramp_factors(fractions, n, xp, np.complex64 if rdtype == np.float32 else np.complex128)
+
+
+def _outer_ramps(ry, rx, out):
+    """ry[:, :, None] · rx[:, None, :] into ``out`` (the physics helper's real matrix product for complex64)."""
+    if ry.dtype == np.complex64:
+        return outer_ramps(ry, rx, out=out)
+    return get_xp(ry).multiply(ry[:, :, None], rx[:, None, :], out=out)
+
+
+class _Chunk:
+    """One chunk on the bounding box of its footprint, walked in sub-batches of patterns.
+
+    On the CPU a sub-batch (b, M, n, n) holds about :data:`CPU_BLOCK_BYTES`, so that its
+    temporaries stay in cache from one FFT to the next; on the GPU it is the whole chunk.
+    :meth:`forward` runs the forward model of one block into buffers reused by every block; the
+    callers take the block through the loss (and the adjoint) before moving to the next one.
+    ``keep_shifted``: keep S_f P next to Ψ (the adjoint needs it); otherwise Ψ overwrites it.
+    """
+
+    def __init__(self, obj, probe, intensities, positions, valid, keep_shifted: bool = True):
+        xp = get_xp(intensities)
+        self.xp = xp
+        cdtype, rdtype = _working_dtypes(obj, probe)
+        self.cdtype, self.rdtype = cdtype, rdtype
+        probe = asarray_like(probe, intensities).astype(cdtype, copy=False)
+        if probe.ndim == 2:
+            probe = probe[None]
+        n_modes, n = probe.shape[0], probe.shape[-1]
+        self.n_modes, self.n = n_modes, n
+        corners, fractions = _split(to_numpy(positions), n)
+        self.box0 = corners.min(axis=0)
+        box1 = corners.max(axis=0) + n
+        if self.box0.min() < 0 or box1[0] > obj.shape[-2] or box1[1] > obj.shape[-1]:
+            raise ValueError(f"probe windows span {self.box0.tolist()}..{box1.tolist()}, outside the object "
+                             f"of shape {tuple(obj.shape[-2:])}")
+        self.obj_box = asarray_like(obj[self.box0[0]:box1[0], self.box0[1]:box1[1]],
+                                    intensities).astype(cdtype, copy=False)
+        self.index = PatchIndex(corners - self.box0, n, self.obj_box.shape, xp)  # every gather/scatter
+        self.ry, self.rx = _ramp_factors(fractions, n, rdtype, xp)
+        self.probe_ft = fft2(probe)                                             # (M, n, n)
+        self.valid = None if valid is None else asarray_like(valid, intensities)
+        self.intensities = xp.asarray(intensities)
+        n_patterns = intensities.shape[0]
+        block = CPU_BLOCK_BYTES // (np.dtype(cdtype).itemsize * n_modes * n * n)
+        self.step = step = n_patterns if xp is not np else max(1, min(n_patterns, block))
+        self.blocks = [slice(s, min(s + step, n_patterns)) for s in range(0, n_patterns, step)]
+        self._ramps = xp.empty((step, n, n), cdtype)
+        self._patches = xp.empty((step, n, n), cdtype)
+        self._shifted = xp.empty((step, n_modes, n, n), cdtype)
+        self._waves = xp.empty((step, n_modes, n, n), cdtype) if keep_shifted else self._shifted
+
+    @property
+    def origin(self):
+        return (int(self.box0[0]), int(self.box0[1]))
+
+    def data(self, batch: slice):
+        """Measured intensities of a block in the working precision."""
+        return self.intensities[batch].astype(self.rdtype, copy=False)
+
+    def forward(self, batch: slice):
+        """Forward model of one block: ``(ramp_j, Q_j = S_{f_j} P, O_j, Ψ_j)``, views of the buffers."""
+        xp = self.xp
+        b = batch.stop - batch.start
+        r = _outer_ramps(self.ry[batch], self.rx[batch], out=self._ramps[:b])
+        q = xp.multiply(r[:, None], self.probe_ft[None], out=self._shifted[:b])
+        _fft_in_place(q, inverse=True)                                          # Q = F⁻¹(ramp · F P)
+        o = self.index.extract(self.obj_box, batch, out=self._patches[:b])
+        wave = xp.multiply(q, o[:, None], out=self._waves[:b])                  # ψ = Q · O_j
+        _fft_in_place(wave)                                                     # Ψ = F ψ
+        return r, q, o, wave
+
+
+def _check_chunk_inputs(intensities, positions):
+    if intensities.ndim != 3:
+        raise ValueError(f"intensities must be (B, n, n), got shape {intensities.shape}")
+    if np.shape(positions) != (intensities.shape[0], 2):
+        raise ValueError(f"positions must be ({intensities.shape[0]}, 2), got shape {np.shape(positions)}")
+
+
+def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | None" = None, valid=None,
+                   want_object: bool = True, want_probe: bool = True,
+                   want_positions: bool = False) -> Partial:
+    """Loss and its gradients for one chunk of patterns, as an additive partial.
+
+    obj (H, W) complex (only the chunk's bounding box is read); probe (M, n, n) complex;
+    intensities (B, n, n) real, zero frequency at index 0; positions (B, 2) (y, x) object pixels;
+    valid optional (n, n) bool. Returns a :class:`Partial` with
+
+    * ``boxes["object_grad"]``: ∇_O L on the chunk's bounding box (complex, working precision);
+    * ``boxes["illumination"]``: Σ_j Σ_k |S_{f_j} P_k|² on the same box (object preconditioner,
+      masks; always present);
+    * ``arrays["probe_grad"]`` (M, n, n) ∇_P L and ``arrays["probe_illumination"]`` (n, n) Σ_j |O_j|²
+      (probe preconditioner), when ``want_probe``;
+    * ``arrays["position_grad"]`` (B, 2) float64 ∂L/∂(y, x) per pattern of *this* chunk, when
+      ``want_positions`` (not additive across chunks: for single-chunk use);
+    * ``scalars``: ``loss`` (float64 sum), ``n``, ``sum_measured``, ``sum_model``.
+
+    One pass over sub-batches (see :class:`_Chunk`): forward model, g_Ψ (in place), g_ψ = F⁻¹ g_Ψ,
+    illumination and object gradient scattered into the box, and G_j = conj(ramp_j) F[conj(O_j) g_ψj]
+    (F of the adjoint shift of g_Q): the probe gradient is F⁻¹ Σ_j G_j, summed block by block, and
+    ∂L/∂f_j = Re⟨G_j, F[P] (−2πi k)⟩ are BLAS dots.
+    """
+    _check_chunk_inputs(intensities, positions)
+    n_patterns = intensities.shape[0]
+    if n_patterns == 0:
+        return Partial()
+    opts = options or ADOptions()
+    c = _Chunk(obj, probe, intensities, positions, valid)
+    xp, cdtype, rdtype = c.xp, c.cdtype, c.rdtype
+    n, n_modes = c.n, c.n_modes
+    want_spectra = want_probe or want_positions
+    illum = xp.zeros(c.obj_box.shape, dtype=rdtype)
+    if want_object:
+        obj_grad = xp.zeros(c.obj_box.shape, dtype=cdtype)
+    ones = xp.ones(c.step, rdtype)
+    if want_probe:
+        ones_c = ones.astype(cdtype)
+        spectra_sum = xp.zeros(n_modes * n * n, np.complex128)     # Σ_j G_j
+        probe_illum = xp.zeros(n * n)                                # Σ_j |O_j|²
+        obj_power = model_intensity(c.obj_box[None, None])[0]        # |O|² on the box
+        powers = xp.empty((c.step, n, n), rdtype)
+    if want_positions:
+        k = xp.asarray(np.fft.fftfreq(n), dtype=rdtype)
+        w = rdtype(-2 * np.pi)
+        dq_y = (c.probe_ft * (1j * w * k)[None, :, None]).astype(cdtype, copy=False)  # F[∂Q/∂f_y] / ramp
+        dq_x = (c.probe_ft * (1j * w * k)[None, None, :]).astype(cdtype, copy=False)
+        position_grad = xp.empty((n_patterns, 2))
+    measured = xp.zeros(n * n)  # the mask is applied at the end
+    model = xp.zeros(n * n)
+    loss = 0.0
+
+    for batch in c.blocks:
+        b = batch.stop - batch.start
+        r, q, o, wave = c.forward(batch)
+        y = c.data(batch)
+        per, g_far, yhat = _far_field_loss(opts.loss, wave, y, c.valid, opts.eps, gradient=True,
+                                           overwrite=True)                  # g_Ψ into Ψ's buffer
+        loss += float(per.sum())
+        # Σ_j y_j and Σ_j ŷ_j per pixel: working precision over one block, float64 across blocks
+        measured += ones[:b] @ y.reshape(b, -1)
+        model += ones[:b] @ yhat.reshape(b, -1)
+        g_psi = _fft_in_place(g_far, inverse=True)                          # g_ψ = F⁻¹ g_Ψ
+        c.index.scatter_add(illum, model_intensity(q), batch)              # Σ_k |Q_jk|²
+        if want_object:                                 # Σ_k conj(Q_jk) g_ψjk, in Q's buffer
+            g = xp.conj(q[:, 0], out=q[:, 0])
+            g *= g_psi[:, 0]
+            for m in range(1, n_modes):
+                g += xp.conj(q[:, m]) * g_psi[:, m]
+            c.index.scatter_add(obj_grad, g, batch)
+        if want_spectra:
+            if want_probe:                              # Σ_j |O_j|², windows of |O|² on the box
+                probe_illum += ones[:b] @ c.index.extract(obj_power, batch, out=powers[:b]).reshape(b, -1)
+            g_psi *= xp.conj(o, out=o)[:, None]                            # g_Q = conj(O_j) g_ψ
+            spectra = _fft_in_place(g_psi)
+            spectra *= xp.conj(r, out=r)[:, None]                           # G_j
+            if want_probe:
+                spectra_sum += ones_c[:b] @ spectra.reshape(b, -1)
+            if want_positions:
+                position_grad[batch, 0] = real_dots(spectra, xp.broadcast_to(dq_y, spectra.shape))
+                position_grad[batch, 1] = real_dots(spectra, xp.broadcast_to(dq_x, spectra.shape))
+
+    if c.valid is None:
+        sum_measured, sum_model = float(measured.sum()), float(model.sum())
+    else:
+        mask = c.valid.reshape(-1).astype(np.float64)
+        sum_measured, sum_model = float(measured @ mask), float(model @ mask)
+    part = Partial(scalars={"loss": loss, "n": float(n_patterns), "sum_measured": sum_measured,
+                            "sum_model": sum_model})
+    part.boxes["illumination"] = BoxedArray(c.origin, illum)
+    if want_object:
+        part.boxes["object_grad"] = BoxedArray(c.origin, obj_grad)
+    if want_probe:
+        part.arrays["probe_grad"] = ifft2(spectra_sum.reshape(n_modes, n, n).astype(cdtype))
+        part.arrays["probe_illumination"] = probe_illum.reshape(n, n).astype(rdtype)
+    if want_positions:
+        part.arrays["position_grad"] = position_grad
+    return part.to_numpy()
+
+
+def chunk_loss(obj, probe, intensities, positions, *, options: "ADOptions | None" = None,
+               valid=None) -> Partial:
+    """Loss only (forward model, no adjoint) for one chunk: ``scalars`` loss (float64 sum) and n."""
+    _check_chunk_inputs(intensities, positions)
+    if intensities.shape[0] == 0:
+        return Partial()
+    opts = options or ADOptions()
+    c = _Chunk(obj, probe, intensities, positions, valid, keep_shifted=False)
+    loss = 0.0
+    for batch in c.blocks:
+        wave = c.forward(batch)[3]
+        per, _, _ = _far_field_loss(opts.loss, wave, c.data(batch), c.valid, opts.eps, gradient=False)
+        loss += float(per.sum())
+    return Partial(scalars={"loss": loss, "n": float(intensities.shape[0])})
+
+
+def refining_chunk_gradient(obj, probe, intensities, nominal, local: dict, *, options, positions,
+                            epoch: int, affine=None, valid=None, want_object: bool = True,
+                            want_probe: bool = True) -> Partial:
+    """:func:`chunk_gradient` at the refined positions ``local["positions"]``, then (from epoch
+    ``positions.start_epoch`` on) one step of the positions' own optimiser against ∂L/∂(y, x)
+    (see :func:`daskpty.engines.positions.step_with_optimizer`); the partial carries the new
+    per-pattern state in ``local`` and the affine normal equations, as in LSQML."""
+    n = probe.shape[-1]
+    used = positions_for_step(local, nominal, affine, positions, epoch, n, obj.shape)
+    active = positions.active(epoch)
+    part = chunk_gradient(obj, probe, intensities, used, options=options, valid=valid,
+                          want_object=want_object, want_probe=want_probe, want_positions=active)
+    if not active or not part.scalars:
+        part.local = {}
+        return part
+    grad = part.arrays.pop("position_grad")
+    new, _ = step_with_optimizer({**local, "positions": used}, grad, positions,
+                                 t=epoch - positions.start_epoch + 1)
+    return finish_step(part, new, used, nominal, positions, epoch, n, obj.shape)

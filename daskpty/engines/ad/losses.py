@@ -1,0 +1,103 @@
+"""AD losses: value and gradient w.r.t. the far field Ψ (see :mod:`daskpty.engines.ad`)."""
+from __future__ import annotations
+
+import numpy as np
+
+from ...physics import get_xp, model_intensity
+from ...physics.backend import real_dots
+from ...physics.noise import _poisson_loss64
+
+DEFAULT_EPS = 1e-6
+LOSS_NAMES = ("gaussian", "poisson", "intensity")
+
+# --------------------------------------------------------------------------------------------------
+# Losses: value and gradient w.r.t. the far field Ψ (B, M, n, n)
+
+
+def _far_field_loss(name: str, far, y, valid, eps: float, gradient: bool, overwrite: bool = False):
+    """Loss per pattern, ∇_Ψ L and ŷ of far fields ``far`` (B, M, n, n), fused in a few passes.
+
+    Returns ``(per_pattern, grad, yhat)``: per_pattern (B,) float64, grad = 2 h'(ŷ) Ψ (None unless
+    ``gradient``; written into ``far`` when ``overwrite``), yhat = Σ_k |Ψ_k|² (B, n, n). The pixel
+    terms are formed in the precision of ``far`` (``y`` is cast to it). Gaussian and intensity
+    losses are Σ r² of their residuals r = √(ŷ+ε) − √y and ŷ − y, by BLAS dots (single precision:
+    float32 over 1024 pixels, float64 across, see :func:`real_dots`); the Poisson loss, whose
+    per-pixel terms are large next to their sum's changes, is evaluated in float64.
+    """
+    xp = get_xp(far)
+    rdtype = np.float64 if far.dtype == np.complex128 else np.float32
+    if valid is not None:
+        valid = xp.asarray(valid)
+    yhat = model_intensity(far)
+    y = y.astype(rdtype, copy=False)
+    factor = None
+    if name == "gaussian":      # (√(ŷ+ε) − √y)² = (ŷ+ε) u²,  2h' = 2u,  u = 1 − √(y/(ŷ+ε))
+        level = yhat + rdtype(eps)
+        u = xp.divide(y, level)
+        xp.sqrt(u, out=u)
+        xp.subtract(rdtype(1), u, out=u)
+        if valid is not None:
+            u *= valid
+        level *= u
+        value = real_dots(level, u)
+        if gradient:
+            factor = u
+            factor *= rdtype(2)
+    elif name == "poisson":     # ŷ − y log(ŷ+ε),  2h' = 2 (1 − y/(ŷ+ε))
+        value = _poisson_loss64(yhat.astype(np.float64, copy=False), y.astype(np.float64, copy=False),
+                                valid, eps)
+        if gradient:
+            factor = yhat + rdtype(eps)
+            xp.divide(y, factor, out=factor)
+            factor *= rdtype(-2)
+            factor += rdtype(2)
+            if valid is not None:
+                factor *= valid
+    elif name == "intensity":   # (ŷ − y)²,  2h' = 4 (ŷ − y)
+        residual = yhat - y
+        if valid is not None:
+            residual *= valid
+        value = real_dots(residual, residual)
+        if gradient:
+            factor = residual
+            factor *= rdtype(4)
+    else:
+        raise ValueError(f"loss must be one of {LOSS_NAMES}, got {name!r}")
+    grad = None
+    if gradient:
+        grad = xp.multiply(far, factor[:, None], out=far if overwrite else None)
+    return value, grad, yhat
+
+
+def loss_and_gradient(far, y, *, loss: str = "gaussian", valid=None, eps: float = DEFAULT_EPS,
+                      gradient: bool = True):
+    """Loss of far fields ``far`` (B, M, n, n) against data ``y`` (B, n, n) (zero frequency at index 0).
+
+    Returns ``(per_pattern_loss, grad)``: the loss per pattern (B,) float64 and ∇_Ψ L (same shape and
+    dtype as ``far``; None when ``gradient`` is False). With ŷ = Σ_k |Ψ_k|², ∇_Ψ L = 2 h'(ŷ) Ψ.
+    ``valid`` (n, n) bool: masked pixels contribute nothing.
+    """
+    per_pattern, grad, _ = _far_field_loss(loss, far, y, valid, eps, gradient)
+    return per_pattern, grad
+
+
+def gaussian_loss_gradient(far, y, valid=None, eps: float = DEFAULT_EPS):
+    """Amplitude least squares Σ (√(ŷ+ε) − √y)²: returns ``(loss, ∇_Ψ)``, loss a float (float64 sum)."""
+    per, g = loss_and_gradient(far, y, loss="gaussian", valid=valid, eps=eps)
+    return float(per.sum()), g
+
+
+def poisson_loss_gradient(far, y, valid=None, eps: float = DEFAULT_EPS):
+    """Poisson negative log-likelihood Σ ŷ − y log(ŷ+ε): returns ``(loss, ∇_Ψ)``."""
+    per, g = loss_and_gradient(far, y, loss="poisson", valid=valid, eps=eps)
+    return float(per.sum()), g
+
+
+def intensity_loss_gradient(far, y, valid=None, eps: float = DEFAULT_EPS):
+    """Intensity least squares Σ (ŷ − y)²: returns ``(loss, ∇_Ψ)``."""
+    per, g = loss_and_gradient(far, y, loss="intensity", valid=valid, eps=eps)
+    return float(per.sum()), g
+
+
+LOSS_GRADIENTS = {"gaussian": gaussian_loss_gradient, "poisson": poisson_loss_gradient,
+                  "intensity": intensity_loss_gradient}
