@@ -45,20 +45,34 @@ def default_chunk_length(n_patterns: int, n: int, modes: int = 1, memory_budget:
 ROUND_PIXELS = 6 * 2**20
 
 
+#: Least work per minibatch round when a small data set is given minibatches anyway (1 Mi
+#: pattern-mode pixels: 64 patterns of 128², 256 of 64²).
+MINIBATCH_PIXELS = 2**20
+
+
 def auto_rounds(n_patterns: int, n: int, modes: int = 1, persisted: bool = True) -> int:
     """``rounds_per_epoch="auto"``: minibatch rounds per epoch.
 
     About 150 patterns per update (N // 150, like Pty-Chi's default batches), but no more rounds
-    than keep :data:`ROUND_PIXELS` of work in each — never fewer than 3, which small scans need to
-    converge — clipped to 1…16. Out of core: 1 (every round re-reads the data). Measured on
-    1,600 × 128² (2 workers, equal wall time ≈ 15 s): R = 4 reached NRMSE 0.051, R = 10 0.069,
-    R = 1 0.077; on 576 × 64² R = 3 is needed to match Pty-Chi per epoch (R = 2: 0.17 vs 0.14 at 30).
+    than keep :data:`ROUND_PIXELS` of work in each (never fewer than 3), clipped to 1…16. A small
+    data set (N < 450) gets 3 rounds when each still holds :data:`MINIBATCH_PIXELS` of work,
+    else N // 150 (1 below 300: compact LSQML). Out of core: 1 (every round re-reads the data).
+    Depends on the data only (N, pattern size, probe modes), never on the cluster.
+
+    Measured on 1,600 × 128² (2 workers, equal wall time ≈ 15 s): R = 4 reached NRMSE 0.051,
+    R = 10 0.069, R = 1 0.077; on 576 × 64² R = 3 is needed to match Pty-Chi per epoch (R = 2:
+    0.17 vs 0.14 at 30). Small scans, mean half-set FRC over 0.1–0.6 Nyquist after 100 epochs
+    (benchmarks/bench_defaults_frc.py): halves of 258 × 128² R = 3 beat R = 1 (0.401 vs 0.373
+    at linear overlap 0.3, 0.953 vs 0.937 at 0.5; a measured far-field scan of that size 0.55 vs
+    0.30), whereas halves of 100–250 × 64² (≤ 1 Mi pattern-pixels) did as well or better with
+    R = 1 (e.g. 0.553 vs 0.539 with R = 3, and 0.728 vs 0.566 at 10⁴ photons per pattern).
     """
     if not persisted:
         return 1
     by_batch = n_patterns // 150
     by_work = max(3, (n_patterns * n * n * modes) // ROUND_PIXELS)
-    return int(np.clip(min(by_batch, by_work), 1, 16))
+    small = 3 if n_patterns * n * n * modes >= 3 * MINIBATCH_PIXELS else 1
+    return int(np.clip(min(max(by_batch, small), by_work), 1, 16))
 
 
 def choose_chunk_length(client, n_patterns: int, n: int, modes: int = 1) -> int:
