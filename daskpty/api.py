@@ -15,6 +15,10 @@ from .execution.driver import LSQMLAdapter, run_epochs
 from .execution.latency import enable_low_latency
 from .physics import check_windows_inside, split_positions
 from .io.validate import check_intensity_layout, check_values
+from .inputs import (RESUMED_SETTINGS, check_initial_object, check_object_size, check_positions_bulk,
+                     check_rounds, resume_settings)
+from .io.lock import holding_lock_of
+from .io.safety import check_checkpoint_target, check_free_space, reconstruction_bytes
 from .results import Reconstruction
 
 ENGINES = ("lsqml", "ad")
@@ -64,7 +68,7 @@ def _initial_probe(probe, data, client, intensities, modes, seed):
     return probe
 
 
-def _check_positions(positions):
+def _check_positions(positions, n: int = 0):
     if positions.ndim != 2 or positions.shape[1] != 2:
         raise ValueError(f"positions must have shape (N, 2), got {positions.shape}")
     if not np.isfinite(positions).all():
@@ -73,6 +77,7 @@ def _check_positions(positions):
     if len(unique) < len(positions):
         raise ValueError(f"{len(positions) - len(unique)} scan positions are exact duplicates; "
                          "remove repeated patterns or average them before reconstructing")
+    check_positions_bulk(positions, n)  # one position at 1e9 would ask for a 1e9-pixel object
 
 
 def _resume_from(path, positions, n):
@@ -120,6 +125,7 @@ def _probe_modes_hint(probe, probe_modes, resumed) -> int:
     return 1
 
 
+@holding_lock_of("checkpoint")  # one writer per store (daskpty.io.lock)
 def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, object=None,
                 probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
                 client=None, n_workers: int | None = None, seed: int = 0, callback=None,
@@ -227,13 +233,16 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         raise ValueError(f"chunk_length must be >= 1, got {chunk_length}")
     if split_every is not None and split_every < 2:
         raise ValueError(f"split_every must be >= 2, got {split_every}")
+    check_checkpoint_target(checkpoint, data if isinstance(data, (str, os.PathLike)) else getattr(data, "path", None))
+    if epochs == 0 and resume is None:
+        checkpoint = None  # epochs=0 is a no-op: nothing is written (docs/reliability.md)
     options, adapter = _engine(engine, noise, loss, optimizer, lr, engine_options)
 
     data = _load(data)
     intensities = data.intensities
     check_intensity_layout(tuple(intensities.shape), np.dtype(intensities.dtype))
     positions = np.asarray(data.positions, dtype=np.float64)
-    _check_positions(positions)
+    _check_positions(positions, intensities.shape[-1])
     if len(positions) == 0 or intensities.shape[0] == 0:
         raise ValueError("the data set is empty; there is nothing to reconstruct")
     if intensities.shape[0] != len(positions):
@@ -244,18 +253,28 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     adapter.valid = None if mask is None else np.fft.ifftshift(np.asarray(mask, dtype=bool))
 
     resumed = _resume_from(resume, positions, n) if resume is not None else None
+    if resumed is not None:  # the stored chunking and rounds keep resume bit-identical
+        kept = resume_settings(resumed.options, chunk_length=chunk_length,
+                               rounds_per_epoch=rounds_per_epoch, split_every=split_every)
+        chunk_length, rounds_per_epoch, split_every = (kept[k] for k in RESUMED_SETTINGS)
+    check_rounds(rounds_per_epoch, len(positions))
     if resumed is not None:
         obj, origin = resumed.object, resumed.origin
     elif object is not None:
         obj = np.array(object, dtype=np.complex64)
         if obj.ndim != 2:
             raise ValueError(f"object must be a 2-D array, got shape {obj.shape}")
+        check_initial_object(obj)
+        check_object_size(obj.shape, positions, n, given=True)
         origin = np.zeros(2)
     else:
         shape, origin = object_frame(positions, n)
+        check_object_size(shape, positions, n, given=False)
         obj = np.ones(shape, dtype=np.complex64)
     frame_positions = positions + origin
     check_windows_inside(split_positions(frame_positions, n)[0], n, obj.shape)
+    if checkpoint is not None:
+        check_free_space(checkpoint, reconstruction_bytes(obj.shape, (probe_modes or 1, n, n), len(positions)))
 
     run_options = dict(engine=engine, epochs=epochs, rounds_per_epoch=rounds_per_epoch, seed=seed,
                        chunk_length=chunk_length, split_every=split_every, sort=sort,

@@ -52,26 +52,43 @@ class Reconstruction:
         The new store is written completely beside the target (``PATH.partial-*``), then swapped in
         by renames: ``PATH`` → ``PATH.previous``, new → ``PATH``, then ``PATH.previous`` is removed.
         A crash at any moment leaves a complete store at ``PATH`` or, between the two renames, at
-        ``PATH.previous`` (which :meth:`from_zarr` falls back to). No pickle is stored.
+        ``PATH.previous`` (which :meth:`from_zarr` falls back to). No pickle is stored. Only a
+        daskpty store (or an empty directory) is ever replaced; the write holds ``PATH.lock``
+        (:class:`daskpty.io.lock.StoreLock`), removes leftovers of killed writes, and reports a
+        full or read-only disk in one line (:class:`daskpty.io.safety.StoreWriteError`).
         """
         import zarr
 
+        from .io.lock import StoreLock
+        from .io.safety import WRITING_MARKER, check_replaceable, clean_stale, intact_note, write_error
+
         path = os.fspath(path).rstrip("/")
-        if (os.path.exists(path) or os.path.exists(path + ".previous")) and not overwrite:
-            raise FileExistsError(f"{path} exists; choose another output path or pass overwrite=True")
-        tmp = f"{path}.partial-{uuid.uuid4().hex[:8]}"
-        try:
-            self._write(zarr.open_group(tmp, mode="w", zarr_format=3))
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         previous = path + ".previous"
-        if os.path.exists(path):
-            if os.path.exists(previous):
-                shutil.rmtree(previous)
-            os.replace(path, previous)
-        os.replace(tmp, path)
-        shutil.rmtree(previous, ignore_errors=True)
+        if (os.path.lexists(path) or os.path.lexists(previous)) and not overwrite:
+            raise FileExistsError(f"{path} exists; choose another output path or pass overwrite=True")
+        with StoreLock(path):
+            check_replaceable(path)  # never replace what daskpty did not write
+            check_replaceable(previous)
+            clean_stale(path)
+            tmp = f"{path}.partial-{uuid.uuid4().hex[:8]}"
+            try:
+                root = zarr.open_group(tmp, mode="w", zarr_format=3)
+                open(os.path.join(tmp, WRITING_MARKER), "x").close()
+                self._write(root)
+                os.remove(os.path.join(tmp, WRITING_MARKER))
+            except BaseException as exc:
+                _discard(tmp)
+                err = write_error(exc, f"writing the reconstruction (epoch {self.epochs}) to", path,
+                                  intact_note(path)) if isinstance(exc, OSError) else None
+                if err is not None:
+                    raise err from None
+                raise
+            if os.path.lexists(path):
+                if os.path.lexists(previous):
+                    shutil.rmtree(previous)  # a daskpty store (checked above)
+                os.replace(path, previous)
+            os.replace(tmp, path)
+            shutil.rmtree(previous, ignore_errors=True)
         return path
 
     def _write(self, root) -> None:
@@ -124,6 +141,19 @@ class Reconstruction:
                    origin=np.asarray(root.attrs["origin"], dtype=np.float64), illumination=illum,
                    history=list(root.attrs.get("history", [])), options=dict(root.attrs.get("options", {})),
                    epoch=int(root.attrs.get("epoch", 0)), engine_state=engine_state)
+
+
+def _discard(tmp: str, timeout: float = 2.0) -> None:
+    """Remove a partial store, also when an interrupt stopped the wait for zarr's background
+    writes: those may still create files in ``tmp`` for a moment after a first removal."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        shutil.rmtree(tmp, ignore_errors=True)
+        time.sleep(0.05)
+        if not os.path.lexists(tmp) or time.monotonic() > deadline:
+            return
 
 
 def _chunks_for(arr: np.ndarray):

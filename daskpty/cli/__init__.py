@@ -6,9 +6,11 @@ adding one means importing it and appending it to :data:`COMMANDS`.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 
+from ..io.safety import StoreWriteError
 from . import export, import_data, info, reconstruct, show, simulate
 
 #: subcommand modules, in the order ``daskpty --help`` lists them
@@ -16,7 +18,7 @@ COMMANDS = [simulate, info, import_data, reconstruct, show, export]
 
 #: exceptions that mean "bad input": reported as one line on stderr with exit code 2
 USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError,
-               IsADirectoryError, PermissionError)
+               IsADirectoryError, PermissionError, StoreWriteError)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,7 +63,11 @@ def main(argv=None) -> int:
         for w in caught:
             if issubclass(w.category, UserWarning) and w.filename.find("daskpty") >= 0:
                 print(f"daskpty: warning: {one_line(w.message)}", file=sys.stderr)
+        sys.stdout.flush()
         return int(code or 0)
+    except BrokenPipeError:  # `daskpty info X | head -1`: the reader had enough, not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except USER_ERRORS as exc:
         print(f"daskpty: error: {one_line(exc)}", file=sys.stderr)
         return 2

@@ -57,12 +57,24 @@ def _rounds(text):
 def run(args) -> int:
     import daskpty
 
+    from daskpty.io.lock import check_unlocked
+    from daskpty.io.safety import check_replaceable, check_separate, check_writable, interrupted_copy
+
     if os.path.abspath(args.output) == os.path.abspath(args.data):
         raise ValueError("the output store must not be the data store; choose another -o path")
+    check_separate(args.output, args.data, "the output store")
+    check_unlocked(args.output)  # a second writer learns who the first one is
     resuming_in_place = args.resume is not None and os.path.abspath(args.resume) == os.path.abspath(args.output)
-    if os.path.exists(args.output) and not (args.overwrite or resuming_in_place):
+    lone = interrupted_copy(args.output)
+    if lone is not None and not (args.overwrite or resuming_in_place):
+        raise FileExistsError(f"{args.output} exists only as {lone} (a checkpoint swap was "
+                              f"interrupted); continue it with --resume {args.output}, or pass "
+                              f"--overwrite to replace it")
+    if os.path.lexists(args.output) and not (args.overwrite or resuming_in_place):
         raise FileExistsError(f"{args.output} exists; choose another output, pass --overwrite, "
                               f"or --resume {args.output} to continue it")
+    check_replaceable(args.output, "the output")  # --overwrite replaces daskpty's stores only
+    check_writable(args.output)
     if args.checkpoint_every < 1:
         raise ValueError(f"--checkpoint-every must be >= 1, got {args.checkpoint_every}")
     if args.epochs < 0:
@@ -76,6 +88,9 @@ def run(args) -> int:
     elif any(v is not None for v in (args.loss, args.optimizer, args.lr, args.probe_lr)):
         raise ValueError("--loss, --optimizer, --lr and --probe-lr apply to --engine ad only")
     data = daskpty.open_data(args.data)
+    if args.epochs == 0 and args.resume is None:  # documented no-op (docs/reliability.md)
+        print(f"daskpty: --epochs 0: nothing to do; {args.output} was not written", file=sys.stderr)
+        return 0
     client = None
     if args.scheduler:
         from distributed import Client
@@ -89,9 +104,10 @@ def run(args) -> int:
                                   checkpoint=args.output, checkpoint_every=args.checkpoint_every,
                                   resume=args.resume, dashboard=args.dashboard, **ad_args)
     except KeyboardInterrupt:
-        if os.path.exists(args.output):
-            print(f"daskpty: interrupted; the last complete epoch is saved in {args.output} "
-                  f"(continue with --resume {args.output})", file=sys.stderr)
+        kept = _kept(args.output)
+        if kept is not None:
+            print(f"daskpty: interrupted; {kept} (continue with --resume {args.output})",
+                  file=sys.stderr)
             return 130
         raise
     finally:
@@ -106,6 +122,18 @@ def run(args) -> int:
         line += f", object NRMSE vs truth {_nrmse_vs_truth(rec, data):.4f}"
     print(line, file=sys.stdout)
     return 0
+
+
+def _kept(output):
+    """Which epoch the output store really holds after an interrupt (read back from it: a
+    second Ctrl-C may have stopped the stop checkpoint, leaving an older epoch), or None."""
+    from daskpty.io.safety import stored_epoch
+
+    for where in (output, output.rstrip("/") + ".previous"):
+        epoch = stored_epoch(where)
+        if epoch is not None:
+            return f"epoch {epoch} is saved in {where}"
+    return None
 
 
 def _nrmse_vs_truth(rec, data) -> float:

@@ -109,6 +109,13 @@ def run(args) -> int:
     try:
         fig.savefig(tmp, format=fmt, dpi=args.dpi)
         os.replace(tmp, out)
+    except OSError as exc:  # full or read-only disk, no permission: one line
+        from daskpty.io.safety import write_error
+
+        err = write_error(exc, "writing the figure", args.output, "nothing was left behind")
+        if err is None:
+            raise
+        raise err from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

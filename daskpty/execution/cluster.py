@@ -61,6 +61,17 @@ def start_local_cluster(n_workers: int | None = None, threads_per_worker: int = 
                         dashboard_address=address, **kwargs)
 
 
+def _abandon(clusters) -> None:
+    """Close clusters whose start was interrupted, quietly: distributed's own exit handler would
+    close them again and fail an assertion on workers still starting (an AssertionError
+    traceback after the one-line interrupt message). Worker processes left over are daemonic and
+    end with this process."""
+    for cluster in clusters:
+        with contextlib.suppress(BaseException):
+            cluster.close(timeout=5)
+        cluster.shutdown_on_close = False  # distributed's atexit handler skips it
+
+
 def _has_dask_cuda() -> bool:
     try:
         import dask_cuda  # noqa: F401
@@ -88,9 +99,16 @@ def client_context(client: Client | None = None, n_workers: int | None = None, *
 
     # The embedded cluster runs no statistical profiler in the workers (it costs CPU on small
     # machines); reconstruct() switches any cluster to low-latency messaging (see .latency).
-    with dask.config.set({"distributed.worker.profile.enabled": False}):
-        cluster = start_local_cluster(n_workers=n_workers, **cluster_kwargs)
-    new_client = Client(cluster)
+    from distributed.deploy.spec import SpecCluster
+
+    before = set(SpecCluster._instances)
+    try:
+        with dask.config.set({"distributed.worker.profile.enabled": False}):
+            cluster = start_local_cluster(n_workers=n_workers, **cluster_kwargs)
+        new_client = Client(cluster)
+    except BaseException:  # e.g. Ctrl-C while the workers start
+        _abandon(set(SpecCluster._instances) - before)
+        raise
     try:
         yield new_client
     finally:

@@ -32,7 +32,10 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
 
+from .lock import StoreLock, check_unlocked
 from .progress import TextProgress
+from .safety import (clean_stale, intact_note, interrupted_copy, is_daskpty_store, remove_own,
+                     write_error)
 from .validate import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -439,20 +442,31 @@ def _check_truth_shapes(truth: Truth, pattern_shape, where) -> None:
 # --------------------------------------------------------------------------- writing
 
 def _check_target(path: str, overwrite: bool) -> None:
+    """Refuse a target another run is writing, an existing one without ``overwrite``, and
+    (even with it) anything that is not a daskpty store or an empty directory."""
+    check_unlocked(path)
     if not os.path.lexists(path):
+        copy = interrupted_copy(path)
+        if copy is not None and not overwrite:
+            raise FileExistsError(f"{path} exists only as {copy} (a write was interrupted "
+                                  f"between its two renames); rename it back to {path}, or pass "
+                                  f"overwrite=True (CLI: --overwrite) to replace it")
         return
     if not overwrite:
         raise FileExistsError(f"{path} already exists; pass overwrite=True (CLI: --overwrite) to "
                               f"replace it, or choose another path")
-    is_store = os.path.isdir(path) and os.path.isfile(os.path.join(path, "zarr.json"))
-    is_empty_dir = os.path.isdir(path) and not os.listdir(path)
-    if not (is_store or is_empty_dir):
-        raise FileExistsError(f"{path} exists and is not a Zarr store; refusing to replace it, "
-                              f"remove it yourself or choose another path")
+    if os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path):
+        return
+    if not is_daskpty_store(path):
+        raise FileExistsError(f"{path} exists and is not a Zarr store daskpty wrote (no daskpty "
+                              f"marker); refusing to replace it: remove it yourself or choose "
+                              f"another path")
 
 
 def _remove_tree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Delete a store or leftover daskpty wrote (never anything else, see io/safety.py)."""
+    with contextlib.suppress(FileExistsError):
+        remove_own(path)
 
 
 def _discard(tmp: str, timeout: float = 120.0) -> None:
@@ -464,7 +478,7 @@ def _discard(tmp: str, timeout: float = 120.0) -> None:
     while glob.glob(os.path.join(glob.escape(tmp), _TOKEN_PREFIX + "*")) \
             and time.monotonic() < deadline:
         time.sleep(0.05)
-    _remove_tree(tmp)
+    shutil.rmtree(tmp, ignore_errors=True)  # created by this atomic_store: ours by construction
 
 
 @contextlib.contextmanager
@@ -478,28 +492,42 @@ def atomic_store(path, overwrite: bool = False):
     path = os.path.abspath(os.fspath(path))
     _check_target(path, overwrite)
     parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
-    tmp = f"{path}.partial-{secrets.token_hex(4)}"
-    os.mkdir(tmp)
-    open(os.path.join(tmp, _MARKER), "x").close()
-    try:
-        yield tmp
-        os.remove(os.path.join(tmp, _MARKER))
-        if os.path.lexists(path):
-            _check_target(path, overwrite)
-            old = f"{path}.old-{secrets.token_hex(4)}"
-            os.rename(path, old)
-            try:
+    with StoreLock(path):
+        clean_stale(path)  # leftovers of killed writes: nobody else writes here now
+        try:
+            os.makedirs(parent, exist_ok=True)
+            tmp = f"{path}.partial-{secrets.token_hex(4)}"
+            os.mkdir(tmp)
+            open(os.path.join(tmp, _MARKER), "x").close()
+        except OSError as exc:
+            err = write_error(exc, "writing", path, "nothing was written")
+            if err is not None:
+                raise err from None
+            raise
+        try:
+            yield tmp
+            os.remove(os.path.join(tmp, _MARKER))
+            if os.path.lexists(path):
+                _check_target(path, overwrite)
+                old = f"{path}.old-{secrets.token_hex(4)}"
+                os.rename(path, old)
+                try:
+                    os.rename(tmp, path)
+                except BaseException:
+                    os.rename(old, path)
+                    raise
+                _remove_tree(old)
+            else:
                 os.rename(tmp, path)
-            except BaseException:
-                os.rename(old, path)
-                raise
-            _remove_tree(old)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        _discard(tmp)
-        raise
+                for lone in (path + ".previous", *glob.glob(glob.escape(path) + ".old-*")):
+                    _remove_tree(lone)  # an interrupted copy the caller chose to replace
+        except BaseException as exc:
+            _discard(tmp)
+            err = write_error(exc, "writing", path, intact_note(path)) \
+                if isinstance(exc, OSError) else None
+            if err is not None:
+                raise err from None
+            raise
 
 
 def create_store(root: str, *, shape, dtype, shard_len: int, inner_len: int, positions,

@@ -1,0 +1,118 @@
+"""Sanity of a reconstruction's inputs, checked before any cluster starts.
+
+* positions far outside the scan's bulk (a robust median / MAD test per axis), which would make
+  the default object frame huge;
+* objects that would not fit this machine's memory (the client holds a few object-sized arrays);
+* non-finite initial objects; more minibatch rounds than patterns;
+* settings of a resumed run that differ from the store's (chunking, rounds, fan-in), which would
+  break the bit-identity of resume.
+
+Plain NumPy; every refusal is one ``ValueError`` line naming the patterns or the setting.
+"""
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+#: a position is an outlier when it lies more than OUTLIER_MADS robust standard deviations
+#: (1.4826 MAD) plus two probe widths from the median along y or x
+OUTLIER_MADS = 20.0
+#: object-sized arrays the client holds at once (object, update, illumination, momentum, copy)
+OBJECT_COPIES = 6
+_SHOWN = 5
+
+
+def position_outliers(positions: np.ndarray, n: int) -> np.ndarray:
+    """Indices of positions far outside the scan's bulk (robust: median and MAD per axis)."""
+    p = np.asarray(positions, dtype=np.float64)
+    if p.ndim != 2 or len(p) < 4:
+        return np.zeros(0, dtype=np.int64)
+    median = np.median(p, axis=0)
+    sigma = 1.4826 * np.median(np.abs(p - median), axis=0)
+    limit = OUTLIER_MADS * sigma + 2.0 * n
+    return np.flatnonzero((np.abs(p - median) > limit).any(axis=1))
+
+
+def check_positions_bulk(positions: np.ndarray, n: int) -> None:
+    """Refuse positions far outside the scan's bulk, naming the patterns."""
+    bad = position_outliers(positions, n)
+    if len(bad) == 0:
+        return
+    p = np.asarray(positions, dtype=np.float64)
+    good = np.delete(p, bad, axis=0)
+    lo, hi = good.min(axis=0), good.max(axis=0)
+    shown = ", ".join(f"{j} at (y, x) = ({p[j, 0]:.6g}, {p[j, 1]:.6g})" for j in bad[:_SHOWN])
+    more = f" and {len(bad) - _SHOWN} more" if len(bad) > _SHOWN else ""
+    raise ValueError(f"{len(bad)} scan position(s) lie far outside the scan: pattern {shown}{more}, "
+                     f"while the other {len(good)} span y {lo[0]:.1f}..{hi[0]:.1f}, x "
+                     f"{lo[1]:.1f}..{hi[1]:.1f} px (median/MAD test); fix or drop those patterns")
+
+
+def memory_bytes() -> int:
+    """Physical memory of this machine (0 when unknown)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:
+        return 0
+
+
+def check_object_size(shape, positions: np.ndarray, n: int, given: bool) -> None:
+    """Refuse an object whose working copies would not fit this machine's memory."""
+    pixels = int(np.prod([int(s) for s in shape]))
+    need = pixels * 8 * OBJECT_COPIES
+    total = memory_bytes()
+    if not total or need <= total:
+        return
+    p = np.asarray(positions, dtype=np.float64)
+    extent = p.max(axis=0) - p.min(axis=0) if len(p) else np.zeros(2)
+    source = "the given object is" if given else "the object covering the scan would be"
+    raise ValueError(f"{source} {shape[0]} x {shape[1]} pixels ({pixels * 8 / 2**30:.1f} GiB, "
+                     f"about {need / 2**30:.0f} GiB while reconstructing) for a scan extent of "
+                     f"{extent[0]:.0f} x {extent[1]:.0f} px, more than this machine's "
+                     f"{total / 2**30:.0f} GiB; check the positions' units (object pixels) or "
+                     f"reconstruct a smaller region")
+
+
+def check_initial_object(obj: np.ndarray) -> None:
+    """Refuse an initial object with NaN or infinite values (as the probe is)."""
+    finite = np.isfinite(obj)
+    if not finite.all():
+        y, x = np.unravel_index(int(np.argmin(finite)), obj.shape)
+        raise ValueError(f"the initial object contains {int(obj.size - finite.sum())} NaN or "
+                         f"infinite values (the first at pixel ({y}, {x})); pass a finite initial "
+                         f"object or leave object=None")
+
+
+def check_rounds(rounds_per_epoch, n_patterns: int) -> None:
+    """Each minibatch round needs at least one pattern."""
+    if rounds_per_epoch != "auto" and int(rounds_per_epoch) > n_patterns:
+        raise ValueError(f"rounds_per_epoch={rounds_per_epoch} exceeds the {n_patterns} patterns "
+                         f"(each round updates from a slice of them); use at most {n_patterns} "
+                         f"or 'auto'")
+
+
+RESUMED_SETTINGS = ("chunk_length", "rounds_per_epoch", "split_every")
+
+
+def resume_settings(stored: dict, **given) -> dict:
+    """The settings a resumed run must reuse to stay bit-identical: the stored value where the
+    caller left it to daskpty (None / "auto"), else the given one with a warning if it differs."""
+    out = dict(given)
+    for name, value in given.items():
+        kept = (stored or {}).get(name)
+        if kept is None:
+            continue
+        if value is None or value == "auto":
+            out[name] = kept
+        elif value != kept:
+            warnings.warn(f"{name}={value} differs from the {name}={kept} of the resumed store; "
+                          f"the result will not be bit-identical to an uninterrupted run (leave "
+                          f"{name} unset to reuse the store's)", UserWarning, stacklevel=3)
+    return out
+
+
+__all__ = ["check_initial_object", "check_object_size", "check_positions_bulk", "check_rounds",
+           "position_outliers", "resume_settings"]
