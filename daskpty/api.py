@@ -11,7 +11,9 @@ from .engines import lsqml
 from .engines.initial import object_frame, probe_diameter_from_scan, probe_from_mean_pattern
 from .execution.cluster import client_context
 from .execution.data import auto_rounds, choose_chunk_length, prepare_data, should_persist, workers_have_gpus
-from .execution.driver import LSQMLAdapter, run_epochs
+from .execution.driver import LSQMLAdapter, run_epochs, with_local
+from .execution.local_state import PatternLayout
+from .engines.positions import PositionOptions, PositionsDiverged
 from .execution.latency import enable_low_latency
 from .physics import check_windows_inside, split_positions
 from .io.validate import check_intensity_layout, check_values
@@ -82,7 +84,8 @@ def _check_positions(positions, n: int = 0):
 
 def _resume_from(path, positions, n):
     rec = Reconstruction.from_zarr(path)
-    if rec.positions.shape != positions.shape or not np.allclose(rec.positions - rec.origin, positions,
+    nominal = rec.positions if rec.nominal_positions is None else rec.nominal_positions
+    if nominal.shape != positions.shape or not np.allclose(nominal - rec.origin, positions,
                                                                   atol=1e-6):
         raise ValueError(f"the resume store {path} does not match the data: its positions differ; "
                          "resume with the data set it was made from")
@@ -127,7 +130,7 @@ def _probe_modes_hint(probe, probe_modes, resumed) -> int:
 
 @holding_lock_of("checkpoint")  # one writer per store (daskpty.io.lock)
 def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, object=None,
-                probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
+                refine_positions=False, probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
                 client=None, n_workers: int | None = None, seed: int = 0, callback=None,
                 progress: bool = False, chunk_length: int | None = None, persist="auto", device: str = "auto",
                 split_every: int | None = None, sort: bool = True, rescale_probe: bool = True,
@@ -152,6 +155,13 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     object : array, optional
         Initial object (H, W); positions are then in its pixel frame. Default: ones, sized to
         cover every probe window plus a margin; ``result.origin`` says where position (0, 0) lies.
+    refine_positions : bool, dict or PositionOptions
+        Refine the scan positions (both engines): True for the defaults, or a dict of
+        `daskpty.engines.positions.PositionOptions` fields (``start_epoch`` 5, ``max_step`` 0.5 px
+        per epoch, ``momentum``, ``optimizer``/``lr`` for AD, ``affine`` pull towards the best
+        affine map of the nominal positions with ``affine_blend``, ``remove_drift``,
+        ``max_displacement``). Each chunk's positions are updated on the worker holding its data;
+        ``result.positions`` are the refined ones, ``result.nominal_positions`` the measured ones.
     probe_modes : int, optional
         Number of incoherent probe modes (default: those of ``probe``, else 1).
     noise : {"gaussian", "poisson"}
@@ -237,6 +247,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     if epochs == 0 and resume is None:
         checkpoint = None  # epochs=0 is a no-op: nothing is written (docs/reliability.md)
     options, adapter = _engine(engine, noise, loss, optimizer, lr, engine_options)
+    adapter.positions = PositionOptions.from_argument(refine_positions)
 
     data = _load(data)
     intensities = data.intensities
@@ -279,12 +290,18 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     run_options = dict(engine=engine, epochs=epochs, rounds_per_epoch=rounds_per_epoch, seed=seed,
                        chunk_length=chunk_length, split_every=split_every, sort=sort,
                        **dataclasses.asdict(options))
+    if adapter.positions is not None:
+        run_options["refine_positions"] = dataclasses.asdict(adapter.positions)
+    layout = PatternLayout()
 
     def make_result(state, history):
-        return Reconstruction(object=state.object, probe=state.probe, positions=frame_positions,
+        refined, pattern_state = layout.result_arrays(state)
+        return Reconstruction(object=state.object, probe=state.probe,
+                              positions=frame_positions if refined is None else refined,
                               origin=origin, illumination=state.illumination, history=history,
                               options=run_options, epoch=state.epoch,
-                              engine_state=adapter.engine_state(state))
+                              engine_state={**adapter.engine_state(state), **pattern_state},
+                              nominal_positions=None if refined is None else frame_positions)
 
     previous_history = resumed.history if resumed is not None else []
     checkpointer = Checkpointer(checkpoint, make_result, every=checkpoint_every, history=previous_history)
@@ -315,7 +332,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             from .monitor.dashboard import DashboardPublisher
 
             publisher = DashboardPublisher(c, epochs=epochs, rounds_per_epoch=rounds_per_epoch,
-                                           n_patterns=len(positions))
+                                           n_patterns=len(positions), layout=layout)
             if publisher.link:  # also installs the scheduler plugin before the first round
                 import sys
 
@@ -335,6 +352,11 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             intensities = data.intensities_in_chunks(chunk_length)  # out of core: read sub-shards
         chunked = prepare_data(c, intensities, frame_positions, chunk_length=chunk_length,
                                modes=state.probe.shape[0], sort=sort, persist=persist, device=device)
+        layout.update(chunked)
+        data = intensities = None  # the chunks live on the workers now: release scattered originals
+        if resumed is not None and adapter.positions is not None:
+            state = with_local(state, layout.resumed_locals(adapter, chunked, resumed.positions,
+                                                            resumed.engine_state))
         remaining = max(epochs - state.epoch, 0)
         try:
             with sigterm_as_interrupt():
@@ -344,6 +366,10 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         except KeyboardInterrupt:
             checkpointer.write()
             raise
+        except PositionsDiverged as exc:
+            kept = (f"the checkpoint {checkpoint} of epoch {checkpointer.written_epoch} is kept"
+                    if checkpointer.written_epoch is not None else "no checkpoint was written")
+            raise PositionsDiverged(f"{exc}; {kept}") from None
         finally:
             del chunked
             if publisher is not None:

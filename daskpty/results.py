@@ -23,6 +23,8 @@ class Reconstruction:
     illumination: (H, W) float32 Σ|probe|² over the scan, e.g. to mask the reconstructed area.
     history: one dict per epoch (epoch, loss, seconds, patterns_per_second, step lengths, ...).
     options: the settings used (JSON-serialisable).
+    nominal_positions: (N, 2) the positions as measured, in the object frame, when position
+        refinement moved ``positions`` (else None: they are the nominal ones).
     """
 
     object: np.ndarray
@@ -34,6 +36,7 @@ class Reconstruction:
     options: dict = field(default_factory=dict)
     epoch: int = 0
     engine_state: dict = field(default_factory=dict)
+    nominal_positions: np.ndarray | None = None
 
     @property
     def epochs(self) -> int:
@@ -92,7 +95,10 @@ class Reconstruction:
         return path
 
     def _write(self, root) -> None:
-        for name, arr in (("object", self.object), ("probe", self.probe), ("positions", self.positions)):
+        arrays = [("object", self.object), ("probe", self.probe), ("positions", self.positions)]
+        if self.nominal_positions is not None:
+            arrays.append(("nominal_positions", self.nominal_positions))
+        for name, arr in arrays:
             a = root.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=_chunks_for(arr))
             a[...] = arr
         if self.illumination is not None:
@@ -140,7 +146,8 @@ class Reconstruction:
         return cls(object=root["object"][...], probe=root["probe"][...], positions=root["positions"][...],
                    origin=np.asarray(root.attrs["origin"], dtype=np.float64), illumination=illum,
                    history=list(root.attrs.get("history", [])), options=dict(root.attrs.get("options", {})),
-                   epoch=int(root.attrs.get("epoch", 0)), engine_state=engine_state)
+                   epoch=int(root.attrs.get("epoch", 0)), engine_state=engine_state,
+                   nominal_positions=root["nominal_positions"][...] if "nominal_positions" in root else None)
 
 
 def _discard(tmp: str, timeout: float = 2.0) -> None:

@@ -348,3 +348,25 @@ def test_reconstruct_dashboard_flag_publishes_the_run(cluster_client):
     state = _json(_base(cluster_client) + "/daskpty/json")
     assert state["epoch"] == 3
     assert state["loss"] == pytest.approx(rec.history[-1]["loss"])
+
+
+def test_position_map_shows_where_patterns_moved():
+    """The positions image is the distance moved, pattern by pattern, over the scan."""
+    g = np.arange(10) * 3.0
+    nominal = np.stack(np.meshgrid(g, g, indexing="ij"), -1).reshape(-1, 2)
+    moved = np.zeros_like(nominal)
+    moved[nominal[:, 1] > 14] = (0.0, 0.8)          # the right half moved by 0.8 px
+    info = dashboard.position_images(nominal, moved, size=10)
+    img = _decode_png(info["png"]).astype(float)
+    assert info["max_moved"] == pytest.approx(0.8) and info["patterns"] == 100
+    assert img[:, -3:].min() > 200 and img[:, :3].max() == 0
+
+
+def test_reconstruct_with_refinement_publishes_positions(cluster_client):
+    ds = make_dataset(grid=6, seed=9)
+    daskpty.reconstruct(ds, epochs=4, client=cluster_client, dashboard=True,
+                        refine_positions={"start_epoch": 1})
+    state = _json(_base(cluster_client) + "/daskpty/json")
+    assert state["positions"]["patterns"] == 36 and state["positions"]["rms_moved"] > 0
+    assert "positions" in state["images"]
+    assert len(state["history"]["position_rms_update"]) == 4

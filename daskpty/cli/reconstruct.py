@@ -27,6 +27,10 @@ def add_parser(subparsers):
                    help="1 = compact LSQML; R > 1 = R minibatch updates per epoch; "
                         "auto (default): ~150 patterns per round, at most one per 6 Mi pattern-pixels (>= 3), 1..16, for data held in memory; 1 out of core")
     p.add_argument("--probe-modes", type=int, default=None, help="incoherent probe modes")
+    p.add_argument("--refine-positions", nargs="?", const="", default=None, metavar="KEY=VALUE,...",
+                   help="refine the scan positions (both engines); optional settings, e.g. "
+                        "start_epoch=5,max_step=0.5,affine=true,affine_blend=0.02,lr=0.1 "
+                        "(see daskpty.engines.positions.PositionOptions)")
     p.add_argument("--workers", type=int, default=None, help="local worker processes (default: one per core)")
     p.add_argument("--scheduler", default=None, help="address of a running dask scheduler")
     p.add_argument("--chunk-length", type=int, default=None, help="patterns per chunk")
@@ -102,7 +106,8 @@ def run(args) -> int:
                                   client=client, n_workers=args.workers, seed=args.seed,
                                   chunk_length=args.chunk_length, progress=not args.quiet,
                                   checkpoint=args.output, checkpoint_every=args.checkpoint_every,
-                                  resume=args.resume, dashboard=args.dashboard, **ad_args)
+                                  resume=args.resume, dashboard=args.dashboard,
+                                  refine_positions=_position_settings(args.refine_positions), **ad_args)
     except KeyboardInterrupt:
         kept = _kept(args.output)
         if kept is not None:
@@ -122,6 +127,40 @@ def run(args) -> int:
         line += f", object NRMSE vs truth {_nrmse_vs_truth(rec, data):.4f}"
     print(line, file=sys.stdout)
     return 0
+
+
+def _position_settings(text):
+    """``--refine-positions [KEY=VALUE,...]`` → the ``refine_positions`` argument."""
+    if text is None:
+        return False
+    settings = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--refine-positions: expected KEY=VALUE items, got {item!r}")
+        settings[key.strip()] = _setting_value(value.strip())
+    from daskpty.engines.positions import PositionOptions
+
+    try:
+        return PositionOptions.from_argument(settings or True)
+    except TypeError as exc:  # unknown keys: a usage error like any other
+        raise ValueError(str(exc)) from None
+
+
+def _setting_value(text):
+    lowered = text.lower()
+    if lowered in ("true", "yes", "on"):
+        return True
+    if lowered in ("false", "no", "off"):
+        return False
+    if lowered in ("none", ""):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
 
 
 def _kept(output):

@@ -66,9 +66,20 @@ class PatternLayout:
     def __init__(self):
         self.chunk_lengths = None
         self.order = None
+        self.nominal = None  # nominal positions in the chunks' order
 
     def update(self, data) -> None:
         self.chunk_lengths, self.order = tuple(data.chunk_lengths), data.order
+        self.nominal = data.positions_host
+
+    def displacements(self, state):
+        """``(nominal, refined − nominal)`` in the chunks' order for a state carrying refined
+        positions (for pictures: the order does not matter), else None."""
+        local = getattr(state, "chunk_local", None)
+        if not local or self.nominal is None or "positions" not in next(iter(local.values())):
+            return None
+        refined = np.concatenate([local[i]["positions"] for i in range(len(self.chunk_lengths))])
+        return self.nominal, refined - self.nominal
 
     def result_arrays(self, state) -> tuple[np.ndarray | None, dict]:
         """``(refined positions or None, per-pattern engine-state arrays)`` of a state carrying

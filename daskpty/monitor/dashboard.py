@@ -58,7 +58,8 @@ PLUGIN_NAME = "daskpty-dashboard"
 HANDLER_OP = "daskpty_dashboard_update"
 TOPIC = "daskpty"
 ROUTE = "daskpty"
-HISTORY_KEYS = ("epoch", "loss", "patterns_per_second", "seconds", "alpha_object", "alpha_probe")
+HISTORY_KEYS = ("epoch", "loss", "patterns_per_second", "seconds", "alpha_object", "alpha_probe",
+                "position_rms_update")
 MAX_PLOT_POINTS = 2000
 _PAGE_PATH = os.path.join(os.path.dirname(__file__), "static", "dashboard.html")
 
@@ -183,6 +184,27 @@ def probe_images(probe, size: int = 64) -> dict:
             "power_fractions": fractions, "pngs": pngs}
 
 
+def position_images(nominal, moved, size: int = 128) -> dict:
+    """The distance each pattern moved from its nominal position, as a grey map over the scan
+    (each pixel the mean over the patterns in it; black = not moved or no pattern)."""
+    nominal = np.asarray(nominal, dtype=np.float64)
+    distance = np.hypot(*np.asarray(moved, dtype=np.float64).T)
+    lo, hi = nominal.min(axis=0), nominal.max(axis=0)
+    extent = np.maximum(hi - lo, 1e-9)
+    scale = (size - 1) / extent.max()
+    shape = tuple(int(v) for v in np.ceil(extent * scale) + 1)
+    iy, ix = (np.round((nominal - lo) * scale).astype(int)).T
+    total = np.zeros(shape)
+    count = np.zeros(shape)
+    np.add.at(total, (iy, ix), distance)
+    np.add.at(count, (iy, ix), 1)
+    mean = np.divide(total, count, out=np.zeros(shape), where=count > 0)
+    top = float(distance.max()) if distance.size else 0.0
+    return {"png": encode_png(_to_uint8(mean, 0.0, top if top > 0 else 1.0)), "max_moved": top,
+            "rms_moved": float(np.sqrt(np.mean(distance ** 2))) if distance.size else 0.0,
+            "image_shape": list(shape), "patterns": int(distance.size)}
+
+
 def _plain(v):
     """Metric value as a msgpack/JSON-friendly Python scalar (None when not representable)."""
     if isinstance(v, (bool, np.bool_)):
@@ -244,6 +266,7 @@ class DashboardPlugin(SchedulerPlugin):
         self.updated = None
         self.object_meta = None
         self.probe_meta = None
+        self.positions_meta = None
         self.images: dict[str, bytes] = {}
         self.rounds_since_epoch = 0
         self.rounds_total = 0
@@ -317,6 +340,11 @@ class DashboardPlugin(SchedulerPlugin):
             for k, png in enumerate(pngs):
                 self.images[f"probe-{k}"] = png
             self.probe_meta = dict(probe, epoch=epoch, version=self._image_counter)
+        positions = msg.get("positions")
+        if positions:
+            self._image_counter += 1
+            self.images["positions"] = positions.pop("png")
+            self.positions_meta = dict(positions, epoch=epoch, version=self._image_counter)
         self.updated = time.time()
         return "OK"
 
@@ -363,6 +391,7 @@ class DashboardPlugin(SchedulerPlugin):
             "history": self.history_columns(None if full_history else MAX_PLOT_POINTS),
             "object": self.object_meta,
             "probe": self.probe_meta,
+            "positions": self.positions_meta,
             "images": sorted(self.images),
             "finished": finished,
             "updated": self.updated,
@@ -652,8 +681,9 @@ class DashboardPublisher:
 
     def __init__(self, client=None, *, epochs: int | None = None, rounds_per_epoch: int | None = None,
                  n_patterns: int | None = None, image_size: int = 128, probe_size: int = 64,
-                 image_interval: float = 1.0, events: bool = True, topic: str = TOPIC):
+                 image_interval: float = 1.0, events: bool = True, topic: str = TOPIC, layout=None):
         self.client = client
+        self.layout = layout  # a PatternLayout: draws refined positions when the state has them
         self.epochs = epochs
         self.rounds_per_epoch = rounds_per_epoch
         self.n_patterns = n_patterns
@@ -711,6 +741,9 @@ class DashboardPublisher:
         if images and state is not None:
             msg["object"] = object_images(state.object, getattr(state, "illumination", None), self.image_size)
             msg["probe"] = probe_images(state.probe, self.probe_size)
+            moved = None if self.layout is None else self.layout.displacements(state)
+            if moved is not None:
+                msg["positions"] = position_images(*moved, size=self.image_size)
         return msg
 
     def _send(self, msg):
@@ -719,7 +752,8 @@ class DashboardPublisher:
             client.sync(client.scheduler.daskpty_dashboard_update, message=msg)
             obj, probe = msg.get("object") or {}, msg.get("probe") or {}
             self.sent_bytes += (len(obj.get("phase_png", b"")) + len(obj.get("amplitude_png", b""))
-                                + sum(len(p) for p in probe.get("pngs", ())))
+                                + sum(len(p) for p in probe.get("pngs", ()))
+                                + len((msg.get("positions") or {}).get("png", b"")))
 
     takes_epoch_state = True  # fetches the state only for the epochs it draws
 

@@ -1,0 +1,188 @@
+"""Position refinement: the affine fit, the LSQML shift, and refinement end to end on a real
+LocalCluster (ground truth, N workers == 1 worker, resume, bad input)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import daskpty
+from daskpty.engines import lsqml
+from daskpty.engines.positions import (
+    PositionOptions,
+    PositionsDiverged,
+    affine_sums,
+    solve_affine,
+)
+from daskpty.metrics import nrmse_vs_truth
+from synthetic import make_dataset
+
+
+def perturb(positions, rms=1.0, scale=0.015, rotation_deg=0.5, seed=1):
+    """Nominal positions of a scan whose stage has ``rms`` px random errors, a scale error and a
+    rotation about the scan centre."""
+    rng = np.random.default_rng(seed)
+    centre = positions.mean(axis=0)
+    t = np.radians(rotation_deg)
+    m = (1 + scale) * np.array([[np.cos(t), -np.sin(t)], [np.sin(t), np.cos(t)]])
+    return (positions - centre) @ m.T + centre + rng.normal(0, rms, positions.shape)
+
+
+def position_error(refined, truth) -> float:
+    """rms distance after removing the global offset (the object frame's arbitrary shift)."""
+    d = refined - truth
+    d = d - d.mean(axis=0)
+    return float(np.sqrt((d ** 2).sum(axis=1).mean()))
+
+
+@pytest.fixture(scope="module")
+def scan():
+    ds = make_dataset(n=32, grid=12, step=4.0, photons=1e6, seed=0)
+    return ds, perturb(ds.truth.positions)
+
+
+def test_affine_fit_is_additive_and_exact():
+    rng = np.random.default_rng(3)
+    nominal = rng.uniform(20, 80, (200, 2))
+    a = np.array([[1.02, 0.01], [-0.015, 0.99], [0.7, -1.3]])
+    refined = np.c_[nominal, np.ones(200)] @ a
+    whole = affine_sums(nominal, refined)
+    left, right = affine_sums(nominal[:70], refined[:70]), affine_sums(nominal[70:], refined[70:])
+    for key in whole:
+        np.testing.assert_allclose(left[key] + right[key], whole[key], rtol=1e-12)
+    np.testing.assert_allclose(solve_affine(whole["affine_xtx"], whole["affine_xty"]), a, atol=1e-9)
+    kept = solve_affine(whole["affine_xtx"], whole["affine_xty"], remove_drift=True)
+    centroid = nominal.mean(axis=0)
+    np.testing.assert_allclose(np.r_[centroid, 1] @ kept, centroid, atol=1e-9)
+    # too few patterns: no fit rather than a wild one
+    two = affine_sums(nominal[:2], refined[:2])
+    assert solve_affine(two["affine_xtx"], two["affine_xty"]) is None
+
+
+def test_lsqml_shift_points_to_the_true_position(scan):
+    """With the true object and probe, the per-pattern LSQML shift from nominal positions off by
+    known amounts points back to the truth (sign and size)."""
+    ds, _ = scan
+    rng = np.random.default_rng(5)
+    truth = ds.truth.positions
+    offsets = rng.uniform(-0.4, 0.4, truth.shape)
+    y = np.fft.ifftshift(ds.intensities, axes=(-2, -1))
+    part = lsqml.chunk_step(ds.truth.object, ds.truth.probe, y, truth + offsets,
+                            options=lsqml.LSQMLOptions(), update_probe=False, position_terms=True)
+    shift = part.local["shift"]
+    for axis in (0, 1):
+        r = np.corrcoef(shift[:, axis], -offsets[:, axis])[0, 1]
+        assert r > 0.8, f"axis {axis}: correlation {r:.2f} between the shift and the error"
+    gain = np.sum(shift * -offsets) / np.sum(offsets * offsets)
+    assert 0.3 < gain < 1.5, f"the shift recovers {gain:.2f} of the error"
+
+
+def _run(ds, positions, client, **kw):
+    data = daskpty.from_arrays(ds.intensities, positions)
+    kw.setdefault("chunk_length", 48)
+    return daskpty.reconstruct(data, client=client, check_data=False, **kw)
+
+
+def _truth(ds):
+    return SimpleNamespace(object=ds.truth.object, probe=ds.truth.probe, positions=ds.truth.positions)
+
+
+@pytest.mark.parametrize("engine, epochs", [("lsqml", 40), ("ad", 60)])
+def test_refinement_recovers_positions(scan, client, engine, epochs):
+    ds, nominal = scan
+    truth = ds.truth.positions
+    kw = dict(engine=engine, epochs=epochs)
+    if engine == "ad":
+        kw.update(optimizer="adam")
+    fixed = _run(ds, nominal, client, **kw)
+    refined = _run(ds, nominal, client, refine_positions={"start_epoch": 3}, **kw)
+    before = position_error(nominal, truth)
+    after = position_error(refined.positions - refined.origin, truth)
+    np.testing.assert_allclose(refined.nominal_positions - refined.origin, nominal, rtol=0, atol=1e-9)
+    assert after < 0.6 * before, f"{engine}: position error {before:.2f} -> {after:.2f} px"
+    e_fixed = nrmse_vs_truth(fixed.object, fixed.positions, fixed.illumination, _truth(ds))
+    e_refined = nrmse_vs_truth(refined.object, refined.positions, refined.illumination, _truth(ds))
+    assert e_refined < e_fixed, f"{engine}: object NRMSE {e_fixed:.3f} fixed, {e_refined:.3f} refined"
+    updates = [h["position_rms_update"] for h in refined.history if "position_rms_update" in h]
+    assert len(updates) == epochs - 3 and all(np.isfinite(updates))
+    assert "affine_scale_x" in refined.history[-1]
+
+
+@pytest.mark.parametrize("engine", ["lsqml", "ad"])
+def test_two_workers_equal_one_and_rounds_from_the_client(scan, client, engine):
+    """Bit for bit up to float32 rounding: 1 worker, 2 workers, and round by round from the
+    client (chunks not persisted, positions travel with the tasks)."""
+    from distributed import Client, LocalCluster
+
+    ds, nominal = scan
+    kw = dict(engine=engine, epochs=6, rounds_per_epoch=2, refine_positions={"start_epoch": 2})
+    two = _run(ds, nominal, client, **kw)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as c1, \
+            Client(c1) as one_client:
+        one = _run(ds, nominal, one_client, **kw)
+        streamed = _run(ds, nominal, one_client, persist=False, **kw)
+    for other in (one, streamed):
+        np.testing.assert_allclose(other.positions, two.positions, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(other.object, two.object, rtol=0, atol=1e-4)
+    assert np.abs(two.positions - two.nominal_positions).max() > 0.01  # they did move
+
+
+def test_resume_with_refinement_is_bit_identical(scan, client, tmp_path):
+    ds, nominal = scan
+    kw = dict(rounds_per_epoch=2, refine_positions={"start_epoch": 1, "momentum": 0.5})
+    straight = _run(ds, nominal, client, epochs=6, **kw)
+    _run(ds, nominal, client, epochs=3, checkpoint=tmp_path / "c.zarr", **kw)
+    stored = daskpty.Reconstruction.from_zarr(tmp_path / "c.zarr")
+    assert "position_velocity" in stored.engine_state and stored.nominal_positions is not None
+    resumed = _run(ds, nominal, client, epochs=6, resume=tmp_path / "c.zarr", **kw)
+    np.testing.assert_array_equal(resumed.positions, straight.positions)
+    np.testing.assert_array_equal(resumed.object, straight.object)
+
+
+def test_diverging_refinement_stops_with_one_message(scan, client, tmp_path):
+    ds, nominal = scan
+    with pytest.raises(PositionsDiverged, match="diverged.*limit 0.01 px.*checkpoint .* of epoch 2 is kept"):
+        _run(ds, nominal, client, epochs=8, checkpoint=tmp_path / "d.zarr", checkpoint_every=2,
+             refine_positions={"start_epoch": 2, "max_displacement": 0.01})
+    assert daskpty.Reconstruction.from_zarr(tmp_path / "d.zarr").epochs == 2
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"max_step": 0}, "max_step"),
+    ({"momentum": 1.0}, "momentum"),
+    ({"start_epoch": -1}, "start_epoch"),
+    ({"affine_blend": 2}, "affine_blend"),
+    ({"optimizer": "lbfgs"}, "optimizer"),
+    ({"steps": 3}, "unknown option"),
+    ("yes", "must be True, False"),
+])
+def test_bad_refinement_options_are_one_line_errors(value, message):
+    with pytest.raises((ValueError, TypeError), match=message) as info:
+        PositionOptions.from_argument(value)
+    assert "\n" not in str(info.value)
+
+
+def test_cli_refines_and_show_draws_the_corrections(scan, tmp_path):
+    """``daskpty reconstruct --refine-positions k=v`` stores refined and nominal positions;
+    ``daskpty show`` draws them as a panel; a bad setting is one line, exit 2."""
+    from daskpty.cli import main
+    from daskpty.monitor.plot import panel_names, summary_figure
+
+    ds, nominal = scan
+    daskpty.from_arrays(ds.intensities, nominal).to_zarr(tmp_path / "s.zarr")
+    out = tmp_path / "r.zarr"
+    code = main([ "reconstruct", str(tmp_path / "s.zarr"), "-o", str(out), "--epochs", "6", "--workers", "1",
+                  "--quiet", "--refine-positions", "start_epoch=2,max_step=0.4,affine=false"])
+    assert code == 0
+    rec = daskpty.Reconstruction.from_zarr(out)
+    assert rec.options["refine_positions"]["max_step"] == 0.4
+    assert rec.options["refine_positions"]["affine"] is False
+    moved = np.abs(rec.positions - rec.nominal_positions).max()
+    assert 0 < moved <= 4 * 0.4 + 1e-9
+    assert "positions" in panel_names(summary_figure(rec))
+    assert main(["show", str(out), "-o", str(tmp_path / "r.png")]) == 0
+    assert (tmp_path / "r.png").stat().st_size > 10_000
+    assert main(["reconstruct", str(tmp_path / "s.zarr"), "-o", str(tmp_path / "x.zarr"),
+                 "--refine-positions", "max_step"]) == 2
+    assert not (tmp_path / "x.zarr").exists()
