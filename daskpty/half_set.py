@@ -44,7 +44,10 @@ class HalfSetFRC:
     n_pixels : ndarray
         Fourier pixels per ring.
     resolution : float or None
-        First frequency (cycles/pixel) where ``frc`` falls below ``half_bit``; None if it never does.
+        First frequency (cycles/pixel) at or above the band's lower edge where ``frc`` falls below
+        ``half_bit`` (linearly interpolated); None if it never does. The rings below the band are
+        left out: they hold few pixels and are dominated by smooth phase that the two halves leave
+        undetermined, which says nothing about resolution (the full curve is in ``frc``).
     mean_frc : float
         Mean of ``frc`` over the rings inside ``band`` (fractions of Nyquist).
     band : tuple of float
@@ -210,8 +213,21 @@ def registered_frc(a, b, mask=None, *, subpixel: bool = True, ramp: bool = True,
     inside = (nyquist >= lo) & (nyquist <= hi)
     mean = float(curve.frc[inside].mean()) if inside.any() else float("nan")
     return HalfSetFRC(frequency=curve.frequency, frc=curve.frc, half_bit=curve.half_bit,
-                      n_pixels=curve.n_pixels, resolution=curve.resolution, mean_frc=mean,
+                      n_pixels=curve.n_pixels, resolution=_crossing(curve, lo * 0.5), mean_frc=mean,
                       band=(lo, hi), alignment=params, mask=m)
+
+
+def _crossing(curve, start: float) -> float | None:
+    """First ½-bit crossing at or above frequency ``start`` (interpolated between rings)."""
+    f, v, t = curve.frequency, curve.frc, curve.half_bit
+    below = np.nonzero((v < t) & (f >= start) & (f > 0))[0]
+    if not below.size:
+        return None
+    i = int(below[0])
+    if i == 0 or f[i - 1] < start:
+        return float(f[i])
+    d0, d1 = v[i - 1] - t[i - 1], v[i] - t[i]
+    return float(f[i - 1] + (f[i] - f[i - 1]) * d0 / (d0 - d1))
 
 
 # --------------------------------------------------------------------------------------------------
