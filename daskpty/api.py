@@ -13,6 +13,8 @@ from .execution.cluster import client_context
 from .execution.data import auto_rounds, choose_chunk_length, prepare_data, should_persist, workers_have_gpus
 from .execution.driver import LSQMLAdapter, run_epochs, with_local
 from .execution.local_state import PatternLayout
+from .execution.watchdog import ReconstructionStalled
+from .io.identity import DataChanged, DataWatch
 from .engines.positions import PositionOptions, PositionsDiverged
 from .execution.latency import enable_low_latency
 from .physics import check_windows_inside, split_positions
@@ -312,6 +314,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         callbacks.append(ProgressPrinter(max(epochs - len(previous_history), 0), len(positions)))
     if callback is not None:
         callbacks.append(callback)
+    if getattr(data, "path", None):  # the store must not change under the run (checked first:
+        callbacks.insert(0, DataWatch(data.path))  # no checkpoint of an epoch that read changed data)
 
     with client_context(client, n_workers=n_workers) as c:
         enable_low_latency(c)
@@ -366,10 +370,10 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         except KeyboardInterrupt:
             checkpointer.write()
             raise
-        except PositionsDiverged as exc:
+        except (PositionsDiverged, ReconstructionStalled, DataChanged) as exc:
             kept = (f"the checkpoint {checkpoint} of epoch {checkpointer.written_epoch} is kept"
                     if checkpointer.written_epoch is not None else "no checkpoint was written")
-            raise PositionsDiverged(f"{exc}; {kept}") from None
+            raise type(exc)(f"{exc}; {kept}") from None
         finally:
             del chunked
             if publisher is not None:

@@ -17,6 +17,7 @@ give the same result.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ from ..engines import lsqml
 from ..engines.positions import PositionOptions, affine_parameters, fit_affine, initial_local
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
+from .placement import run_stuck_loose_tasks
 from .rounds import ChunkedData, default_split_every, map_reduce
+from .watchdog import ReconstructionStalled, Watchdog
 
 
 @dataclass
@@ -246,6 +249,7 @@ def _client_epochs(client, data, adapter, state, epochs, rounds, split_every):
 
 
 MAX_EPOCH_RESTARTS = 3
+logger = logging.getLogger("daskpty")
 
 
 def _state_of_any(epoch):
@@ -273,6 +277,13 @@ def _state_of_any(epoch):
     return None
 
 
+def _replica_lost(client, graph) -> bool:
+    """True when a worker the epoch graph keeps a state copy on has left the cluster (after all
+    workers died, their nannies' new workers have new addresses)."""
+    alive = set(client.scheduler_info(n_workers=-1)["workers"])
+    return any(worker is not None and worker not in alive for worker in graph.replicas)
+
+
 def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
     """Epochs as graphs on the workers, each submitted before the previous one is finished, so the
     client's work between epochs (callbacks, checkpoints) overlaps the next epoch. Yields
@@ -290,7 +301,10 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
     the state kept as task results) from the last finished epoch's state on a surviving worker
     (every worker holding chunks keeps a copy until the next epoch is finished), else from the
     last state on the client, recomputing the epochs since then. Recomputation is
-    deterministic, so the result equals an undisturbed run.
+    deterministic, so the result equals an undisturbed run. An epoch that does not finish within
+    the :class:`~.watchdog.Watchdog`'s bound (workers all gone, restarted by their nannies, or
+    paused under memory pressure) is restarted the same way; after ``MAX_EPOCH_RESTARTS`` the run
+    stops with :class:`~.watchdog.ReconstructionStalled`.
     """
     graph = EpochGraph(client, data, adapter, rounds=rounds, split_every=split_every)
     base, base_done = state, 0  # the latest state on the client, and the epochs done to reach it
@@ -305,8 +319,19 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
             if epoch is not None:
                 epoch.release()
 
+    def start(carry_state):
+        """Submit an epoch from a state on the client once a worker is there to take it."""
+        try:
+            client.wait_for_workers(1, timeout=watchdog.bound())
+        except TimeoutError:
+            raise ReconstructionStalled(f"no dask worker came back within {watchdog.bound():.0f} s "
+                                        "of losing them all") from None
+        run_stuck_loose_tasks(client)  # chunks pinned to workers that are gone: recompute anywhere
+        return graph.submit(client.scatter(_carry_of(carry_state), hash=False))
+
+    watchdog = Watchdog()
     last_end = time.time()  # when the last reported epoch ended (time.time() on the worker)
-    pending = graph.submit(client.scatter(_carry_of(base), hash=False))
+    pending = start(base)
     reaches = 1  # the epoch count (since the start of this run) the pending epoch reaches
     following = None
     done = restarts = 0
@@ -316,12 +341,20 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 following = graph.submit(pending)
                 pending.release_last_round()  # the scheduler keeps them for the new graph
             try:
-                epoch, scalars, ended_at = pending.summary.result()
+                epoch, scalars, ended_at = pending.summary.result(timeout=watchdog.bound())
                 pending.summary.release()
-            except (CancelledError, StaleRoundState) as exc:
+            except (CancelledError, StaleRoundState, TimeoutError, OSError) as exc:
+                # OSError: the comm to a dying worker closed (distributed's CommClosedError)
                 restarts += 1
+                reason = (f"no epoch finished within {watchdog.bound():.0f} s" if isinstance(exc, TimeoutError)
+                          else f"{type(exc).__name__}: {exc}".rstrip(": "))
                 if restarts > MAX_EPOCH_RESTARTS:
-                    raise
+                    if isinstance(exc, StaleRoundState):
+                        raise
+                    raise ReconstructionStalled(f"the reconstruction made no progress after "
+                                                f"{MAX_EPOCH_RESTARTS} restarts of epoch {done + 1} "
+                                                f"(last: {' '.join(reason.split())})") from None
+                logger.warning("daskpty: restarting epoch %d (%s)", done + 1, " ".join(reason.split()))
                 if isinstance(exc, StaleRoundState):  # a round task moved: keep states in the graph
                     graph.close()
                     graph.fused = False
@@ -330,12 +363,20 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                     base, base_done = survivor, finished_reached
                 release(pending, following)
                 following = None
-                pending = graph.submit(client.scatter(_carry_of(base), hash=False))
+                try:
+                    if _replica_lost(client, graph):  # place the state copies on the workers there are
+                        graph.close()
+                        graph = EpochGraph(client, data, adapter, rounds=rounds, split_every=split_every,
+                                           fused=graph.fused)
+                    pending = start(base)
+                except OSError as lost:  # the scatter's comm closed under us: try again next turn
+                    raise ReconstructionStalled(f"could not restart epoch {done + 1}: {lost}") from None
                 reaches = base_done + 1
                 continue
             if reaches > done:  # (else an epoch recomputed after a restart: already reported)
                 handle = EpochState(epoch, future=pending.ends[0], local_futures=pending.locals)
                 seconds, last_end = ended_at - last_end, ended_at
+                watchdog.observe(seconds)
                 yield handle, scalars, seconds
                 done = reaches
                 if handle.fetched:

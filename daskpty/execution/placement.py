@@ -32,3 +32,25 @@ def chunk_annotations(client, array, blocks) -> dict:
         return {}
     return {b.key: {"workers": [workers[balanced_worker(i, len(blocks), len(workers))]],
                     "allow_other_workers": True} for i, b in enumerate(blocks)}
+
+
+def _run_stuck_loose_tasks(dask_scheduler=None) -> int:
+    """On the scheduler: send ``no-worker`` tasks whose worker restrictions are loose but name only
+    workers that are gone to any worker (returns how many).
+
+    distributed (2025.x–2026.x) leaves such a task in ``no-worker`` for good once every worker it
+    names has left: a joining worker only takes unrunnable tasks whose valid workers include it,
+    and the loose flag is consulted only when a task is first scheduled. Chunks persisted on a
+    worker (:func:`~.data.persist_balanced`) need exactly that recomputation after all workers
+    are lost and their nannies start new ones, under new addresses.
+    """
+    stuck = [ts for ts in dask_scheduler.unrunnable
+             if ts.loose_restrictions and dask_scheduler.workers and not dask_scheduler.valid_workers(ts)]
+    if stuck:
+        dask_scheduler.transitions({ts.key: "processing" for ts in stuck}, stimulus_id="daskpty-unstick")
+    return len(stuck)
+
+
+def run_stuck_loose_tasks(client) -> int:
+    """Run :func:`_run_stuck_loose_tasks` on the scheduler of ``client``."""
+    return client.run_on_scheduler(_run_stuck_loose_tasks)

@@ -21,6 +21,7 @@ import numpy as np
 from ..engines.partials import Partial, sum_partials
 from .placement import chunk_annotations
 from .tuning import release_memory, tune_allocator
+from .watchdog import ReconstructionStalled, stall_seconds
 
 
 @dataclass
@@ -198,7 +199,12 @@ def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0
     root = tree_reduce(parts, max(2, int(split_every)), name=f"{ROUND_PREFIX}-{uuid.uuid4().hex}")
     future = client.compute(root, optimize_graph=False)
     try:
-        return future.result()
+        bound = stall_seconds()
+        try:
+            return future.result(timeout=bound)
+        except TimeoutError:
+            raise ReconstructionStalled(f"a round did not finish within {bound:.0f} s "
+                                        "(DASKPTY_STALL_SECONDS)") from None
     finally:
         future.release()
         payload_future.release()

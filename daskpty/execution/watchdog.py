@@ -1,0 +1,50 @@
+"""Progress or a clear end: the bound on how long the driver waits for an epoch.
+
+The driver waits for each epoch's summary at most :meth:`Watchdog.bound` seconds: a multiple of
+the slowest epoch seen so far, but never less than a floor (default 300 s, or the environment
+variable ``DASKPTY_STALL_SECONDS``) that covers start-up, the first epoch and a nanny restarting
+a worker. A wait that runs out is handled like a lost worker: the epoch restarts from the newest
+surviving state or the client's copy, a bounded number of times, and then the run stops with
+:class:`ReconstructionStalled` — one line, instead of a batch job burning its wall time.
+"""
+from __future__ import annotations
+
+import os
+
+#: The floor of the wait for one epoch, seconds (``DASKPTY_STALL_SECONDS`` overrides it).
+DEFAULT_STALL_SECONDS = 300.0
+#: The bound is this multiple of the slowest epoch so far, when that is above the floor.
+EPOCH_FACTOR = 20.0
+
+
+class ReconstructionStalled(RuntimeError):
+    """No epoch finished within the watchdog's bound, even after restarting it."""
+
+
+def stall_seconds() -> float:
+    """The floor of the watchdog's bound (``DASKPTY_STALL_SECONDS`` or the default)."""
+    text = os.environ.get("DASKPTY_STALL_SECONDS")
+    if not text:
+        return DEFAULT_STALL_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"DASKPTY_STALL_SECONDS must be a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise ValueError(f"DASKPTY_STALL_SECONDS must be positive, got {text!r}")
+    return value
+
+
+class Watchdog:
+    """How long to wait for the next epoch: ``max(floor, EPOCH_FACTOR × slowest epoch)``."""
+
+    def __init__(self, floor: float | None = None):
+        self.floor = stall_seconds() if floor is None else float(floor)
+        self.slowest = 0.0
+
+    def observe(self, seconds: float) -> None:
+        if seconds == seconds and seconds > self.slowest:  # NaN-safe
+            self.slowest = float(seconds)
+
+    def bound(self) -> float:
+        return max(self.floor, EPOCH_FACTOR * self.slowest)
