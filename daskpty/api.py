@@ -17,6 +17,7 @@ from .execution.watchdog import ReconstructionStalled
 from .io.identity import DataChanged, DataWatch
 from .engines.positions import PositionOptions, PositionsDiverged
 from .execution.latency import enable_low_latency
+from .execution.memory import check_step_fits, state_bytes, step_bytes
 from .physics import check_windows_inside, split_positions
 from .io.validate import check_intensity_layout, check_values
 from .inputs import (RESUMED_SETTINGS, check_initial_object, check_object_size, check_positions_bulk,
@@ -325,8 +326,11 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             data, intensities = scatter_in_memory(c, data, intensities, chunk_length)
         if check_data:
             check_values(data if hasattr(data, "path") else intensities, client=c).raise_if_bad()
-        if persist == "auto":
-            persist = should_persist(c, intensities.nbytes)
+        modes_hint = _probe_modes_hint(probe, probe_modes, resumed)
+        if persist == "auto":  # a worker's share of the data + one step + the state under the spill target
+            working = step_bytes(chunk_length or choose_chunk_length(c, len(positions), n, modes_hint), n,
+                                 modes_hint) + state_bytes(obj.shape)
+            persist = should_persist(c, intensities.nbytes, working_bytes=working)
         if rounds_per_epoch == "auto":
             rounds_per_epoch = auto_rounds(len(positions), n, _probe_modes_hint(probe, probe_modes, resumed),
                                            bool(persist))
@@ -351,6 +355,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             device = "gpu" if workers_have_gpus(c) else "cpu"
         if chunk_length is None:
             chunk_length = choose_chunk_length(c, len(positions), n, state.probe.shape[0])
+        check_step_fits(c, chunk_length, n, state.probe.shape[0], obj.shape)  # refuse, don't stall
         run_options.update(chunk_length=int(chunk_length))
         if hasattr(data, "intensities_in_chunks") and not persist:
             intensities = data.intensities_in_chunks(chunk_length)  # out of core: read sub-shards

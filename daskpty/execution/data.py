@@ -138,10 +138,13 @@ def cluster_memory_bytes(client) -> int:
     return int(sum(w.get("memory_limit") or 0 for w in workers.values()))
 
 
-def should_persist(client, nbytes: int, fraction: float = 0.5) -> bool:
-    """Persist the data when it takes at most ``fraction`` of the cluster's memory."""
-    total = cluster_memory_bytes(client)
-    return total == 0 or nbytes <= fraction * total
+def should_persist(client, nbytes: int, fraction: float = 0.5, working_bytes: int = 0) -> bool:
+    """Persist the data when it takes at most ``fraction`` of the cluster's memory and each
+    worker's share plus ``working_bytes`` stays under the spill target
+    (:func:`~.memory.persist_fits`)."""
+    from .memory import persist_fits
+
+    return persist_fits(client, nbytes, working_bytes, fraction)
 
 
 def prepare_data(client, intensities, positions, *, chunk_length: int | None = None, modes: int = 1,

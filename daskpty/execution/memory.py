@@ -1,0 +1,69 @@
+"""Memory up front: will one chunk step and the state fit a worker, and may the data stay in memory?
+
+A worker holds, besides the data chunks it keeps, one chunk step's working arrays
+(:data:`~.data.WORKING_BYTES_PER_PIXEL` per pattern, mode and pixel) and the engine state:
+the object and its companions (momentum, the epoch's start, the update's box, illumination),
+about :data:`STATE_BYTES_PER_PIXEL` per object pixel. dask pauses a worker at 80 % of its memory
+limit (``distributed.worker.memory.pause``) and its nanny restarts it at 95 %; a run whose step
+cannot fit under the pause threshold would only stall, so it is refused before it starts, with
+the size that would fit. Data are persisted only when a worker's share of them plus that working
+set stays under the spill target (60 %), so no worker is pushed over the thresholds by them.
+"""
+from __future__ import annotations
+
+import math
+
+import dask
+
+from .data import WORKING_BYTES_PER_PIXEL, smallest_worker_memory
+
+#: Bytes per object pixel of one state copy and its apply: ~8 complex64 object-sized arrays.
+STATE_BYTES_PER_PIXEL = 64
+MIB = 2**20
+
+
+def _fraction(name: str, default: float) -> float:
+    value = dask.config.get(f"distributed.worker.memory.{name}", default)
+    return float(value) if value else default
+
+
+def step_bytes(chunk_length: int, n: int, modes: int = 1) -> int:
+    return int(chunk_length) * int(modes) * n * n * WORKING_BYTES_PER_PIXEL
+
+
+def state_bytes(object_shape) -> int:
+    return int(math.prod(object_shape)) * STATE_BYTES_PER_PIXEL
+
+
+def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape) -> None:
+    """Raise ValueError (one line, with what would fit) when one chunk step plus the state exceed
+    the pause threshold of the smallest worker. No-op when workers have no memory limit."""
+    limit = smallest_worker_memory(client)
+    if not limit:
+        return
+    pause = _fraction("pause", 0.8) * limit
+    state = state_bytes(object_shape)
+    need = step_bytes(chunk_length, n, modes) + state
+    if need <= pause:
+        return
+    fits = int((pause - state) // step_bytes(1, n, modes))
+    how = (f"or a chunk_length of at most {fits} patterns" if fits >= 1 else
+           f"(the state alone, {state / MIB:.0f} MiB for a {object_shape[-2]} x {object_shape[-1]} object, "
+           "does not fit)")
+    raise ValueError(
+        f"one chunk step of {chunk_length} patterns of {n}x{n} ({modes} mode(s)) plus the state needs "
+        f"about {need / MIB:.0f} MiB per worker, but the smallest worker pauses at {pause / MIB:.0f} MiB "
+        f"({limit / MIB:.0f} MiB limit); give each worker at least {need / _fraction('pause', 0.8) / MIB:.0f} MiB "
+        f"(memory_limit=, fewer workers per machine) {how}")
+
+
+def persist_fits(client, nbytes: int, working_bytes: int = 0, fraction: float = 0.5) -> bool:
+    """``persist="auto"``: keep the data in worker memory when they take at most ``fraction`` of
+    the cluster's memory and each worker's share of them plus ``working_bytes`` (one chunk step
+    and the state) stays under the spill target. True when workers have no memory limit."""
+    workers = client.scheduler_info(n_workers=-1).get("workers", {})
+    limits = [w.get("memory_limit") or 0 for w in workers.values()]
+    if not limits or not all(limits):
+        return True
+    share = nbytes / len(limits)
+    return nbytes <= fraction * sum(limits) and share + working_bytes <= _fraction("target", 0.6) * min(limits)
