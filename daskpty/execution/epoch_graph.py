@@ -214,8 +214,10 @@ def _round_task(start, adapter, tree: FixedTree, token: str, tag: str, replica: 
                                   f"{round_index - 1}'s state on this worker")
         carry = _finish_round(entry[2], adapter, round_index == 1, tree, replica, *previous)
     nodes, local = _chunks_of_round(blocks, positions, carry, adapter, round_index, rounds, indices, tree)
-    if local:  # a new carry: the old one may be read again (its task recomputed)
-        carry = EpochCarry(carry.state, carry.scalars, carry.ended_at, {**carry.local, **local})
+    if local:  # a new carry (the old one may be read again: its task recomputed), with this
+        # worker's chunks only (a start carry from the client holds every chunk's)
+        merged = {**carry.local, **local}
+        carry = EpochCarry(carry.state, carry.scalars, carry.ended_at, {i: merged[i] for i in indices if i in merged})
     _ROUND_STATES[key] = (tag, round_index, carry)
     return nodes
 
