@@ -16,6 +16,7 @@ from .execution.local_state import PatternLayout
 from .execution.watchdog import ReconstructionStalled
 from .io.identity import DataChanged, DataWatch
 from .engines.positions import PositionOptions, PositionsDiverged
+from .engines.probe_model import ProbeModelDiverged, ProbeModelOptions, effective_weights
 from .execution.latency import enable_low_latency
 from .execution.memory import check_step_fits, state_bytes, step_bytes
 from .physics import check_windows_inside, split_positions
@@ -133,7 +134,8 @@ def _probe_modes_hint(probe, probe_modes, resumed) -> int:
 
 @holding_lock_of("checkpoint")  # one writer per store (daskpty.io.lock)
 def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, object=None,
-                refine_positions=False, probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
+                refine_positions=False, opr_modes: int | None = None, fit_intensity: bool = False,
+                background: str | None = None, probe_model=None, probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
                 client=None, n_workers: int | None = None, seed: int = 0, callback=None,
                 progress: bool = False, chunk_length: int | None = None, persist="auto", device: str = "auto",
                 split_every: int | None = None, sort: bool = True, rescale_probe: bool = True,
@@ -165,6 +167,13 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         affine map of the nominal positions with ``affine_blend``, ``remove_drift``,
         ``max_displacement``). Each chunk's positions are updated on the worker holding its data;
         ``result.positions`` are the refined ones, ``result.nominal_positions`` the measured ones.
+    opr_modes, fit_intensity, background : int, bool, {None, "constant", "pixel"}
+        A probe that varies over the scan (both engines; `daskpty.engines.probe_model`): K modes
+        of orthogonal probe relaxation (the mean probe and K − 1 eigen-probes with per-pattern
+        weights, ``result.probe_weights`` (N, K)), a per-pattern intensity factor
+        (``result.intensity_scale``) and a fitted background added to the model intensity.
+        ``probe_model``: a dict of further `ProbeModelOptions` fields (``start_epoch``,
+        ``weight_step``, ...) or a ProbeModelOptions.
     probe_modes : int, optional
         Number of incoherent probe modes (default: those of ``probe``, else 1).
     noise : {"gaussian", "poisson"}
@@ -251,6 +260,11 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         checkpoint = None  # epochs=0 is a no-op: nothing is written (docs/reliability.md)
     options, adapter = _engine(engine, noise, loss, optimizer, lr, engine_options)
     adapter.positions = PositionOptions.from_argument(refine_positions)
+    model = ProbeModelOptions.from_arguments(opr_modes, fit_intensity, background, probe_model)
+    if model is not None:
+        from .execution.variable_probe import with_probe_model
+
+        adapter = with_probe_model(adapter, model)
 
     data = _load(data)
     intensities = data.intensities
@@ -263,6 +277,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         raise ValueError(f"{intensities.shape[0]} patterns but {len(positions)} positions; "
                          "they must match one to one")
     n = intensities.shape[-1]
+    if model is not None:
+        model.check_run(len(positions), options.probe_start_epoch is not None)
     mask = getattr(data, "mask", None)
     adapter.valid = None if mask is None else np.fft.ifftshift(np.asarray(mask, dtype=bool))
 
@@ -295,16 +311,22 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
                        **dataclasses.asdict(options))
     if adapter.positions is not None:
         run_options["refine_positions"] = dataclasses.asdict(adapter.positions)
+    if model is not None:
+        run_options["probe_model"] = dataclasses.asdict(model)
     layout = PatternLayout()
 
     def make_result(state, history):
         refined, pattern_state = layout.result_arrays(state)
+        engine_state = {**adapter.engine_state(state), **pattern_state}
+        weights = engine_state.get("pattern_opr_weights")
         return Reconstruction(object=state.object, probe=state.probe,
                               positions=frame_positions if refined is None else refined,
                               origin=origin, illumination=state.illumination, history=history,
                               options=run_options, epoch=state.epoch,
-                              engine_state={**adapter.engine_state(state), **pattern_state},
-                              nominal_positions=None if refined is None else frame_positions)
+                              engine_state=engine_state,
+                              nominal_positions=None if refined is None else frame_positions,
+                              probe_weights=None if weights is None else
+                              effective_weights(weights, engine_state.get("opr_weight_transform")))
 
     previous_history = resumed.history if resumed is not None else []
     checkpointer = Checkpointer(checkpoint, make_result, every=checkpoint_every, history=previous_history)
@@ -363,7 +385,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
                                modes=state.probe.shape[0], sort=sort, persist=persist, device=device)
         layout.update(chunked)
         data = intensities = None  # the chunks live on the workers now: release scattered originals
-        if resumed is not None and adapter.positions is not None:
+        if resumed is not None and getattr(adapter, "local_state", False):
             state = with_local(state, layout.resumed_locals(adapter, chunked, resumed.positions,
                                                             resumed.engine_state))
         remaining = max(epochs - state.epoch, 0)
@@ -375,7 +397,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         except KeyboardInterrupt:
             checkpointer.write()
             raise
-        except (PositionsDiverged, ReconstructionStalled, DataChanged) as exc:
+        except (PositionsDiverged, ProbeModelDiverged, ReconstructionStalled, DataChanged) as exc:
             kept = (f"the checkpoint {checkpoint} of epoch {checkpointer.written_epoch} is kept"
                     if checkpointer.written_epoch is not None else "no checkpoint was written")
             raise type(exc)(f"{exc}; {kept}") from None

@@ -25,6 +25,8 @@ class Reconstruction:
     options: the settings used (JSON-serialisable).
     nominal_positions: (N, 2) the positions as measured, in the object frame, when position
         refinement moved ``positions`` (else None: they are the nominal ones).
+    probe_weights: (N, K) float64 OPR weights of every pattern (column 0: the mean probe's) in
+        the eigen-probes' current basis (``reconstruct(opr_modes=K)``; else None).
     """
 
     object: np.ndarray
@@ -37,6 +39,24 @@ class Reconstruction:
     epoch: int = 0
     engine_state: dict = field(default_factory=dict)
     nominal_positions: np.ndarray | None = None
+    probe_weights: np.ndarray | None = None
+
+    @property
+    def eigen_probes(self) -> np.ndarray | None:
+        """OPR eigen-probes U_1 … U_{K−1} (K−1, n, n) (U_0 is ``probe[0]``), or None."""
+        return self.engine_state.get("opr_eigen_probes")
+
+    @property
+    def intensity_scale(self) -> np.ndarray | None:
+        """Per-pattern intensity factors (N,) (``reconstruct(fit_intensity=True)``), or None."""
+        v = self.engine_state.get("pattern_intensity_scale")
+        return None if v is None else np.asarray(v)[:, 0]
+
+    @property
+    def background(self) -> np.ndarray | None:
+        """The fitted background, (1, 1) (constant) or (n, n) DC at the centre, or None."""
+        v = self.engine_state.get("background")
+        return None if v is None else np.fft.fftshift(v) if np.shape(v) != (1, 1) else np.asarray(v)
 
     @property
     def epochs(self) -> int:
@@ -98,6 +118,8 @@ class Reconstruction:
         arrays = [("object", self.object), ("probe", self.probe), ("positions", self.positions)]
         if self.nominal_positions is not None:
             arrays.append(("nominal_positions", self.nominal_positions))
+        if self.probe_weights is not None:
+            arrays.append(("probe_weights", self.probe_weights))
         for name, arr in arrays:
             a = root.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=_chunks_for(arr))
             a[...] = arr
@@ -147,7 +169,8 @@ class Reconstruction:
                    origin=np.asarray(root.attrs["origin"], dtype=np.float64), illumination=illum,
                    history=list(root.attrs.get("history", [])), options=dict(root.attrs.get("options", {})),
                    epoch=int(root.attrs.get("epoch", 0)), engine_state=engine_state,
-                   nominal_positions=root["nominal_positions"][...] if "nominal_positions" in root else None)
+                   nominal_positions=root["nominal_positions"][...] if "nominal_positions" in root else None,
+                   probe_weights=root["probe_weights"][...] if "probe_weights" in root else None)
 
 
 def _discard(tmp: str, timeout: float = 2.0) -> None:

@@ -31,6 +31,12 @@ def add_parser(subparsers):
                    help="refine the scan positions (both engines); optional settings, e.g. "
                         "start_epoch=5,max_step=0.5,affine=true,affine_blend=0.02,lr=0.1 "
                         "(see daskpty.engines.positions.PositionOptions)")
+    p.add_argument("--opr-modes", type=int, default=None, metavar="K",
+                   help="a probe varying over the scan: K modes of orthogonal probe relaxation "
+                        "(the mean probe and K - 1 eigen-probes with per-pattern weights)")
+    p.add_argument("--fit-intensity", action="store_true", help="fit a per-pattern intensity factor")
+    p.add_argument("--background", default=None, choices=["constant", "pixel"],
+                   help="fit a background added to the model intensity")
     p.add_argument("--workers", type=int, default=None, help="local worker processes (default: one per core)")
     p.add_argument("--scheduler", default=None, help="address of a running dask scheduler")
     p.add_argument("--chunk-length", type=int, default=None, help="patterns per chunk")
@@ -107,7 +113,9 @@ def run(args) -> int:
                                   chunk_length=args.chunk_length, progress=not args.quiet,
                                   checkpoint=args.output, checkpoint_every=args.checkpoint_every,
                                   resume=args.resume, dashboard=args.dashboard,
-                                  refine_positions=_position_settings(args.refine_positions), **ad_args)
+                                  refine_positions=_position_settings(args.refine_positions),
+                                  opr_modes=args.opr_modes, fit_intensity=args.fit_intensity,
+                                  background=args.background, **ad_args)
     except KeyboardInterrupt:
         kept = _kept(args.output)
         if kept is not None:

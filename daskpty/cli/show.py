@@ -103,24 +103,36 @@ def run(args) -> int:
         raise ValueError("daskpty show needs matplotlib: pip install 'daskpty[plot]'") from exc
 
     fig = summary_figure(rec, truth=truth, pixel_size_m=px)
+    _save(fig, args.output, fmt, args.dpi)
+    w, h = (round(v * args.dpi) for v in fig.get_size_inches())
+    extra = " with FRC vs truth" if truth is not None else ""
+    epochs = getattr(rec, "epochs", len(rec.history))
+    print(f"wrote {args.output}: {w}×{h} px, {epochs} epoch(s){extra}", file=sys.stdout)
+    if getattr(rec, "probe_weights", None) is not None:  # OPR: eigen-probes and weight maps beside it
+        from daskpty.monitor.opr_plot import opr_figure
 
-    out = os.path.abspath(args.output)
+        stem, ext = os.path.splitext(args.output)
+        opr_path = f"{stem}-opr{ext}"
+        _check_output(opr_path, args.overwrite)
+        _save(opr_figure(rec), opr_path, fmt, args.dpi)
+        print(f"wrote {opr_path}: eigen-probes and weight maps", file=sys.stdout)
+    return 0
+
+
+def _save(fig, path: str, fmt: str, dpi: int) -> None:
+    """Write a figure atomically (a partial file renamed into place)."""
+    out = os.path.abspath(path)
     tmp = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.partial-{uuid.uuid4().hex[:8]}")
     try:
-        fig.savefig(tmp, format=fmt, dpi=args.dpi)
+        fig.savefig(tmp, format=fmt, dpi=dpi)
         os.replace(tmp, out)
     except OSError as exc:  # full or read-only disk, no permission: one line
         from daskpty.io.safety import write_error
 
-        err = write_error(exc, "writing the figure", args.output, "nothing was left behind")
+        err = write_error(exc, "writing the figure", path, "nothing was left behind")
         if err is None:
             raise
         raise err from None
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    w, h = (round(v * args.dpi) for v in fig.get_size_inches())
-    extra = " with FRC vs truth" if truth is not None else ""
-    epochs = getattr(rec, "epochs", len(rec.history))
-    print(f"wrote {args.output}: {w}×{h} px, {epochs} epoch(s){extra}", file=sys.stdout)
-    return 0

@@ -95,6 +95,9 @@ class LSQMLState:
     affine: np.ndarray | None = None        # position refinement: map fitted after the last epoch
     affine_boost: np.ndarray | None = None  # the extra affine move of the next epoch (see positions)
     affine_sums: dict | None = None         # its normal equations, summed over this epoch's rounds
+    eigen_probes: np.ndarray | None = None  # varying probe (engines.probe_model): OPR eigen-probes U_1…
+    weight_transform: np.ndarray | None = None  # T of the last orthonormalisation (chunks apply it)
+    background: np.ndarray | None = None    # fitted background, (1, 1) or (n, n)
 
     def update_probe(self, options: LSQMLOptions) -> bool:
         return options.probe_start_epoch is not None and self.epoch >= options.probe_start_epoch
@@ -131,7 +134,7 @@ def _fft_in_place(buf, inverse: bool = False):
 
 
 def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, update_probe: bool = True,
-               valid=None, position_terms: bool = False) -> Partial:
+               valid=None, position_terms: bool = False, variable=None) -> Partial:
     """One LSQML step for one chunk of patterns, returned as an additive partial.
 
     obj: (H, W) complex64 (whole object; only the chunk's bounding box is read).
@@ -152,6 +155,12 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     (B, 2): Δr_a = Re Σ_k conj(S_f P_k ∂_a O_j) χ_jk / Σ_k |S_f P_k ∂_a O_j|², formed in pass 1
     as Re⟨∂_a O_j, g_j⟩ / ⟨|∂_a O_j|², Σ_k |S_f P_k|²⟩ (∂_a O by central differences on the
     box): two gathers and four dot products per pattern, no FFT.
+
+    ``variable``: a :class:`~daskpty.engines.probe_model.PatternProbes` when the probe varies from
+    pattern to pattern (OPR weights, intensity factors, background; None: one probe for all, this
+    very code path). Each pattern then uses its own probe spectra, the probe sums are weighted by
+    how each pattern's probe depends on the shared modes, and the variable model's per-pattern
+    least-squares terms are left on ``variable`` (see :mod:`daskpty.engines.lsqml_opr`).
     """
     xp = get_xp(intensities)
     n = probe.shape[-1]
@@ -174,6 +183,8 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     intensities = xp.asarray(intensities)
     step = n_patterns if xp is not np else max(1, min(n_patterns, CPU_BLOCK_BYTES // (8 * n_modes * n * n)))
     blocks = [slice(s, min(s + step, n_patterns)) for s in range(0, n_patterns, step)]
+    if variable is not None:
+        variable.begin(step, n_patterns, update_probe)
 
     wave_shape = (n_patterns, n_modes, n, n)
     work = xp.empty((step, n_modes, n, n), np.complex64)
@@ -205,14 +216,16 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     for batch in blocks:
         b = batch.stop - batch.start
         r = outer_ramps(ry[batch], rx[batch], out=ramp[:b])
-        sp = xp.multiply(r[:, None], probe_ft[None], out=shifted[batch] if update_probe else shifted[:b])
+        pft = probe_ft[None] if variable is None else variable.spectra(batch, out=variable.buffer[:b])
+        sp = xp.multiply(r[:, None], pft, out=shifted[batch] if update_probe else shifted[:b])
         _fft_in_place(sp, inverse=True)                     # S_f P = F⁻¹(ramp · F P)
         o = index.extract(obj_box, batch, out=patches[:b])
         wave = chis[batch] if update_probe else work[:b]
         xp.multiply(sp, o[:, None], out=wave)               # ψ = S_f P · O
         _fft_in_place(wave)
         y = intensities[batch].astype(np.float32, copy=False)
-        _, yhat, loss_b = far_field_update(options.noise, wave, y, valid, options.eps, overwrite=True)
+        _, yhat, loss_b = far_field_update(options.noise, wave, y, valid, options.eps, overwrite=True,
+                                           background=None if variable is None else variable.background)
         loss += float(loss_b.sum())
         # Σ_j y_j and Σ_j ŷ_j per pixel: float32 over one block, float64 across blocks.
         measured += ones[:b] @ y.reshape(b, -1)
@@ -231,13 +244,18 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
                 d2 = xp.square(d.real)
                 d2 += xp.square(d.imag)
                 shift_den[batch, axis] = real_dots(d2, w)
+        if variable is not None:
+            variable.pattern_terms(batch, o, g, w)
         index.scatter_add(obj_num, g, batch)
         index.scatter_add(illum, w, batch)
         if update_probe:  # G_j = conj(ramp_j) · F(conj(O_j) χ_j), summed; χ stays for pass 2
             spec = xp.multiply(chi, xp.conj(o, out=o)[:, None], out=work[:b])
             _fft_in_place(spec)
             spec *= xp.conj(r, out=r)[:, None]
-            spectra_sum += ones_c[:b] @ spec.reshape(b, -1)
+            if variable is None:
+                spectra_sum += ones_c[:b] @ spec.reshape(b, -1)
+            else:  # Σ_j (∂P_jm/∂P_m) G_jm, and the eigen-probe and weight terms from G_j0
+                variable.probe_terms(batch, spec, spectra_sum.reshape(n_modes, -1))
         else:
             illum_patches[batch] = w
     inv_precond = _preconditioner(illum, options.delta)
@@ -266,6 +284,8 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
             bb = xp.multiply(r[:, None], probe_dir_ft[None], out=work[:b])
             _fft_in_place(bb, inverse=True)                # S_f ΔP̂
             bb *= index.extract(obj_box, batch, out=patches[:b])[:, None]
+            if variable is not None:                       # pattern j's probe moves by (∂P_j/∂P) ΔP̂
+                bb *= variable.mode_factors_xp(batch)[:, :, None, None]
             chi = chis[batch]
             a_chi[batch] = real_dots(ab, chi)
             b_chi[batch] = real_dots(bb, chi)
@@ -304,12 +324,14 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         parts.arrays["probe"] = (np.float32(alpha_p) * probe_sum).astype(np.complex64, copy=False)
     if position_terms:
         parts.local["shift"] = lsqml_shift(to_numpy(shift_num), to_numpy(shift_den))
+    if variable is not None:
+        variable.finish(parts, measured, model)
     return parts.to_numpy()
 
 
 def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, options: LSQMLOptions,
                         positions: PositionOptions, epoch: int, affine=None, update_probe: bool = True,
-                        valid=None) -> Partial:
+                        valid=None, variable=None) -> Partial:
     """:func:`chunk_step` at the refined positions ``local["positions"]`` of these patterns,
     moving them (from epoch ``positions.start_epoch`` on).
 
@@ -323,7 +345,7 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     refined = positions_for_step(local, nominal, affine, positions, epoch, n, obj.shape)
     active = positions.active(epoch)
     part = chunk_step(obj, probe, intensities, refined, options=options, update_probe=update_probe,
-                      valid=valid, position_terms=active)
+                      valid=valid, position_terms=active, variable=variable)
     if not active or not part.scalars:
         part.local = {}
         return part
@@ -426,5 +448,7 @@ def normalize_scale(state: LSQMLState) -> None:
     if c > 0 and np.isfinite(c):
         state.object = (state.object / np.float32(c)).astype(np.complex64)
         state.probe = (state.probe * np.float32(c)).astype(np.complex64)
+        if state.eigen_probes is not None:  # they scale with the mean probe (weights unchanged)
+            state.eigen_probes = (state.eigen_probes * np.float32(c)).astype(np.complex64)
         if state.velocity is not None:
             state.velocity = (state.velocity / np.float32(c)).astype(np.complex64)

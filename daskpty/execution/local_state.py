@@ -1,4 +1,6 @@
-"""Per-pattern state that lives with its chunk: refined positions and their optimiser memory.
+"""Per-pattern state that lives with its chunk: refined positions and their optimiser memory,
+the probe model's OPR weights and intensity factors (each enabled feature adds its arrays to the
+chunk's dict).
 
 An engine adapter with per-pattern state offers ``initial_local(nominal_positions) -> dict``
 (``{name: (B, ...) array}`` for one chunk; see ``daskpty.engines.positions``). The execution
@@ -10,6 +12,8 @@ results, checkpoints and resume).
 from __future__ import annotations
 
 import numpy as np
+
+from ..engines.probe_model import PROBE_MODEL_KEYS
 
 
 def chunk_bounds(chunk_lengths) -> np.ndarray:
@@ -54,8 +58,24 @@ def sort_like_chunks(arrays: dict, order: np.ndarray | None) -> dict:
     return {name: np.asarray(v)[order] for name, v in arrays.items()}
 
 
-#: How per-pattern arrays other than ``positions`` are named in a reconstruction's engine state.
+#: How per-pattern arrays other than ``positions`` are named in a reconstruction's engine state:
+#: position refinement's memory as ``position_<name>``, the probe model's arrays (OPR weights,
+#: intensity factors) as ``pattern_<name>``.
 ENGINE_STATE_PREFIX = "position_"
+PATTERN_PREFIX = "pattern_"
+
+
+def stored_name(name: str) -> str:
+    """The engine-state name of a per-pattern array of the chunks' state."""
+    return (PATTERN_PREFIX if name in PROBE_MODEL_KEYS else ENGINE_STATE_PREFIX) + name
+
+
+def local_name(stored: str) -> str | None:
+    """Inverse of :func:`stored_name` (None: not a per-pattern array's name)."""
+    for prefix in (PATTERN_PREFIX, ENGINE_STATE_PREFIX):
+        if stored.startswith(prefix):
+            return stored[len(prefix):]
+    return None
 
 
 class PatternLayout:
@@ -88,14 +108,14 @@ class PatternLayout:
         if not local or self.chunk_lengths is None:
             return None, {}
         arrays = gather_locals(local, self.chunk_lengths, self.order)
-        refined = arrays.pop("positions")
-        return refined, {ENGINE_STATE_PREFIX + k: v for k, v in arrays.items()}
+        refined = arrays.pop("positions", None)
+        return refined, {stored_name(k): v for k, v in arrays.items()}
 
     def resumed_locals(self, adapter, data, positions, engine_state: dict) -> dict:
         """Every chunk's per-pattern state from a resumed result: its refined ``positions`` (object
-        frame, user order) and the ``position_*`` arrays of its engine state."""
+        frame, user order) and the ``position_*`` / ``pattern_*`` arrays of its engine state."""
         arrays = {"positions": positions}
-        arrays.update({k[len(ENGINE_STATE_PREFIX):]: v for k, v in engine_state.items()
-                       if k.startswith(ENGINE_STATE_PREFIX) and np.ndim(v) == 2 and len(v) == len(positions)})
+        arrays.update({local_name(k): v for k, v in engine_state.items()
+                       if local_name(k) and np.ndim(v) == 2 and len(v) == len(positions)})
         return initial_locals(adapter, data.positions_host, data.chunk_lengths,
                               sort_like_chunks(arrays, data.order))

@@ -141,18 +141,23 @@ CORRECTIONS = {"gaussian": gaussian_correction, "poisson": poisson_correction}
 LOSSES = {"gaussian": gaussian_loss, "poisson": poisson_loss}
 
 
-def far_field_update(noise: str, far, y, valid=None, eps: float = DEFAULT_EPS, overwrite: bool = False):
+def far_field_update(noise: str, far, y, valid=None, eps: float = DEFAULT_EPS, overwrite: bool = False,
+                     background=None):
     """The far-field correction as an update ΔΨ = Ψ' − Ψ, with ŷ and the per-pattern loss.
 
     Same mathematics as :func:`gaussian_correction` / :func:`poisson_correction` and the matching
     loss, fused so that each pixel is visited a few times in float32 and no corrected copy of Ψ is
     kept. ``overwrite=True`` writes ΔΨ into ``far``. Returns ``(delta, yhat, loss)`` with ``loss``
     of shape (B,) (float64; the Gaussian loss is accumulated by BLAS in float32).
+    ``background`` (n, n), optional: added to the model intensity (ŷ = Σ_k |Ψ_k|² + background,
+    the returned ŷ included); the correction scales the coherent far fields by the same factor.
     """
     xp = get_xp(far)
     if noise not in CORRECTIONS:
         raise ValueError(f"noise must be one of {sorted(CORRECTIONS)}, got {noise!r}")
     yhat = model_intensity(far)
+    if background is not None:
+        yhat += background
     y = y.astype(np.float32, copy=False)
     if noise == "gaussian":
         # √y/√(ŷ+ε) − 1 = (√y − √(ŷ+ε))/√(ŷ+ε): the loss residual, divided.

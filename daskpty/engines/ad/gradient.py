@@ -56,7 +56,7 @@ class _Chunk:
     ``keep_shifted``: keep S_f P next to Ψ (the adjoint needs it); otherwise Ψ overwrites it.
     """
 
-    def __init__(self, obj, probe, intensities, positions, valid, keep_shifted: bool = True):
+    def __init__(self, obj, probe, intensities, positions, valid, keep_shifted: bool = True, variable=None):
         xp = get_xp(intensities)
         self.xp = xp
         cdtype, rdtype = _working_dtypes(obj, probe)
@@ -87,6 +87,8 @@ class _Chunk:
         self._patches = xp.empty((step, n, n), cdtype)
         self._shifted = xp.empty((step, n_modes, n, n), cdtype)
         self._waves = xp.empty((step, n_modes, n, n), cdtype) if keep_shifted else self._shifted
+        self.variable = variable  # a varying probe (engines.probe_model.PatternProbes), or None
+        self._spectra = None if variable is None else xp.empty((step, n_modes, n, n), cdtype)
 
     @property
     def origin(self):
@@ -101,7 +103,8 @@ class _Chunk:
         xp = self.xp
         b = batch.stop - batch.start
         r = _outer_ramps(self.ry[batch], self.rx[batch], out=self._ramps[:b])
-        q = xp.multiply(r[:, None], self.probe_ft[None], out=self._shifted[:b])
+        pft = self.probe_ft[None] if self.variable is None else self.variable.spectra(batch, self._spectra[:b])
+        q = xp.multiply(r[:, None], pft, out=self._shifted[:b])
         _fft_in_place(q, inverse=True)                                          # Q = F⁻¹(ramp · F P)
         o = self.index.extract(self.obj_box, batch, out=self._patches[:b])
         wave = xp.multiply(q, o[:, None], out=self._waves[:b])                  # ψ = Q · O_j
@@ -118,7 +121,7 @@ def _check_chunk_inputs(intensities, positions):
 
 def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | None" = None, valid=None,
                    want_object: bool = True, want_probe: bool = True,
-                   want_positions: bool = False) -> Partial:
+                   want_positions: bool = False, variable=None) -> Partial:
     """Loss and its gradients for one chunk of patterns, as an additive partial.
 
     obj (H, W) complex (only the chunk's bounding box is read); probe (M, n, n) complex;
@@ -138,15 +141,26 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     illumination and object gradient scattered into the box, and G_j = conj(ramp_j) F[conj(O_j) g_ψj]
     (F of the adjoint shift of g_Q): the probe gradient is F⁻¹ Σ_j G_j, summed block by block, and
     ∂L/∂f_j = Re⟨G_j, F[P] (−2πi k)⟩ are BLAS dots.
+
+    ``variable``: a :class:`~daskpty.engines.probe_model.PatternProbes` (a probe varying over the
+    scan): every pattern's own probe spectra in the forward model, the probe gradient weighted by
+    ∂P_jm/∂P_m, and the gradients of the eigen-probes, weights, intensity factors and background
+    gathered on ``variable`` and in ``arrays`` (see :mod:`daskpty.engines.ad.opr`).
     """
     _check_chunk_inputs(intensities, positions)
     n_patterns = intensities.shape[0]
     if n_patterns == 0:
         return Partial()
     opts = options or ADOptions()
-    c = _Chunk(obj, probe, intensities, positions, valid)
+    c = _Chunk(obj, probe, intensities, positions, valid, variable=variable)
     xp, cdtype, rdtype = c.xp, c.cdtype, c.rdtype
     n, n_modes = c.n, c.n_modes
+    if variable is not None:
+        variable.begin(c.step, n_patterns, want_probe)
+        want_object_grad = want_object or variable.want_intensity
+        background = variable.background
+    else:
+        want_object_grad, background = want_object, None
     want_spectra = want_probe or want_positions
     illum = xp.zeros(c.obj_box.shape, dtype=rdtype)
     if want_object:
@@ -173,26 +187,36 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
         r, q, o, wave = c.forward(batch)
         y = c.data(batch)
         per, g_far, yhat = _far_field_loss(opts.loss, wave, y, c.valid, opts.eps, gradient=True,
-                                           overwrite=True)                  # g_Ψ into Ψ's buffer
+                                           overwrite=True, background=background)  # g_Ψ into Ψ's buffer
+        if variable is not None and variable.want_background:
+            variable.background_terms(opts.loss, yhat, y, c.valid, opts.eps)
         loss += float(per.sum())
         # Σ_j y_j and Σ_j ŷ_j per pixel: working precision over one block, float64 across blocks
         measured += ones[:b] @ y.reshape(b, -1)
         model += ones[:b] @ yhat.reshape(b, -1)
         g_psi = _fft_in_place(g_far, inverse=True)                          # g_ψ = F⁻¹ g_Ψ
-        c.index.scatter_add(illum, model_intensity(q), batch)              # Σ_k |Q_jk|²
-        if want_object:                                 # Σ_k conj(Q_jk) g_ψjk, in Q's buffer
+        q_power = model_intensity(q)
+        c.index.scatter_add(illum, q_power, batch)                          # Σ_k |Q_jk|²
+        if want_object_grad:                            # Σ_k conj(Q_jk) g_ψjk, in Q's buffer
             g = xp.conj(q[:, 0], out=q[:, 0])
             g *= g_psi[:, 0]
             for m in range(1, n_modes):
                 g += xp.conj(q[:, m]) * g_psi[:, m]
-            c.index.scatter_add(obj_grad, g, batch)
+            if variable is not None:                    # Re⟨O_j, g_j⟩ = s_j ∂L/∂s_j, |O_j|²
+                variable.pattern_terms(batch, o, g, q_power)
+            if want_object:
+                c.index.scatter_add(obj_grad, g, batch)
+        elif variable is not None:
+            variable.pattern_terms(batch, o, None, q_power)
         if want_spectra:
             if want_probe:                              # Σ_j |O_j|², windows of |O|² on the box
                 probe_illum += ones[:b] @ c.index.extract(obj_power, batch, out=powers[:b]).reshape(b, -1)
             g_psi *= xp.conj(o, out=o)[:, None]                            # g_Q = conj(O_j) g_ψ
             spectra = _fft_in_place(g_psi)
             spectra *= xp.conj(r, out=r)[:, None]                           # G_j
-            if want_probe:
+            if want_probe and variable is not None:     # Σ_j (∂P_jm/∂P_m) G_jm, eigen and weight terms
+                variable.probe_terms(batch, spectra, spectra_sum.reshape(n_modes, -1))
+            elif want_probe:
                 spectra_sum += ones_c[:b] @ spectra.reshape(b, -1)
             if want_positions:
                 position_grad[batch, 0] = real_dots(spectra, xp.broadcast_to(dq_y, spectra.shape))
@@ -213,28 +237,32 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
         part.arrays["probe_illumination"] = probe_illum.reshape(n, n).astype(rdtype)
     if want_positions:
         part.arrays["position_grad"] = position_grad
+    if variable is not None:
+        variable.finish(part, measured, model)
     return part.to_numpy()
 
 
 def chunk_loss(obj, probe, intensities, positions, *, options: "ADOptions | None" = None,
-               valid=None) -> Partial:
+               valid=None, variable=None) -> Partial:
     """Loss only (forward model, no adjoint) for one chunk: ``scalars`` loss (float64 sum) and n."""
     _check_chunk_inputs(intensities, positions)
     if intensities.shape[0] == 0:
         return Partial()
     opts = options or ADOptions()
-    c = _Chunk(obj, probe, intensities, positions, valid, keep_shifted=False)
+    c = _Chunk(obj, probe, intensities, positions, valid, keep_shifted=False, variable=variable)
+    background = None if variable is None else variable.background
     loss = 0.0
     for batch in c.blocks:
         wave = c.forward(batch)[3]
-        per, _, _ = _far_field_loss(opts.loss, wave, c.data(batch), c.valid, opts.eps, gradient=False)
+        per, _, _ = _far_field_loss(opts.loss, wave, c.data(batch), c.valid, opts.eps, gradient=False,
+                                    background=background)
         loss += float(per.sum())
     return Partial(scalars={"loss": loss, "n": float(intensities.shape[0])})
 
 
 def refining_chunk_gradient(obj, probe, intensities, nominal, local: dict, *, options, positions,
                             epoch: int, affine=None, valid=None, want_object: bool = True,
-                            want_probe: bool = True) -> Partial:
+                            want_probe: bool = True, variable=None) -> Partial:
     """:func:`chunk_gradient` at the refined positions ``local["positions"]``, then (from epoch
     ``positions.start_epoch`` on) one step of the positions' own optimiser against ∂L/∂(y, x)
     (see :func:`daskpty.engines.positions.step_with_optimizer`); the partial carries the new
@@ -243,7 +271,8 @@ def refining_chunk_gradient(obj, probe, intensities, nominal, local: dict, *, op
     used = positions_for_step(local, nominal, affine, positions, epoch, n, obj.shape)
     active = positions.active(epoch)
     part = chunk_gradient(obj, probe, intensities, used, options=options, valid=valid,
-                          want_object=want_object, want_probe=want_probe, want_positions=active)
+                          want_object=want_object, want_probe=want_probe, want_positions=active,
+                          variable=variable)
     if not active or not part.scalars:
         part.local = {}
         return part

@@ -14,7 +14,8 @@ LOSS_NAMES = ("gaussian", "poisson", "intensity")
 # Losses: value and gradient w.r.t. the far field Ψ (B, M, n, n)
 
 
-def _far_field_loss(name: str, far, y, valid, eps: float, gradient: bool, overwrite: bool = False):
+def _far_field_loss(name: str, far, y, valid, eps: float, gradient: bool, overwrite: bool = False,
+                    background=None):
     """Loss per pattern, ∇_Ψ L and ŷ of far fields ``far`` (B, M, n, n), fused in a few passes.
 
     Returns ``(per_pattern, grad, yhat)``: per_pattern (B,) float64, grad = 2 h'(ŷ) Ψ (None unless
@@ -23,12 +24,15 @@ def _far_field_loss(name: str, far, y, valid, eps: float, gradient: bool, overwr
     losses are Σ r² of their residuals r = √(ŷ+ε) − √y and ŷ − y, by BLAS dots (single precision:
     float32 over 1024 pixels, float64 across, see :func:`real_dots`); the Poisson loss, whose
     per-pixel terms are large next to their sum's changes, is evaluated in float64.
+    ``background`` (n, n), optional: added to ŷ (the returned ŷ included).
     """
     xp = get_xp(far)
     rdtype = np.float64 if far.dtype == np.complex128 else np.float32
     if valid is not None:
         valid = xp.asarray(valid)
     yhat = model_intensity(far)
+    if background is not None:
+        yhat += background
     y = y.astype(rdtype, copy=False)
     factor = None
     if name == "gaussian":      # (√(ŷ+ε) − √y)² = (ŷ+ε) u²,  2h' = 2u,  u = 1 − √(y/(ŷ+ε))

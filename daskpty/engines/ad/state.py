@@ -176,6 +176,9 @@ class ADState:
     affine: np.ndarray | None = None        # position refinement (see daskpty.engines.positions)
     affine_boost: np.ndarray | None = None
     affine_sums: dict | None = None
+    eigen_probes: np.ndarray | None = None      # varying probe (engines.probe_model)
+    weight_transform: np.ndarray | None = None
+    background: np.ndarray | None = None
 
     def active(self, name: str, options: ADOptions) -> bool:
         return options.active(name, self.epoch)
@@ -329,6 +332,8 @@ def normalize_scale(state: ADState, options: ADOptions) -> None:
         return
     state.object = (state.object / c).astype(state.object.dtype)
     state.probe = (state.probe * c).astype(state.probe.dtype)
+    if state.eigen_probes is not None:  # they scale with the mean probe (weights unchanged)
+        state.eigen_probes = (state.eigen_probes * c).astype(state.eigen_probes.dtype)
     param = {"object": 1.0 / c, "probe": c}
     raw = {"object": c, "probe": 1.0 / c}
     fed = param if options.precondition else raw   # what the optimiser was fed (s or g)

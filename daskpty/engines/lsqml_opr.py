@@ -1,0 +1,105 @@
+"""LSQML with a varying probe: OPR eigen-probes and weights, intensity factors, background.
+
+The chunk step is :func:`daskpty.engines.lsqml.chunk_step` with a
+:class:`~daskpty.engines.probe_model.PatternProbes` (each pattern's own probe spectra; the
+least-squares terms of the probe model gathered on the way, no extra FFT). Here:
+
+* :func:`variable_chunk_step` — the chunk's weights moved into the current eigen-probe basis
+  (the T of the last epoch), the chunk step (with position refinement when asked), then per
+  pattern the damped least-squares steps of the weights, Δw_j = G_j⁻¹ h_j with
+  h_jk = Re⟨s_j S_f U_k O_j, χ_j0⟩ = s_j Re⟨F U_k, G_j0⟩ (Parseval, from the probe-update
+  spectra) and G_j,kl ≈ s_j² Σ Re(conj U_k U_l) |O_j|², and of the intensity factors,
+  Δs_j = s_j Re⟨ψ_j, χ_j⟩ / ‖ψ_j‖²;
+* :func:`apply` — eigen-probes U_k += step · Σ_j s_j w_jk S_{−f}(conj O_j χ_j0) /
+  (Σ_j (s_j w_jk)² |O_j|² + δ max), the least-squares update of each eigen-probe had every
+  pattern the same object; background from the mean intensity residual;
+* :func:`end_epoch` — orthonormalise the eigen-probes; the state keeps T for the chunks.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..physics import ifft2
+from . import lsqml
+from .probe_model import (
+    PROBE_MODEL_KEYS,
+    PatternProbes,
+    ProbeModelOptions,
+    check_finite,
+    orthonormalize,
+    solve_weight_steps,
+    step_background,
+)
+
+
+def model_local(local: dict | None, transform) -> dict:
+    """The probe model's per-pattern arrays of ``local``, weights moved into the current basis."""
+    out = {k: local[k] for k in PROBE_MODEL_KEYS if local and k in local}
+    if "opr_weights" in out and transform is not None:
+        out["opr_weights"] = np.asarray(out["opr_weights"], np.float64) @ np.asarray(transform, np.float64)
+    return out
+
+
+def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: int) -> dict:
+    """The patterns' weights and intensity factors after the step's least-squares updates."""
+    new = {}
+    amp = variable._amp(slice(0, variable.n_patterns))
+    if variable.weights is not None:
+        w = variable.weights.copy()
+        if variable.want_weights:
+            free = slice(0, w.shape[1]) if model.fit_mean_weight else slice(1, w.shape[1])
+            if free.stop > free.start:
+                gram = variable.gram[:, free, free] * (amp * amp)[:, None, None]
+                rhs = variable.rhs[:, free] * amp[:, None]
+                w[:, free] += model.weight_step * solve_weight_steps(gram, rhs)
+        new["opr_weights"] = w
+    if variable.amplitude is not None:
+        s = variable.amplitude.copy()
+        if variable.want_intensity:
+            den = variable.int_den
+            ds = s * variable.int_num / (den + 1e-3 * den.mean() + 1e-30)
+            s = np.maximum(s + model.weight_step * ds, 0.0)
+        new["intensity_scale"] = (s * s)[:, None]
+    check_finite(new, model, epoch)
+    return new
+
+
+def variable_chunk_step(obj, probe, intensities, nominal, local: dict | None, *, options, model: ProbeModelOptions,
+                        eigen, transform, background, epoch: int, update_probe: bool, valid=None,
+                        positions=None, affine=None):
+    """One LSQML chunk step with the varying probe (and refined positions when ``positions``)."""
+    mlocal = model_local(local, transform)
+    variable = PatternProbes(model, probe, eigen, mlocal, intensities, active=model.active(epoch),
+                             background=background)
+    if positions is not None:
+        part = lsqml.refining_chunk_step(obj, probe, intensities, nominal, local, options=options,
+                                         positions=positions, epoch=epoch, affine=affine,
+                                         update_probe=update_probe, valid=valid, variable=variable)
+    else:
+        part = lsqml.chunk_step(obj, probe, intensities, nominal, options=options, update_probe=update_probe,
+                                valid=valid, variable=variable)
+    if mlocal and part.scalars:
+        part.local = {**part.local, **new_model_local(variable, model, epoch)}
+    return part
+
+
+def apply(state, total, model: ProbeModelOptions, delta: float = 0.1, valid=None) -> None:
+    """The probe model's share of ``lsqml.apply``: eigen-probe and background updates (new arrays)."""
+    arrays = total.arrays
+    if "opr_eigen_num" in arrays and state.eigen_probes is not None:
+        num = ifft2(np.asarray(arrays["opr_eigen_num"], np.complex64))
+        den = np.asarray(arrays["opr_eigen_den"], np.float32)
+        floor = delta * den.reshape(len(den), -1).max(axis=1)[:, None, None] + 1e-30
+        step = num / (den + floor.astype(np.float32))
+        state.eigen_probes = (state.eigen_probes + np.float32(model.eigen_step) * step).astype(np.complex64)
+    if "background_residual" in arrays and state.background is not None:
+        state.background = step_background(state.background, arrays["background_residual"],
+                                           total.scalars.get("n", 1.0), model, valid)
+
+
+def end_epoch(state, model: ProbeModelOptions) -> None:
+    """Before ``lsqml.end_epoch``: orthonormalise the eigen-probes after an epoch that moved them;
+    ``state.weight_transform`` is the T every chunk applies to its weights at its next visit."""
+    state.weight_transform = None
+    if state.eigen_probes is not None and len(state.eigen_probes) and model.active(state.epoch):
+        state.eigen_probes, state.weight_transform = orthonormalize(state.probe[0], state.eigen_probes)

@@ -1,0 +1,209 @@
+"""A probe that varies over the scan: OPR (eigen-probes + per-pattern weights), per-pattern
+intensity factors and background, in LSQML and AD (daskpty.engines.probe_model)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import daskpty
+from daskpty.engines import ad
+from daskpty.engines import probe_model as pm
+from daskpty.engines.ad import opr as ad_opr
+from daskpty.metrics import nrmse_vs_truth
+from daskpty.simulate_variable_probe import simulate_variable_probe
+
+OPR = dict(opr_modes=2, probe_model={"start_epoch": 10})
+
+
+def _run(ds, client, **kw):
+    kw.setdefault("chunk_length", 48)
+    return daskpty.reconstruct(daskpty.from_arrays(ds.intensities, ds.positions), client=client,
+                               check_data=False, **kw)
+
+
+def _nrmse(rec, ds):
+    return nrmse_vs_truth(rec.object, rec.positions, rec.illumination, ds.truth)
+
+
+def test_orthonormalize_keeps_every_patterns_probe():
+    rng = np.random.default_rng(0)
+    p0 = (rng.standard_normal((8, 8)) + 1j * rng.standard_normal((8, 8))).astype(np.complex64)
+    eigen = (rng.standard_normal((2, 8, 8)) + 1j * rng.standard_normal((2, 8, 8))).astype(np.complex64)
+    eigen[1] += 0.7 * p0
+    w = np.c_[1 + 0.1 * rng.standard_normal(20), rng.standard_normal((20, 2))]
+    new, t = pm.orthonormalize(p0, eigen)
+    before = np.einsum("jk,kab->jab", w, np.concatenate([p0[None], eigen]))
+    after = np.einsum("jk,kab->jab", pm.effective_weights(w, t), np.concatenate([p0[None], new]))
+    np.testing.assert_allclose(after, before, atol=1e-4)
+    rows = np.concatenate([p0[None], new]).reshape(3, -1)
+    gram = (rows.conj() @ rows.T).real
+    np.testing.assert_allclose(gram / gram[0, 0], np.eye(3), atol=1e-5)   # orthogonal, ‖U_k‖ = ‖U_0‖
+
+
+def test_ad_gradients_match_finite_differences():
+    """∂L/∂w_jk, ∂L/∂U_k, ∂L/∂b (per pixel) and ∂L/∂c_j of one chunk against central differences."""
+    ds = simulate_variable_probe(n=16, grid=4, step=3.0, photons=1e4)
+    y = np.fft.ifftshift(ds.intensities, axes=(-2, -1)).astype(np.float64)
+    rng = np.random.default_rng(1)
+    obj = ds.truth.object.astype(np.complex128) * (1 + 0.05 * rng.standard_normal(ds.truth.object.shape))
+    probe = ds.truth.probe.astype(np.complex128)
+    b = len(y)
+    opts = ad.ADOptions(loss="gaussian")
+    model = pm.ProbeModelOptions(opr_modes=3, background="pixel", start_epoch=0)
+    intensity_model = pm.ProbeModelOptions(fit_intensity=True, start_epoch=0)
+    eigen = pm.initial_eigen_probes(probe[0], 2).astype(np.complex128)
+    w0 = np.c_[1 + 0.1 * rng.standard_normal(b), 0.1 * rng.standard_normal((b, 2))]
+    c0 = (1 + 0.1 * rng.standard_normal(b))[:, None]
+    bg0 = 0.5 * np.abs(rng.standard_normal((16, 16)))
+
+    def variable(w=w0, e=eigen, bg=bg0, c=None):
+        if c is not None:
+            return pm.PatternProbes(intensity_model, probe, None, {"intensity_scale": c}, y, active=True,
+                                    cdtype=np.complex128)
+        return pm.PatternProbes(model, probe, e, {"opr_weights": w}, y, active=True, background=bg,
+                                cdtype=np.complex128)
+
+    def loss(**kw):
+        return ad.chunk_loss(obj, probe, y, ds.positions, options=opts, variable=variable(**kw)).scalars["loss"]
+
+    def central(name, base, index, unit=1.0, h=1e-6):
+        plus, minus = base.copy(), base.copy()
+        plus[index] += h * unit
+        minus[index] -= h * unit
+        return (loss(**{name: plus}) - loss(**{name: minus})) / (2 * h)
+
+    v = variable()
+    part = ad.chunk_gradient(obj, probe, y, ds.positions, options=opts, variable=v)
+    g_w = ad_opr.pattern_gradients(v)["opr_weights"]
+    g_u = np.fft.ifft2(part.arrays["opr_eigen_num"], norm="ortho")
+    g_b = part.arrays["background_grad"].reshape(16, 16)
+    for index in [(0, 0), (3, 1), (7, 2)]:
+        assert central("w", w0, index) == pytest.approx(g_w[index], rel=1e-5, abs=1e-6)
+    for index in [(0, 5, 6), (1, 8, 3)]:
+        for unit in (1.0, 1j):
+            assert central("e", eigen, index, unit) == pytest.approx((np.conj(unit) * g_u[index]).real,
+                                                                   rel=1e-4, abs=1e-5)
+    for index in [(0, 0), (2, 3), (5, 9)]:
+        assert central("bg", bg0, index) == pytest.approx(g_b[index], rel=1e-5, abs=1e-6)
+    v = variable(c=c0)
+    ad.chunk_gradient(obj, probe, y, ds.positions, options=opts, variable=v)
+    g_c = ad_opr.pattern_gradients(v)["intensity_scale"]
+    for j in (0, 9):
+        assert central("c", c0, (j, 0)) == pytest.approx(g_c[j, 0], rel=1e-5)
+
+
+@pytest.fixture(scope="module")
+def runs(client):
+    """The drifting-probe scan reconstructed with and without OPR (both engines): object NRMSE
+    and the recovered weights (the constant-probe reference runs in benchmarks/bench_opr.py)."""
+    varying = simulate_variable_probe()
+    out = {"varying": varying}
+    for engine in ("lsqml", "ad"):
+        out[engine, "plain"] = _nrmse(_run(varying, client, engine=engine, epochs=40), varying)
+        rec = _run(varying, client, engine=engine, epochs=40, **OPR)
+        out[engine, "opr"] = _nrmse(rec, varying)
+        out[engine, "weights"] = rec.probe_weights
+    return out
+
+
+def _multiple_r(features, target):
+    x = np.c_[features, np.ones(len(features))]
+    coef, *_ = np.linalg.lstsq(x, target, rcond=None)
+    return float(np.corrcoef(x @ coef, target)[0, 1])
+
+
+@pytest.mark.parametrize("engine", ["lsqml", "ad"])
+def test_opr_recovers_the_object_and_the_flux(runs, engine):
+    plain, opr = runs[engine, "plain"], runs[engine, "opr"]
+    w = runs[engine, "weights"]
+    truth = runs["varying"].truth
+    r_flux = float(np.corrcoef(w[:, 0] ** 2, truth.flux)[0, 1])
+    r_defocus = _multiple_r(w[:, 1:], truth.defocus)
+    print(f"{engine}: NRMSE without OPR {plain:.4f}, with OPR {opr:.4f}; weights: r(flux) {r_flux:.3f}, "
+          f"R(defocus) {r_defocus:.3f}")
+    assert w.shape == (len(truth.flux), 2) and np.isfinite(w).all()
+    assert opr < 0.6 * plain, f"{engine}: OPR {opr:.4f} vs {plain:.4f} without"
+    assert r_flux > 0.9
+
+
+@pytest.mark.parametrize("engine", ["lsqml", "ad"])
+def test_two_workers_equal_one_and_rounds_from_the_client(client, engine):
+    from distributed import Client, LocalCluster
+
+    ds = simulate_variable_probe(grid=10)
+    kw = dict(engine=engine, epochs=4, rounds_per_epoch=2, opr_modes=3, fit_intensity=engine == "lsqml",
+              background="constant", refine_positions={"start_epoch": 2},
+              probe_model={"start_epoch": 1})
+    two = _run(ds, client, **kw)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as c1, \
+            Client(c1) as one_client:
+        one = _run(ds, one_client, **kw)
+        streamed = _run(ds, one_client, persist=False, **kw)
+    for other in (one, streamed):
+        np.testing.assert_allclose(other.probe_weights, two.probe_weights, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(other.object, two.object, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(other.positions, two.positions, rtol=0, atol=1e-6)
+    assert np.abs(two.probe_weights[:, 1:]).max() > 1e-4   # the eigen-probes' weights moved
+
+
+def test_resume_with_opr_is_bit_identical(client, tmp_path):
+    ds = simulate_variable_probe(grid=10)
+    kw = dict(rounds_per_epoch=2, opr_modes=3, fit_intensity=True, background="pixel",
+              probe_model={"start_epoch": 1})
+    straight = _run(ds, client, epochs=5, **kw)
+    _run(ds, client, epochs=3, checkpoint=tmp_path / "c.zarr", **kw)
+    stored = daskpty.Reconstruction.from_zarr(tmp_path / "c.zarr")
+    assert {"pattern_opr_weights", "pattern_intensity_scale", "opr_eigen_probes", "background"} <= set(
+        stored.engine_state)
+    assert stored.probe_weights.shape == (len(ds.positions), 3)
+    resumed = _run(ds, client, epochs=5, resume=tmp_path / "c.zarr", **kw)
+    np.testing.assert_array_equal(resumed.object, straight.object)
+    np.testing.assert_array_equal(resumed.probe_weights, straight.probe_weights)
+    np.testing.assert_array_equal(resumed.eigen_probes, straight.eigen_probes)
+    np.testing.assert_array_equal(resumed.intensity_scale, straight.intensity_scale)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(opr_modes=30), "opr_modes must be an integer in 0"),
+    (dict(opr_modes=2, background="linear"), "background must be"),
+    (dict(opr_modes=2, probe_model={"weight_step": 0}), "weight_step"),
+    (dict(opr_modes=2, probe_model={"smooth": 3}), "unknown option"),
+])
+def test_bad_probe_model_options_are_one_line_errors(kw, message):
+    with pytest.raises((ValueError, TypeError), match=message) as info:
+        pm.ProbeModelOptions.from_arguments(kw.get("opr_modes"), False, kw.get("background"), kw.get("probe_model"))
+    assert "\n" not in str(info.value)
+
+
+def test_bad_runs_are_refused(client):
+    ds = simulate_variable_probe(grid=5)   # 25 patterns
+    with pytest.raises(ValueError, match="opr_modes=3 is too many for 25 patterns") as info:
+        _run(ds, client, epochs=2, opr_modes=3)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="the probe is never updated"):
+        _run(ds, client, epochs=2, opr_modes=2, probe_start_epoch=None)
+    with pytest.raises(pm.ProbeModelDiverged, match="non-finite OPR weights"):
+        pm.check_finite({"opr_weights": np.array([[1.0, np.nan]])}, pm.ProbeModelOptions(opr_modes=2), 3)
+
+
+def test_cli_fits_opr_and_show_draws_the_weights(tmp_path):
+    """``daskpty reconstruct --opr-modes K --fit-intensity --background constant`` stores the
+    weights; ``daskpty show`` writes the eigen-probes and weight maps beside the summary."""
+    from daskpty.cli import main
+    from daskpty.monitor.opr_plot import opr_figure
+    from daskpty.monitor.plot import panel_names
+
+    ds = simulate_variable_probe(grid=8)
+    daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(tmp_path / "s.zarr")
+    out = tmp_path / "r.zarr"
+    assert main(["reconstruct", str(tmp_path / "s.zarr"), "-o", str(out), "--epochs", "4", "--workers", "1",
+                 "--quiet", "--opr-modes", "2", "--fit-intensity", "--background", "constant"]) == 0
+    rec = daskpty.Reconstruction.from_zarr(out)
+    assert rec.probe_weights.shape == (64, 2) and rec.intensity_scale.shape == (64,)
+    assert rec.options["probe_model"]["opr_modes"] == 2 and rec.background.shape == (1, 1)
+    assert panel_names(opr_figure(rec)) == ["probe U0", "probe U1", "weights U0", "weights U1"]
+    assert main(["show", str(out), "-o", str(tmp_path / "r.png")]) == 0
+    assert (tmp_path / "r-opr.png").stat().st_size > 10_000
+    assert main(["reconstruct", str(tmp_path / "s.zarr"), "-o", str(tmp_path / "x.zarr"),
+                 "--opr-modes", "9"]) == 2   # 64 patterns: at most 6 modes
+    assert not (tmp_path / "x.zarr").exists()
