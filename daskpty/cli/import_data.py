@@ -48,6 +48,12 @@ def add_parser(subparsers):
                    help="object pixel size, m (default: wavelength x distance / (n x pixel))")
     g.add_argument("--radiation", choices=["xray", "electron"], default=None,
                    help="how --energy converts to a wavelength (default xray; EMPAD electron)")
+    g.add_argument("--near-field", action="store_true",
+                   help="near-field (holographic) scan: object pixel = detector pixel / magnification, "
+                        "no far-field shift when reconstructing")
+    g.add_argument("--focus-to-sample", type=float, default=None, metavar="M",
+                   help="divergent beam: focus-to-sample distance z1, m (implies --near-field; "
+                        "magnification (z1 + distance) / z1)")
     g = p.add_argument_group("preprocessing")
     g.add_argument("--crop", type=int, default=None, metavar="N",
                    help="keep N x N detector pixels around the beam centre")
@@ -97,7 +103,8 @@ def options(args) -> dict:
     radiation = args.radiation or ("electron" if fmt == "empad" else "xray")
     geometry = Geometry(wavelength_m=args.wavelength, energy_ev=args.energy,
                         distance_m=args.distance, pixel_size_m=args.pixel_size,
-                        object_pixel_size_m=args.object_pixel_size, radiation=radiation)
+                        object_pixel_size_m=args.object_pixel_size, radiation=radiation,
+                        focus_to_sample_m=args.focus_to_sample, near_field=args.near_field)
     dark = None if args.dark is None else read_frame(args.dark, "dark frame")
     pre = Preprocess(crop=args.crop, center=None if args.center is None else tuple(args.center),
                      bin=args.bin, transpose=args.transpose, flip_y=args.flip_y,

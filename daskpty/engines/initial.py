@@ -74,3 +74,26 @@ def probe_from_mean_pattern(mean_pattern: np.ndarray, modes: int = 1, seed: int 
         probe.append(pk)
     probe = np.stack(probe).astype(np.complex64)
     return orthogonalize_modes(probe) if modes > 1 else probe
+
+
+def probe_from_mean_hologram(mean_hologram: np.ndarray, detector_kernel: np.ndarray, modes: int = 1,
+                             seed: int = 0, mode_power: float = 0.05) -> np.ndarray:
+    """Initial probe of a near-field scan: the mean hologram's amplitude carried back to the
+    sample plane, Dᴴ √ȳ (D the near-field operator of ``detector_kernel``, no fftshift: holograms
+    are images), i.e. the probe a flat object would show. Further modes: the first times a smooth
+    random phase screen, each with ``mode_power`` of its power. Returns (modes, n, n) complex64.
+    """
+    amp = np.sqrt(np.clip(np.asarray(mean_hologram, dtype=np.float64), 0.0, None))
+    kernel = np.asarray(detector_kernel)
+    first = np.fft.ifft2(np.fft.fft2(amp, norm="ortho") * np.conj(kernel), norm="ortho")
+    out = [first]
+    rng = np.random.default_rng(seed)
+    n = amp.shape[-1]
+    low = np.hypot(*np.meshgrid(np.fft.fftfreq(n), np.fft.fftfreq(n), indexing="ij")) < 4.0 / n
+    power = float((np.abs(first) ** 2).sum())
+    for _ in range(1, modes):
+        screen = np.fft.ifft2(np.fft.fft2(rng.standard_normal((n, n))) * low).real
+        screen *= np.pi / max(float(np.abs(screen).max()), 1e-30)
+        mode = first * np.exp(1j * screen)
+        out.append(mode * np.sqrt(mode_power * power / max(float((np.abs(mode) ** 2).sum()), 1e-300)))
+    return np.stack(out).astype(np.complex64)

@@ -40,6 +40,7 @@ from .validate import (
     FORMAT_NAME,
     FORMAT_VERSION,
     GEOMETRY_KEYS,
+    PHYSICS_KEYS,
     DataError,
     ValueReport,
     check_format_attrs,
@@ -70,7 +71,10 @@ DEFAULT_UNITS = {
     "detector_pixel_size_m": "m",
     "object_pixel_size_m": "m",
 }
-RESERVED_KEYS = ("daskpty", *GEOMETRY_KEYS, "units", "provenance")
+#: units of the optional geometry keys, listed in ``units`` when the key is present
+PHYSICS_UNITS = {"focus_to_sample_m": "m", "electron_voltage_v": "V", "reciprocal_pixel_rad": "rad",
+                 "convergence_semiangle_rad": "rad"}
+RESERVED_KEYS = ("daskpty", *GEOMETRY_KEYS, *PHYSICS_KEYS, "detector", "units", "provenance")
 
 _MARKER = ".daskpty-writing"
 _TOKEN_PREFIX = ".daskpty-w-"
@@ -137,30 +141,69 @@ def _jsonable(obj):
 
 def make_metadata(*, pattern_size: int | None = None, wavelength_m=None, detector_distance_m=None,
                   detector_pixel_size_m=None, object_pixel_size_m=None, units=None,
-                  provenance: str = "", extra: dict | None = None) -> dict:
+                  provenance: str = "", extra: dict | None = None, electron_voltage_v=None,
+                  reciprocal_pixel_rad=None, convergence_semiangle_rad=None, focus_to_sample_m=None,
+                  detector: str | None = None, geometry=None) -> dict:
     """Root attributes of a data-set store.
 
-    ``object_pixel_size_m`` is derived as wavelength·distance / (n·detector pixel) when the three
-    are given and it is not. ``extra`` adds further (JSON) keys that must not clash with the
-    reserved ones.
+    ``object_pixel_size_m``, when not given, is derived: far field, wavelength·distance /
+    (n·detector pixel); electrons with ``reciprocal_pixel_rad`` (Δθ), λ / (n Δθ); near field
+    (``detector="near_field"``), detector pixel / M with M = (z1 + z2) / z1, z1 =
+    ``focus_to_sample_m`` (None: plane wave, M = 1), z2 = ``detector_distance_m``. The wavelength
+    follows from ``electron_voltage_v`` (relativistic) when not given. ``geometry``: an
+    ``XrayGeometry`` / ``ElectronGeometry`` / ``NearFieldGeometry`` of
+    :mod:`daskpty.physics.geometry` (its ``metadata()``; explicit arguments win). ``extra`` adds
+    further (JSON) keys that must not clash with the reserved ones.
     """
     meta = {"daskpty": {"format": FORMAT_NAME, "version": FORMAT_VERSION}}
     given = dict(wavelength_m=wavelength_m, detector_distance_m=detector_distance_m,
-                 detector_pixel_size_m=detector_pixel_size_m, object_pixel_size_m=object_pixel_size_m)
+                 detector_pixel_size_m=detector_pixel_size_m, object_pixel_size_m=object_pixel_size_m,
+                 electron_voltage_v=electron_voltage_v, reciprocal_pixel_rad=reciprocal_pixel_rad,
+                 convergence_semiangle_rad=convergence_semiangle_rad, focus_to_sample_m=focus_to_sample_m,
+                 detector=detector)
+    if geometry is not None:
+        given = {**geometry.metadata(), **{k: v for k, v in given.items() if v is not None}}
     check_geometry(given)
-    for key, value in given.items():
+    for key in (*GEOMETRY_KEYS, *PHYSICS_KEYS):
+        value = given.get(key)
         meta[key] = None if value is None else float(value)
-    if (meta["object_pixel_size_m"] is None and pattern_size and None not in
-            (meta["wavelength_m"], meta["detector_distance_m"], meta["detector_pixel_size_m"])):
-        meta["object_pixel_size_m"] = (meta["wavelength_m"] * meta["detector_distance_m"]
-                                       / (int(pattern_size) * meta["detector_pixel_size_m"]))
-    meta["units"] = {**DEFAULT_UNITS, **(units or {})}
+    meta["detector"] = given.get("detector") or "far_field"
+    _derive_geometry(meta, pattern_size)
+    for key in (*PHYSICS_KEYS, "detector"):  # absent = not known (detector: far field)
+        if meta[key] is None or (key == "detector" and given.get("detector") is None):
+            del meta[key]
+    meta["units"] = {**DEFAULT_UNITS, **{k: u for k, u in PHYSICS_UNITS.items() if k in meta}, **(units or {})}
     meta["provenance"] = str(provenance or "")
     for key, value in (extra or {}).items():
         if key in RESERVED_KEYS:
             raise ValueError(f"metadata key {key!r} is reserved; pass it as its own argument")
         meta[key] = value
     return _jsonable(meta)
+
+
+def _derive_geometry(meta: dict, pattern_size) -> None:
+    """Fill in the wavelength (from an electron voltage) and the object pixel size (in place)."""
+    volts = meta["electron_voltage_v"]
+    if volts is not None:
+        from .importers.geometry import wavelength_from_energy
+
+        lam = wavelength_from_energy(volts, "electron")
+        if meta["wavelength_m"] is None:
+            meta["wavelength_m"] = lam
+        elif not math.isclose(meta["wavelength_m"], lam, rel_tol=1e-3):
+            fail(f"wavelength_m={meta['wavelength_m']:g} disagrees with the {volts:g} V electron "
+                 f"wavelength {lam:.6g} m; give one of them")
+    if meta["object_pixel_size_m"] is not None:
+        return
+    lam, z, p = meta["wavelength_m"], meta["detector_distance_m"], meta["detector_pixel_size_m"]
+    if meta["detector"] == "near_field":
+        if p is not None and z is not None:
+            z1 = meta["focus_to_sample_m"]
+            meta["object_pixel_size_m"] = p if z1 is None else p * z1 / (z1 + z)
+    elif meta["reciprocal_pixel_rad"] is not None and lam is not None and pattern_size:
+        meta["object_pixel_size_m"] = lam / (int(pattern_size) * meta["reciprocal_pixel_rad"])
+    elif pattern_size and None not in (lam, z, p):
+        meta["object_pixel_size_m"] = lam * z / (int(pattern_size) * p)
 
 
 # --------------------------------------------------------------------------- ground truth
@@ -325,12 +368,17 @@ class PtychoData:
 def from_arrays(intensities, positions, *, mask=None, probe=None, wavelength_m=None,
                 detector_distance_m=None, detector_pixel_size_m=None, object_pixel_size_m=None,
                 units=None, provenance: str = "", truth=None, metadata: dict | None = None,
-                shard_bytes: int = DEFAULT_SHARD_BYTES) -> PtychoData:
+                shard_bytes: int = DEFAULT_SHARD_BYTES, electron_voltage_v=None,
+                reciprocal_pixel_rad=None, convergence_semiangle_rad=None, focus_to_sample_m=None,
+                detector: str | None = None, geometry=None) -> PtychoData:
     """Build a :class:`PtychoData` from NumPy or dask arrays (structural checks included).
 
     intensities (N, H, W) uint16/uint32/float32, DC at the pattern centre; positions (N, 2) (y, x)
     object pixels; mask (H, W) bool (True = valid); probe (M, H, W) or (H, W) complex initial guess;
-    geometry in metres; ``truth`` an optional dict with ``object``, ``probe``, ``positions``;
+    geometry in metres (electrons: ``electron_voltage_v``, ``reciprocal_pixel_rad``,
+    ``convergence_semiangle_rad``; near field: ``detector="near_field"``, ``focus_to_sample_m``;
+    or a ``geometry`` object of :mod:`daskpty.physics.geometry`; see :func:`make_metadata`);
+    ``truth`` an optional dict with ``object``, ``probe``, ``positions``;
     ``metadata`` extra JSON attributes. A NumPy ``intensities`` is wrapped in a dask array chunked
     like the shards ``to_zarr`` would write.
     """
@@ -354,7 +402,10 @@ def from_arrays(intensities, positions, *, mask=None, probe=None, wavelength_m=N
                          detector_distance_m=detector_distance_m,
                          detector_pixel_size_m=detector_pixel_size_m,
                          object_pixel_size_m=object_pixel_size_m, units=units,
-                         provenance=provenance, extra=metadata)
+                         provenance=provenance, extra=metadata, electron_voltage_v=electron_voltage_v,
+                         reciprocal_pixel_rad=reciprocal_pixel_rad,
+                         convergence_semiangle_rad=convergence_semiangle_rad,
+                         focus_to_sample_m=focus_to_sample_m, detector=detector, geometry=geometry)
     return PtychoData(intensities=x, positions=positions, mask=mask, probe=probe, metadata=meta,
                       truth=_check_truth(truth, pattern_shape), path=None)
 

@@ -18,6 +18,12 @@ FORMAT_NAME = "daskpty-dataset"
 FORMAT_VERSION = 1
 INTENSITY_DTYPES = (np.dtype("uint16"), np.dtype("uint32"), np.dtype("float32"))
 GEOMETRY_KEYS = ("wavelength_m", "detector_distance_m", "detector_pixel_size_m", "object_pixel_size_m")
+#: further geometry keys (thick samples, electrons, near field; docs/data-format.md), each None or > 0
+PHYSICS_KEYS = ("focus_to_sample_m", "electron_voltage_v", "reciprocal_pixel_rad", "convergence_semiangle_rad")
+#: values of the ``detector`` key: which operator takes the exit wave to the detector
+DETECTORS = ("far_field", "near_field")
+#: accelerating voltages accepted for electrons, volts (= daskpty.physics.geometry's; io stays below physics)
+ELECTRON_VOLTAGE_RANGE_V = (1e3, 3e6)
 
 
 class DataError(ValueError):
@@ -52,14 +58,24 @@ def check_format_attrs(attrs, where: str) -> None:
 
 
 def check_geometry(meta: dict) -> None:
-    """Geometry values must be None or positive finite numbers."""
-    for key in GEOMETRY_KEYS:
+    """Geometry values must be None or positive finite numbers; an electron voltage within
+    :data:`ELECTRON_VOLTAGE_RANGE_V`; ``detector`` None or one of :data:`DETECTORS`."""
+    for key in GEOMETRY_KEYS + PHYSICS_KEYS:
         v = meta.get(key)
         if v is None:
             continue
         if isinstance(v, bool) or not isinstance(v, (int, float, np.floating, np.integer)) \
                 or not math.isfinite(float(v)) or float(v) <= 0:
-            fail(f"metadata '{key}' is {v!r}; give a positive number in metres or None")
+            unit = {"electron_voltage_v": "volts"}.get(key, "radians" if key.endswith("_rad") else "metres")
+            fail(f"metadata '{key}' is {v!r}; give a positive number in {unit} or None")
+    volts = meta.get("electron_voltage_v")
+    lo, hi = ELECTRON_VOLTAGE_RANGE_V
+    if volts is not None and not lo <= float(volts) <= hi:
+        hint = f" (give volts: {float(volts):g} kV is {float(volts) * 1e3:g})" if float(volts) < lo else ""
+        fail(f"electron voltage {float(volts):g} V is outside {lo:g} V ... {hi:g} V{hint}")
+    detector = meta.get("detector")
+    if detector is not None and detector not in DETECTORS:
+        fail(f"metadata 'detector' is {detector!r}; use one of {', '.join(DETECTORS)} or None")
 
 
 # --------------------------------------------------------------------------- shapes and dtypes

@@ -139,8 +139,14 @@ def object_images(obj, illumination=None, size: int = 128) -> dict:
 
     The complex object is block-averaged, its global phase (the phase of the sum over the
     illuminated region) removed, and each image scaled to its 1st–99th percentile over the
-    illuminated region (``illumination > 10 % of max``; everything when unknown).
+    illuminated region (``illumination > 10 % of max``; everything when unknown). A multislice
+    object (K, H, W) is shown projected: the product of its slices (phase = sum of the slices'
+    phases), masked by the entrance slice's illumination.
     """
+    if np.ndim(obj) == 3:
+        obj = np.prod(np.asarray(obj), axis=0)
+        if illumination is not None and np.ndim(illumination) == 3:
+            illumination = np.asarray(illumination)[0]
     small = downsample(obj, size).astype(np.complex64)
     mask = None
     if illumination is not None and tuple(illumination.shape) == tuple(obj.shape):

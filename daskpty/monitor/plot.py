@@ -103,9 +103,13 @@ def complex_to_rgb(z: np.ndarray) -> np.ndarray:
 
 
 def _squeeze_image(x) -> np.ndarray:
+    """A 2-D image; a multislice object (K, H, W) is projected: the product of its slices (its
+    phase is the sum of the slices' phases)."""
     x = np.asarray(x)
     while x.ndim > 2 and x.shape[0] == 1:
         x = x[0]
+    if x.ndim == 3 and np.iscomplexobj(x):
+        x = np.prod(x, axis=0)
     if x.ndim != 2:
         raise ValueError(f"expected a 2-D object, got shape {x.shape}")
     return x
@@ -144,17 +148,21 @@ def panel_names(fig) -> list[str]:
 
 
 def plot_object(ax_phase, ax_amp, rec, pixel_size_m=None, *, fraction=DISPLAY_FRACTION,
-                colorbar=True):
+                colorbar=True, slice_index=None, title=None):
     """Object phase (rad, global phase removed) and amplitude, cropped to the illuminated region.
 
     ``rec`` is a :class:`~daskpty.results.Reconstruction`; ``fraction`` the illumination threshold
     of :meth:`~daskpty.results.Reconstruction.illuminated`. With ``pixel_size_m`` each image gets a
     scale bar in metres, otherwise the axes are in object pixels. Either axis may be ``None``.
-    Returns the two image artists (``None`` for a skipped axis).
+    A multislice object (K, H, W) is drawn projected (sum of the slices' phases), or its slice
+    ``slice_index`` alone. ``title``: the phase panel's title. Returns the two image artists
+    (``None`` for a skipped axis).
     """
     _mpl()
-    obj = _squeeze_image(rec.object)
+    obj = _squeeze_image(rec.object) if slice_index is None else np.asarray(rec.object)[slice_index]
     lit = rec.illuminated(fraction)
+    if lit.ndim == 3:  # multislice: the entrance slice's illumination
+        lit = lit[0]
     if lit.shape != obj.shape:
         lit = np.ones(obj.shape, dtype=bool)
     y0, y1, x0, x1 = _bbox(lit)
@@ -167,7 +175,7 @@ def plot_object(ax_phase, ax_amp, rec, pixel_size_m=None, *, fraction=DISPLAY_FR
     extent = (x0 - 0.5, x1 - 0.5, y1 - 0.5, y0 - 0.5)
     images = []
     for ax, values, cmap, title, unit in (
-            (ax_phase, np.angle(crop), "viridis", "object phase", "rad"),
+            (ax_phase, np.angle(crop), "viridis", title or "object phase", "rad"),
             (ax_amp, np.abs(crop), "gray", "object amplitude", "|O|")):
         if ax is None:
             images.append(None)
@@ -285,7 +293,8 @@ def truth_frame(rec, truth, fraction=COMPARE_FRACTION):
     (see :func:`daskpty.metrics.truth_frame`). Returns ``(estimate, mask, offset)``."""
     from ..metrics import truth_frame as _truth_frame
 
-    return _truth_frame(_squeeze_image(rec.object), rec.positions, rec.illuminated(fraction),
+    lit = rec.illuminated(fraction)
+    return _truth_frame(_squeeze_image(rec.object), rec.positions, lit[0] if lit.ndim == 3 else lit,
                         _squeeze_image(truth.object), getattr(truth, "positions", None), rec.origin)
 
 
@@ -328,12 +337,17 @@ def plot_frc(ax, rec, truth, pixel_size_m=None, *, fraction=COMPARE_FRACTION):
 # ------------------------------------------------------------------------------------- summary
 
 
-def summary_panels(n_modes: int, has_truth: bool, has_positions: bool = False) -> list[str]:
+#: most object slices drawn one by one (a multislice object's further slices are left out)
+MAX_SLICE_PANELS = 6
+
+
+def summary_panels(n_modes: int, has_truth: bool, has_positions: bool = False, n_slices: int = 1) -> list[str]:
     """Names of the panels :func:`summary_figure` draws, in order — the single place that decides
     the layout's content (colour bars are not panels)."""
     shown = min(int(n_modes), MAX_PROBE_PANELS)
     probe = ["probe"] if shown == 1 else [f"probe mode {k + 1}" for k in range(shown)]
-    return ["object phase", "object amplitude", *probe, "loss", *(["FRC"] if has_truth else []),
+    slices = [f"slice {k + 1} phase" for k in range(min(int(n_slices), MAX_SLICE_PANELS))] if n_slices > 1 else []
+    return ["object phase", "object amplitude", *slices, *probe, "loss", *(["FRC"] if has_truth else []),
             *(["positions"] if has_positions else [])]
 
 
@@ -357,14 +371,21 @@ def summary_figure(rec, truth=None, pixel_size_m=None, *, figsize=None):
         probe = probe[None]
     with_truth = _has_truth(truth)
     with_positions = getattr(rec, "nominal_positions", None) is not None
-    names = summary_panels(probe.shape[0], with_truth, with_positions)
+    n_slices = int(np.shape(rec.object)[0]) if np.ndim(rec.object) == 3 else 1
+    names = summary_panels(probe.shape[0], with_truth, with_positions, n_slices)
+    slice_names = [n for n in names if n.startswith("slice ")]
     probe_names = [n for n in names if n.startswith("probe")]
     n_probe = len(probe_names)
     p_rows = 1 if n_probe <= 2 else 2
     p_cols = math.ceil(n_probe / p_rows)
 
-    fig = Figure(figsize=figsize or (12.0, 8.5), layout="constrained")
-    outer = fig.add_gridspec(2, 1, height_ratios=[1.25, 1.0])
+    fig = Figure(figsize=figsize or ((12.0, 11.5) if slice_names else (12.0, 8.5)), layout="constrained")
+    outer = fig.add_gridspec(3, 1, height_ratios=[1.25, 0.9, 1.0]) if slice_names else \
+        fig.add_gridspec(2, 1, height_ratios=[1.25, 1.0])
+    slice_row = None
+    if slice_names:  # a row of slice phases between the projected object and the probe
+        slice_row = outer[1].subgridspec(1, len(slice_names))
+        outer = [outer[0], outer[2]]
     top = outer[0].subgridspec(1, 2)
     bottom_blocks = ([max(1.0, p_cols / p_rows), 1.3] + ([1.3] if with_truth else [])
                      + ([1.3] if with_positions else []))
@@ -373,6 +394,8 @@ def summary_figure(rec, truth=None, pixel_size_m=None, *, figsize=None):
     axes = {}
     axes["object phase"] = fig.add_subplot(top[0, 0])
     axes["object amplitude"] = fig.add_subplot(top[0, 1])
+    for k, name in enumerate(slice_names):
+        axes[name] = fig.add_subplot(slice_row[0, k])
     pgrid = bottom[0, 0].subgridspec(p_rows, p_cols)
     for k, name in enumerate(probe_names):
         axes[name] = fig.add_subplot(pgrid[divmod(k, p_cols)])
@@ -384,7 +407,10 @@ def summary_figure(rec, truth=None, pixel_size_m=None, *, figsize=None):
     for name in names:  # panel order in fig.axes = summary_panels order; labels name them
         _mark(axes[name], name)
 
-    plot_object(axes["object phase"], axes["object amplitude"], rec, pixel_size_m)
+    plot_object(axes["object phase"], axes["object amplitude"], rec, pixel_size_m,
+                title=f"object phase (sum of {n_slices} slices)" if n_slices > 1 else None)
+    for k, name in enumerate(slice_names):
+        plot_object(axes[name], None, rec, pixel_size_m, slice_index=k, title=name)
     plot_probe([axes[n] for n in probe_names], probe, pixel_size_m)
     plot_history(axes["loss"], rec.history)
     if with_truth:

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from ..validate import fail
+from ..validate import ELECTRON_VOLTAGE_RANGE_V, fail
 
 #: Planck constant (J s), speed of light (m/s), electron rest mass (kg), elementary charge (C)
 H_J_S = 6.62607015e-34
@@ -65,7 +65,10 @@ class Geometry:
 
     ``energy_ev`` is converted with ``radiation`` when no ``wavelength_m`` is given; the
     detector pixel size is the raw (unbinned) one; ``object_pixel_size_m`` overrides the value
-    derived as wavelength·distance / (n·binned pixel).
+    derived as wavelength·distance / (n·binned pixel). ``near_field`` (implied by
+    ``focus_to_sample_m``, the divergent beam's focus-to-sample distance z1): a near-field
+    (holographic) scan, ``distance_m`` the sample-to-detector distance z2; the object pixel size
+    is then the binned pixel / M, M = (z1 + z2) / z1 (Fresnel scaling; M = 1 without z1).
     """
 
     wavelength_m: float | None = None
@@ -74,24 +77,33 @@ class Geometry:
     pixel_size_m: float | None = None
     object_pixel_size_m: float | None = None
     radiation: str = "xray"
+    focus_to_sample_m: float | None = None
+    near_field: bool = False
 
     def __post_init__(self):
         if self.radiation not in RADIATIONS:
             fail(f"radiation must be one of {RADIATIONS}, got {self.radiation!r}")
+        if self.focus_to_sample_m is not None:
+            object.__setattr__(self, "near_field", True)
         for name in ("wavelength_m", "energy_ev", "distance_m", "pixel_size_m",
-                     "object_pixel_size_m"):
+                     "object_pixel_size_m", "focus_to_sample_m"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float, np.floating, np.integer))
                                       and math.isfinite(float(v)) and float(v) > 0):
                 fail(f"geometry {name} must be a positive number, got {v!r}")
+        lo, hi = ELECTRON_VOLTAGE_RANGE_V
+        if self.radiation == "electron" and self.energy_ev is not None and not lo <= self.energy_ev <= hi:
+            hint = f" (give eV: {self.energy_ev:g} keV is {self.energy_ev * 1e3:g})" if self.energy_ev < lo else ""
+            fail(f"electron energy {self.energy_ev:g} eV is outside {lo:g} ... {hi:g} eV{hint}")
 
     def over(self, base: "Geometry") -> "Geometry":
         """These values where given, else ``base``'s (flags override the file)."""
         given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                 if f.name != "radiation" and getattr(self, f.name) is not None}
+                 if f.name not in ("radiation", "near_field") and getattr(self, f.name) is not None}
         if "wavelength_m" not in given and "energy_ev" in given:
             given["wavelength_m"] = None  # an energy flag beats a wavelength read from the file
-        return dataclasses.replace(base, **given, radiation=self.radiation)
+        return dataclasses.replace(base, **given, radiation=self.radiation,
+                                   near_field=self.near_field or base.near_field)
 
     @property
     def wavelength(self) -> float | None:

@@ -65,9 +65,14 @@ def mean_pattern(source, *, progress=False, bad=None, label="centre") -> np.ndar
 def _meta_geometry(geometry: Geometry, pre: Preprocess) -> dict:
     """make_metadata's geometry arguments; the detector pixel grows with the binning."""
     px = geometry.pixel_size_m
-    return dict(wavelength_m=geometry.wavelength, detector_distance_m=geometry.distance_m,
-                detector_pixel_size_m=None if px is None else px * pre.bin,
-                object_pixel_size_m=geometry.object_pixel_size_m)
+    out = dict(wavelength_m=geometry.wavelength, detector_distance_m=geometry.distance_m,
+               detector_pixel_size_m=None if px is None else px * pre.bin,
+               object_pixel_size_m=geometry.object_pixel_size_m)
+    if geometry.near_field:  # holograms: the object pixel is the detector's / magnification
+        out.update(detector="near_field", focus_to_sample_m=geometry.focus_to_sample_m)
+    if geometry.radiation == "electron" and geometry.energy_ev is not None and geometry.wavelength_m is None:
+        out["electron_voltage_v"] = geometry.energy_ev
+    return out
 
 
 def import_source(source, output, *, scan: Scan, geometry: Geometry,
