@@ -26,6 +26,7 @@ from .inputs import (RESUMED_SETTINGS, check_initial_object, check_object_size, 
 from .io.lock import holding_lock_of
 from .io.safety import check_checkpoint_target, check_free_space, reconstruction_bytes
 from .results import Reconstruction
+from .sample import SampleOptions, initial_probe as sample_probe
 
 ENGINES = ("lsqml", "ad")
 
@@ -140,7 +141,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
                 progress: bool = False, chunk_length: int | None = None, persist="auto", device: str = "auto",
                 split_every: int | None = None, sort: bool = True, rescale_probe: bool = True,
                 checkpoint=None, checkpoint_every: int = 10, resume=None, dashboard: bool = False,
-                check_data: bool = True,
+                check_data: bool = True, sample=None, slices: int | None = None,
+                slice_spacing_m: float | None = None,
                 loss: str | None = None, optimizer: str | None = None, lr: float | None = None,
                 **engine_options) -> Reconstruction:
     """Reconstruct object and probe from a ptychography data set on a dask cluster.
@@ -154,9 +156,11 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         with exact hand-written adjoints; see ``loss``, ``optimizer``, ``lr``).
     epochs : int
         Total number of passes over all patterns (when resuming, including those already done).
-    probe : array, optional
+    probe : array or "aperture", optional
         Initial probe (n, n) or (M, n, n). Default: the store's ``probe`` if present, else derived
-        from the mean diffraction pattern (`daskpty.engines.initial.probe_from_mean_pattern`).
+        from the mean diffraction pattern (`daskpty.engines.initial.probe_from_mean_pattern`; near
+        field: `probe_from_mean_hologram`). "aperture": from the data's geometry
+        (`daskpty.physics.probes.probe_from_geometry`, settings in ``sample.aperture``).
     object : array, optional
         Initial object (H, W); positions are then in its pixel frame. Default: ones, sized to
         cover every probe window plus a margin; ``result.origin`` says where position (0, 0) lies.
@@ -229,6 +233,13 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     loss, optimizer, lr : str, str, float, optional
         AD engine only: "gaussian" | "poisson" | "intensity" (default: ``noise``), "sgd" (Nesterov;
         default) | "adam" (default for the intensity loss) | "cg", and the object step size.
+    slices, slice_spacing_m, sample : int, float, dict or SampleOptions
+        Thick samples (`daskpty.sample.SampleOptions`): K object slices ``slice_spacing_m`` apart
+        (multislice LSQML / AD; wavelength and object pixel size from the data's metadata);
+        ``result.object`` is then (K, H, W). ``sample`` holds further fields (``detector``,
+        ``aperture``, ...). A near-field data set (metadata ``detector="near_field"``) uses the
+        near-field detector operator, also with one slice. Position refinement and a varying
+        probe are refused with K > 1 or in the near field.
     **engine_options
         Fields of `daskpty.engines.lsqml.LSQMLOptions` (beta, delta, momentum, ...) or, for
         engine="ad", of `daskpty.engines.ad.ADOptions` (probe_lr, schedule, ...).
@@ -260,6 +271,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         checkpoint = None  # epochs=0 is a no-op: nothing is written (docs/reliability.md)
     options, adapter = _engine(engine, noise, loss, optimizer, lr, engine_options)
     adapter.positions = PositionOptions.from_argument(refine_positions)
+    sample = SampleOptions.from_arguments(sample, slices, slice_spacing_m)
     model = ProbeModelOptions.from_arguments(opr_modes, fit_intensity, background, probe_model)
     if model is not None:
         from .execution.variable_probe import with_probe_model
@@ -277,10 +289,16 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         raise ValueError(f"{intensities.shape[0]} patterns but {len(positions)} positions; "
                          "they must match one to one")
     n = intensities.shape[-1]
+    thick = sample.resolve(getattr(data, "metadata", None), n)  # slices and detector operator
+    from .execution.multislice_adapter import multislice_adapter
+
+    adapter = multislice_adapter(adapter, thick)  # thin far-field samples keep the adapter
     if model is not None:
         model.check_run(len(positions), options.probe_start_epoch is not None)
     mask = getattr(data, "mask", None)
-    adapter.valid = None if mask is None else np.fft.ifftshift(np.asarray(mask, dtype=bool))
+    adapter.valid = None if mask is None else np.asarray(mask, dtype=bool)
+    if adapter.valid is not None and not thick.near_field:  # far field: DC at index 0
+        adapter.valid = np.fft.ifftshift(adapter.valid)
 
     resumed = _resume_from(resume, positions, n) if resume is not None else None
     if resumed is not None:  # the stored chunking and rounds keep resume bit-identical
@@ -290,17 +308,19 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     check_rounds(rounds_per_epoch, len(positions))
     if resumed is not None:
         obj, origin = resumed.object, resumed.origin
+        thick.check_resumed(obj)
     elif object is not None:
         obj = np.array(object, dtype=np.complex64)
-        if obj.ndim != 2:
-            raise ValueError(f"object must be a 2-D array, got shape {obj.shape}")
+        if obj.ndim != 2 and not (obj.ndim == 3 and obj.shape[0] == thick.n_slices > 1):
+            raise ValueError(f"object must be a 2-D array (or (slices, H, W)), got shape {obj.shape}")
+        obj = thick.object_like(obj) if obj.ndim == 2 else obj
         check_initial_object(obj)
         check_object_size(obj.shape, positions, n, given=True)
         origin = np.zeros(2)
     else:
         shape, origin = object_frame(positions, n)
         check_object_size(shape, positions, n, given=False)
-        obj = np.ones(shape, dtype=np.complex64)
+        obj = thick.object_like(np.ones(shape, dtype=np.complex64))
     frame_positions = positions + origin
     check_windows_inside(split_positions(frame_positions, n)[0], n, obj.shape)
     if checkpoint is not None:
@@ -313,15 +333,17 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         run_options["refine_positions"] = dataclasses.asdict(adapter.positions)
     if model is not None:
         run_options["probe_model"] = dataclasses.asdict(model)
+    if thick.multislice:
+        run_options["sample"] = sample.run_options()
     layout = PatternLayout()
 
     def make_result(state, history):
         refined, pattern_state = layout.result_arrays(state)
         engine_state = {**adapter.engine_state(state), **pattern_state}
         weights = engine_state.get("pattern_opr_weights")
-        return Reconstruction(object=state.object, probe=state.probe,
+        return Reconstruction(object=thick.public(state.object), probe=state.probe,
                               positions=frame_positions if refined is None else refined,
-                              origin=origin, illumination=state.illumination, history=history,
+                              origin=origin, illumination=thick.public(state.illumination), history=history,
                               options=run_options, epoch=state.epoch,
                               engine_state=engine_state,
                               nominal_positions=None if refined is None else frame_positions,
@@ -350,12 +372,13 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             check_values(data if hasattr(data, "path") else intensities, client=c).raise_if_bad()
         modes_hint = _probe_modes_hint(probe, probe_modes, resumed)
         if persist == "auto":  # a worker's share of the data + one step + the state under the spill target
-            working = step_bytes(chunk_length or choose_chunk_length(c, len(positions), n, modes_hint), n,
+            working = step_bytes(chunk_length or choose_chunk_length(c, len(positions), n, modes_hint,
+                                                                     thick.working_factor), n,
                                  modes_hint) + state_bytes(obj.shape)
             persist = should_persist(c, intensities.nbytes, working_bytes=working)
         if rounds_per_epoch == "auto":
             rounds_per_epoch = auto_rounds(len(positions), n, _probe_modes_hint(probe, probe_modes, resumed),
-                                           bool(persist))
+                                           bool(persist), working_factor=thick.working_factor)
         run_options.update(rounds_per_epoch=rounds_per_epoch, persist=bool(persist))
         publisher = None
         if dashboard:
@@ -372,17 +395,20 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             state = adapter.new_state(resumed.object, resumed.probe, resumed.epochs, resumed.engine_state)
             state.illumination = resumed.illumination
         else:
-            state = adapter.new_state(obj, _initial_probe(probe, data, c, intensities, probe_modes, seed))
+            first = sample_probe(probe, data, c, intensities, probe_modes, seed, sample, thick)
+            state = adapter.new_state(obj, first if first is not None else
+                                      _initial_probe(probe, data, c, intensities, probe_modes, seed))
         if device == "auto":
             device = "gpu" if workers_have_gpus(c) else "cpu"
         if chunk_length is None:
-            chunk_length = choose_chunk_length(c, len(positions), n, state.probe.shape[0])
+            chunk_length = choose_chunk_length(c, len(positions), n, state.probe.shape[0], thick.working_factor)
         check_step_fits(c, chunk_length, n, state.probe.shape[0], obj.shape)  # refuse, don't stall
         run_options.update(chunk_length=int(chunk_length))
         if hasattr(data, "intensities_in_chunks") and not persist:
             intensities = data.intensities_in_chunks(chunk_length)  # out of core: read sub-shards
         chunked = prepare_data(c, intensities, frame_positions, chunk_length=chunk_length,
-                               modes=state.probe.shape[0], sort=sort, persist=persist, device=device)
+                               modes=state.probe.shape[0], sort=sort, persist=persist, device=device,
+                               shift=not thick.near_field)
         layout.update(chunked)
         data = intensities = None  # the chunks live on the workers now: release scattered originals
         if resumed is not None and getattr(adapter, "local_state", False):

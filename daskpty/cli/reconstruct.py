@@ -27,6 +27,12 @@ def add_parser(subparsers):
                    help="1 = compact LSQML; R > 1 = R minibatch updates per epoch; "
                         "auto (default): ~150 patterns per round, at most one per 6 Mi pattern-pixels (>= 3), 1..16, for data held in memory; 1 out of core")
     p.add_argument("--probe-modes", type=int, default=None, help="incoherent probe modes")
+    p.add_argument("--slices", type=int, default=None, metavar="K",
+                   help="multislice: K object slices (needs the data's wavelength and object pixel size)")
+    p.add_argument("--slice-spacing", type=float, default=None, metavar="METRES",
+                   help="multislice: distance between neighbouring slices, m")
+    p.add_argument("--probe", default=None, choices=["aperture"],
+                   help="initial probe from the data's geometry (default: from the mean pattern)")
     p.add_argument("--refine-positions", nargs="?", const="", default=None, metavar="KEY=VALUE,...",
                    help="refine the scan positions (both engines); optional settings, e.g. "
                         "start_epoch=5,max_step=0.5,affine=true,affine_blend=0.02,lr=0.1 "
@@ -97,7 +103,11 @@ def run(args) -> int:
                                      ("probe_lr", args.probe_lr)) if v is not None}
     elif any(v is not None for v in (args.loss, args.optimizer, args.lr, args.probe_lr)):
         raise ValueError("--loss, --optimizer, --lr and --probe-lr apply to --engine ad only")
+    from daskpty.sample import SampleOptions
+
+    sample = SampleOptions.from_arguments(None, args.slices, args.slice_spacing)  # bad values: one line
     data = daskpty.open_data(args.data)
+    sample.resolve(data.metadata, data.pattern_shape[-1])  # multislice needs the data's geometry
     if args.epochs == 0 and args.resume is None:  # documented no-op (docs/reliability.md)
         print(f"daskpty: --epochs 0: nothing to do; {args.output} was not written", file=sys.stderr)
         return 0
@@ -115,7 +125,9 @@ def run(args) -> int:
                                   resume=args.resume, dashboard=args.dashboard,
                                   refine_positions=_position_settings(args.refine_positions),
                                   opr_modes=args.opr_modes, fit_intensity=args.fit_intensity,
-                                  background=args.background, **ad_args)
+                                  background=args.background,
+                                  slices=args.slices, slice_spacing_m=args.slice_spacing, probe=args.probe,
+                                  **ad_args)
     except KeyboardInterrupt:
         kept = _kept(args.output)
         if kept is not None:
