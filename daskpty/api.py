@@ -374,7 +374,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         if persist == "auto":  # a worker's share of the data + one step + the state under the spill target
             working = step_bytes(chunk_length or choose_chunk_length(c, len(positions), n, modes_hint,
                                                                      thick.working_factor), n,
-                                 modes_hint) + state_bytes(obj.shape)
+                                 modes_hint, thick.working_factor) + state_bytes(obj.shape)
             persist = should_persist(c, intensities.nbytes, working_bytes=working)
         if rounds_per_epoch == "auto":
             rounds_per_epoch = auto_rounds(len(positions), n, _probe_modes_hint(probe, probe_modes, resumed),
@@ -402,7 +402,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             device = "gpu" if workers_have_gpus(c) else "cpu"
         if chunk_length is None:
             chunk_length = choose_chunk_length(c, len(positions), n, state.probe.shape[0], thick.working_factor)
-        check_step_fits(c, chunk_length, n, state.probe.shape[0], obj.shape)  # refuse, don't stall
+        check_step_fits(c, chunk_length, n, state.probe.shape[0], obj.shape,  # refuse, don't stall
+                        thick.working_factor)
         run_options.update(chunk_length=int(chunk_length))
         if hasattr(data, "intensities_in_chunks") and not persist:
             intensities = data.intensities_in_chunks(chunk_length)  # out of core: read sub-shards

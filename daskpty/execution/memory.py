@@ -27,15 +27,17 @@ def _fraction(name: str, default: float) -> float:
     return float(value) if value else default
 
 
-def step_bytes(chunk_length: int, n: int, modes: int = 1) -> int:
-    return int(chunk_length) * int(modes) * n * n * WORKING_BYTES_PER_PIXEL
+def step_bytes(chunk_length: int, n: int, modes: int = 1, working_factor: float = 1.0) -> int:
+    """Working bytes of one chunk step (``working_factor``: multislice's (2K + 4) / 3)."""
+    return int(int(chunk_length) * int(modes) * n * n * WORKING_BYTES_PER_PIXEL * max(1.0, working_factor))
 
 
 def state_bytes(object_shape) -> int:
     return int(math.prod(object_shape)) * STATE_BYTES_PER_PIXEL
 
 
-def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape) -> None:
+def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
+                    working_factor: float = 1.0) -> None:
     """Raise ValueError (one line, with what would fit) when one chunk step plus the state exceed
     the pause threshold of the smallest worker. No-op when workers have no memory limit."""
     limit = smallest_worker_memory(client)
@@ -43,10 +45,10 @@ def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape)
         return
     pause = _fraction("pause", 0.8) * limit
     state = state_bytes(object_shape)
-    need = step_bytes(chunk_length, n, modes) + state
+    need = step_bytes(chunk_length, n, modes, working_factor) + state
     if need <= pause:
         return
-    fits = int((pause - state) // step_bytes(1, n, modes))
+    fits = int((pause - state) // step_bytes(1, n, modes, working_factor))
     how = (f"or a chunk_length of at most {fits} patterns" if fits >= 1 else
            f"(the state alone, {state / MIB:.0f} MiB for a {object_shape[-2]} x {object_shape[-1]} object, "
            "does not fit)")
