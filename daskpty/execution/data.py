@@ -68,10 +68,11 @@ def auto_rounds(n_patterns: int, n: int, modes: int = 1, persisted: bool = True,
     Measured on 1,600 × 128² (2 workers, equal wall time ≈ 15 s): R = 4 reached NRMSE 0.051,
     R = 10 0.069, R = 1 0.077; on 576 × 64² R = 3 is needed to match Pty-Chi per epoch (R = 2:
     0.17 vs 0.14 at 30). Small scans, mean half-set FRC over 0.1–0.6 Nyquist after 100 epochs
-    (benchmarks/bench_defaults_frc.py): halves of 258 × 128² R = 3 beat R = 1 (0.401 vs 0.373
-    at linear overlap 0.3, 0.953 vs 0.937 at 0.5; a measured far-field scan of that size 0.55 vs
-    0.30), whereas halves of 100–250 × 64² (≤ 1 Mi pattern-pixels) did as well or better with
-    R = 1 (e.g. 0.553 vs 0.539 with R = 3, and 0.728 vs 0.566 at 10⁴ photons per pattern).
+    (benchmarks/bench_defaults_frc.py, halves reconstructed apart): halves of 258 × 128² R = 3
+    beat R = 1 (0.401 vs 0.373 at linear overlap 0.36, 0.953 vs 0.937 at 0.55; a measured
+    far-field scan of that size 0.55 vs 0.30); halves of 250 × 64² (1 Mi pattern-pixels) did
+    worse with R = 3 (0.874 vs 0.909 at overlap 0.5, 0.461 vs 0.608 at 10⁴ photons per pattern),
+    and 150 × 128² with R = 2 (0.389 vs 0.398).
     """
     if not persisted:
         return 1
