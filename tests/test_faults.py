@@ -113,3 +113,26 @@ def test_data_store_replaced_under_a_run_stops_it(tmp_path):
     assert "\n" not in message and "changed during the reconstruction" in message
     assert "epoch 3 is kept" in message
     assert daskpty.Reconstruction.from_zarr(tmp_path / "r.zarr").epochs == 3
+
+
+def test_sigterm_before_the_first_epoch_is_one_line(tmp_path):
+    """SIGTERM while the cluster starts (a batch job's wall time) ends like Ctrl-C: exit 130,
+    one line, nothing left behind (it used to exit -15 silently)."""
+    import subprocess
+    import sys
+
+    ds = make_dataset(grid=6, seed=1)
+    daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(tmp_path / "s.zarr")
+    out = tmp_path / "r.zarr"
+    proc = subprocess.Popen([sys.executable, "-m", "daskpty", "reconstruct", str(tmp_path / "s.zarr"), "-o",
+                             str(out), "--epochs", "50", "--workers", "1", "--quiet"],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(f"{out}.lock") and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)  # the lock is taken once the command runs (its SIGTERM handler is set)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    lines = [line for line in err.splitlines() if line.startswith("daskpty:")]
+    assert lines and "interrupted" in lines[-1] and "Traceback" not in err
+    assert not out.exists()

@@ -58,7 +58,10 @@ def main(argv=None) -> int:
         print("daskpty: error: choose a command (see 'daskpty --help')", file=sys.stderr)
         return 2
     try:
-        with warnings.catch_warnings(record=True) as caught:
+        from ..checkpoint import sigterm_as_interrupt
+
+        # SIGTERM (a batch system's wall time) at any moment ends like Ctrl-C: one line, exit 130
+        with warnings.catch_warnings(record=True) as caught, sigterm_as_interrupt():
             warnings.simplefilter("always", UserWarning)
             code = args.run(args)
         for w in caught:
