@@ -187,7 +187,9 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         round r using slice r::R of every chunk. "auto" (:func:`daskpty.execution.data.auto_rounds`):
         when the data are persisted about 150 patterns per update (N // 150, like Pty-Chi's
         default batches) but at most one round per 6 Mi pattern-pixels (at least 3), clipped to
-        1…16; 1 out of core (each round re-reads every chunk).
+        1…16; a small data set (under 450 patterns) gets 3 rounds when each still holds 1 Mi
+        pattern-pixels (e.g. 258 patterns of 128²), else compact LSQML; 1 out of core (each round
+        re-reads every chunk). Depends only on the data, not on the cluster.
     client : distributed.Client, optional
         Default: the current client, else an embedded LocalCluster of ``n_workers`` processes
         (127.0.0.1 only) that is closed at the end.
