@@ -277,10 +277,14 @@ def _state_of_any(epoch):
     return None
 
 
+def _workers(client) -> set:
+    return set(client.scheduler_info(n_workers=-1)["workers"])
+
+
 def _replica_lost(client, graph) -> bool:
     """True when a worker the epoch graph keeps a state copy on has left the cluster (after all
     workers died, their nannies' new workers have new addresses)."""
-    alive = set(client.scheduler_info(n_workers=-1)["workers"])
+    alive = _workers(client)
     return any(worker is not None and worker not in alive for worker in graph.replicas)
 
 
@@ -330,6 +334,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
         return graph.submit(client.scatter(_carry_of(carry_state), hash=False))
 
     watchdog = Watchdog()
+    started_with = _workers(client)
     last_end = time.time()  # when the last reported epoch ended (time.time() on the worker)
     pending = start(base)
     reaches = 1  # the epoch count (since the start of this run) the pending epoch reaches
@@ -351,9 +356,12 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 if restarts > MAX_EPOCH_RESTARTS:
                     if isinstance(exc, StaleRoundState):
                         raise
+                    hint = ("; workers died and were restarted meanwhile (out of memory? see the worker "
+                            "logs; give each worker more memory, use fewer workers per machine or "
+                            "persist=False)" if not started_with <= _workers(client) else "")
                     raise ReconstructionStalled(f"the reconstruction made no progress after "
                                                 f"{MAX_EPOCH_RESTARTS} restarts of epoch {done + 1} "
-                                                f"(last: {' '.join(reason.split())})") from None
+                                                f"(last: {' '.join(reason.split())}){hint}") from None
                 logger.warning("daskpty: restarting epoch %d (%s)", done + 1, " ".join(reason.split()))
                 if isinstance(exc, StaleRoundState):  # a round task moved: keep states in the graph
                     graph.close()
