@@ -177,7 +177,7 @@ def to_ptychi_arrays(intensities, positions, probe, obj):
 
 
 def build_task(engine, arrays, *, epochs, batch_size, noise, lr, probe_lr, seed,
-               rescale_probe_first_epoch, ambiguity_removal):
+               rescale_probe_first_epoch, ambiguity_removal, positions=None):
     import torch
     import ptychi.api as api
     from ptychi.api.task import PtychographyTask
@@ -212,6 +212,8 @@ def build_task(engine, arrays, *, epochs, batch_size, noise, lr, probe_lr, seed,
     options.object_options.position_origin_coords = arrays["origin"]
     options.object_options.remove_object_probe_ambiguity.enabled = ambiguity_removal
     options.probe_position_options.optimizable = False
+    if positions is not None:
+        set_position_correction(options, api, engine, positions)
 
     task = PtychographyTask(
         options,
@@ -224,6 +226,38 @@ def build_task(engine, arrays, *, epochs, batch_size, noise, lr, probe_lr, seed,
     if engine == "ad" and noise == "poisson":
         task.reconstructor.loss_function = torch.nn.PoissonNLLLoss(log_input=False, full=False)
     return task
+
+
+def set_position_correction(options, api, engine, settings):
+    """Pty-Chi 2.2's own position refinement: gradient position correction (``correction_type =
+    GRADIENT``, its default Fourier-differentiated object) from epoch ``start`` and, unless
+    ``affine`` is False, its affine transform constraint (default degrees of freedom: rotation,
+    scale, shear, asymmetry) from the same epoch. Settings left as None keep Pty-Chi's defaults
+    (LSQML: SGD step size 0.3, update limit 0.1 px per axis, also clipped at 10 x MAD)."""
+    po = options.probe_position_options
+    po.optimizable = True
+    # Pty-Chi 2.2 Autodiff fails with a later start (forward_models.scale_gradients multiplies the
+    # positions' gradient, still None before the start epoch), so AD corrects positions from epoch 0
+    po.optimization_plan.start = int(settings["start"]) if engine == "lsqml" else 0
+    po.correction_options.correction_type = api.PositionCorrectionTypes.GRADIENT
+    if settings.get("step_size") is not None:
+        po.step_size = float(settings["step_size"])
+    if settings.get("limit") is not None:
+        po.correction_options.update_magnitude_limit = float(settings["limit"])
+    if engine == "ad" and settings.get("optimizer"):
+        po.optimizer = getattr(api.Optimizers, settings["optimizer"].upper())
+    if engine == "lsqml" and settings.get("momentum") is not None:
+        po.momentum_acceleration_gain = float(settings["momentum"])
+    ac = po.affine_transform_constraint
+    ac.enabled = bool(settings.get("affine", True))
+    ac.optimization_plan.start = int(settings["start"])
+
+
+def read_positions(task, shape):
+    """Pty-Chi's positions (window centres relative to the origin we fixed) in daskpty's frame."""
+    c = task.get_data_to_cpu("probe_positions", as_numpy=True).astype(np.float64)
+    H, W = shape
+    return c + np.array([H // 2, W // 2], dtype=np.float64)
 
 
 def read_back(task, n):
@@ -265,6 +299,22 @@ def main(argv=None):
     ap.add_argument("--ambiguity-removal", action="store_true",
                     help="Pty-Chi default: every 10 epochs renormalise object to mean |O|~1 and "
                          "rescale probe. Off here, to stay in the caller's scale.")
+    ap.add_argument("--refine-positions", action="store_true",
+                    help="Pty-Chi position correction (gradient type) plus its affine transform "
+                         "constraint; OUT.npz then also holds positions_<e> (daskpty frame) and "
+                         "affine_<e> (scale, asymmetry, rotation, shear)")
+    ap.add_argument("--position-start", type=int, default=5,
+                    help="first epoch (from 0) of position correction and affine constraint")
+    ap.add_argument("--position-step-size", type=float, default=None,
+                    help="probe_position_options.step_size (default: Pty-Chi's, 0.3)")
+    ap.add_argument("--position-limit", type=float, default=None,
+                    help="correction_options.update_magnitude_limit, px (default: Pty-Chi's, 0.1)")
+    ap.add_argument("--position-optimizer", default=None,
+                    help="AD only: optimizer of the positions, e.g. adam (default: Pty-Chi's SGD)")
+    ap.add_argument("--position-momentum", type=float, default=None,
+                    help="LSQML only: momentum_acceleration_gain (default: Pty-Chi's, 0)")
+    ap.add_argument("--no-affine", action="store_true",
+                    help="with --refine-positions: leave the affine constraint off")
     ap.add_argument("--make-test-case", choices=("small", "bench576"), default=None,
                     help="write a synthetic IN.npz (with true_object/true_probe) to the IN path "
                          "and exit: small = 200 x 32^2 on 160^2, bench576 = 576 x 64^2 on 256^2")
@@ -322,10 +372,15 @@ def main(argv=None):
     t0 = time.perf_counter()
     arrays = to_ptychi_arrays(intensities, positions, d["probe"], d["object"])
     n = arrays["n"]
+    pos_settings = None
+    if args.refine_positions:
+        pos_settings = dict(start=args.position_start, step_size=args.position_step_size,
+                            limit=args.position_limit, optimizer=args.position_optimizer,
+                            momentum=args.position_momentum, affine=not args.no_affine)
     task = build_task(args.engine, arrays, epochs=epochs_list[-1], batch_size=args.batch_size,
                       noise=args.noise, lr=args.lr, probe_lr=probe_lr, seed=args.seed,
                       rescale_probe_first_epoch=args.rescale_probe_first_epoch,
-                      ambiguity_removal=args.ambiguity_removal)
+                      ambiguity_removal=args.ambiguity_removal, positions=pos_settings)
     setup = time.perf_counter() - t0
 
     results = {}
@@ -343,6 +398,11 @@ def main(argv=None):
         obj, probe = read_back(task, n)
         results[f"object_{e}"] = obj
         results[f"probe_{e}"] = probe
+        if args.refine_positions:
+            results[f"positions_{e}"] = read_positions(task, d["object"].shape)
+            comp = task.reconstructor.parameter_group.probe_positions.affine_transform_components
+            results[f"affine_{e}"] = np.array([float(comp[k]) for k in
+                                               ("scale", "asymmetry", "rotation", "shear")])
 
     try:
         loss = task.reconstructor.loss_tracker.table["loss"].to_numpy(dtype=np.float64)
@@ -363,6 +423,8 @@ def main(argv=None):
         threads=np.int64(torch.get_num_threads()),
         lr=np.float64(args.lr if args.engine == "ad" else np.nan),
         torchvision_stub=np.bool_(stubbed),
+        refine_positions=np.bool_(args.refine_positions),
+        position_settings=np.str_(repr(pos_settings)),
     )
     print(f"[ptychi_peer] ptychi {version} {args.engine}: {run_time / epochs_list[-1]:.4f} s/epoch, "
           f"setup {setup:.2f} s, threads {torch.get_num_threads()} -> {args.out}", file=sys.stderr)
