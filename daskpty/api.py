@@ -18,7 +18,7 @@ from .io.identity import DataChanged, DataWatch
 from .engines.positions import PositionOptions, PositionsDiverged
 from .engines.probe_model import ProbeModelDiverged, ProbeModelOptions, effective_weights
 from .execution.latency import enable_low_latency
-from .execution.memory import check_step_fits, state_bytes, step_bytes
+from .execution.memory import check_step_fits, largest_fitting_chunk, state_bytes, step_bytes
 from .physics import check_windows_inside, split_positions
 from .io.validate import check_intensity_layout, check_values
 from .inputs import (RESUMED_SETTINGS, check_initial_object, check_object_size, check_positions_bulk,
@@ -166,8 +166,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         cover every probe window plus a margin; ``result.origin`` says where position (0, 0) lies.
     refine_positions : bool, dict or PositionOptions
         Refine the scan positions (both engines): True for the defaults, or a dict of
-        `daskpty.engines.positions.PositionOptions` fields (``start_epoch`` 5, ``max_step`` 0.5 px
-        per epoch, ``momentum``, ``optimizer``/``lr`` for AD, ``affine`` pull towards the best
+        `daskpty.engines.positions.PositionOptions` fields (``start_epoch`` 20, ``max_step`` 0.1 px
+        per epoch, ``gain``, ``regularization``, ``momentum``, ``optimizer``/``lr`` for AD, ``affine`` pull towards the best
         affine map of the nominal positions with ``affine_blend``, ``remove_drift``,
         ``max_displacement``). Each chunk's positions are updated on the worker holding its data;
         ``result.positions`` are the refined ones, ``result.nominal_positions`` the measured ones.
@@ -404,6 +404,9 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             device = "gpu" if workers_have_gpus(c) else "cpu"
         if chunk_length is None:
             chunk_length = choose_chunk_length(c, len(positions), n, state.probe.shape[0], thick.working_factor)
+            fitting = largest_fitting_chunk(c, n, state.probe.shape[0], obj.shape, thick.working_factor)
+            if fitting:  # small workers: shorter chunks rather than a refusal
+                chunk_length = min(chunk_length, fitting)
         check_step_fits(c, chunk_length, n, state.probe.shape[0], obj.shape,  # refuse, don't stall
                         thick.working_factor)
         run_options.update(chunk_length=int(chunk_length))

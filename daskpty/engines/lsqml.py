@@ -151,9 +151,10 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     two arrays of the exit-wave shape, not three, which matters because the chunk's share of
     them outgrows the caches); else g_j and Σ_k |S_f P_k|², with Re⟨a_j, χ_j⟩ = Re⟨ΔÔ_j, g_j⟩.
 
-    ``position_terms``: also the LSQML position shift of every pattern, in ``local["shift"]``
-    (B, 2): Δr_a = Re Σ_k conj(S_f P_k ∂_a O_j) χ_jk / Σ_k |S_f P_k ∂_a O_j|², formed in pass 1
-    as Re⟨∂_a O_j, g_j⟩ / ⟨|∂_a O_j|², Σ_k |S_f P_k|²⟩ (∂_a O by central differences on the
+    ``position_terms``: also the two sums of the LSQML position shift of every pattern, in
+    ``local["shift_terms"]`` (each (B, 2); see :func:`~.positions.lsqml_shift`):
+    Re Σ_k conj(S_f P_k ∂_a O_j) χ_jk and Σ_k |S_f P_k ∂_a O_j|², formed in pass 1 as
+    Re⟨∂_a O_j, g_j⟩ and ⟨|∂_a O_j|², Σ_k |S_f P_k|²⟩ (∂_a O by central differences on the
     box): two gathers and four dot products per pattern, no FFT.
 
     ``variable``: a :class:`~daskpty.engines.probe_model.PatternProbes` when the probe varies from
@@ -323,7 +324,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     if probe_sum is not None:
         parts.arrays["probe"] = (np.float32(alpha_p) * probe_sum).astype(np.complex64, copy=False)
     if position_terms:
-        parts.local["shift"] = lsqml_shift(to_numpy(shift_num), to_numpy(shift_den))
+        parts.local["shift_terms"] = (to_numpy(shift_num), to_numpy(shift_den))
     if variable is not None:
         variable.finish(parts, measured, model)
     return parts.to_numpy()
@@ -349,7 +350,8 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     if not active or not part.scalars:
         part.local = {}
         return part
-    new, _ = step_with_momentum({**local, "positions": refined}, part.local.pop("shift"), positions)
+    shift = positions.gain * lsqml_shift(*part.local.pop("shift_terms"), positions.regularization)
+    new, _ = step_with_momentum({**local, "positions": refined}, shift, positions)
     return finish_step(part, new, refined, nominal, positions, epoch, n, obj.shape)
 
 

@@ -31,11 +31,16 @@ class PositionOptions:
     """Settings of position refinement (both engines).
 
     start_epoch: first epoch whose chunk steps move positions (epochs count from 0). By default
-        5, once the object has formed: earlier updates follow the blurred start object (measured
-        on the position-error benchmark: start 2 and start 5 end within 2 % in object NRMSE,
-        start 0 slower to settle).
-    max_step: largest move of one pattern per epoch, pixels per axis (default 0.5).
+        20, once the object has formed: updates from a blurred object random-walk and the object
+        follows them (benchmarks/bench_positions.py, 576 × 64², 1 px + 1.5 % + 0.5° errors:
+        starting at 5 made the position error grow from 1.91 to 3.3 px in 50 epochs; starting at
+        20 with small steps brought it to 1.16 px). Fast-converging scans can start earlier.
+    max_step: largest move of one pattern per epoch, pixels per axis (default 0.1: small steps
+        keep the object and the positions from chasing each other).
     momentum: LSQML heavy-ball memory of the position update (0 disables).
+    gain: LSQML fraction of the computed shift applied per epoch (0 < gain ≤ 2).
+    regularization: LSQML Tikhonov term of the shift's denominator, relative to its chunk mean:
+        patterns whose object patch has weak gradients (flat or still blurred) move less.
     optimizer / lr: AD only: ``"adam"`` (default; steps of about ``lr`` pixels whatever the
         gradient's scale) or ``"momentum"`` (gradient descent with momentum, ``lr`` in px² per
         unit gradient).
@@ -49,21 +54,23 @@ class PositionOptions:
         Measured on a 16 × 16 scan with 1 px + 1.8 % + 0.7° errors, 50 epochs: residual x-scale
         error 0.67 % with gain 1, 0.37 % with gain 3 (y scale ~1.4 % with either).
     affine_blend: fraction of the way to the affine map each epoch (0 … 1; the classical affine
-        constraint). It also pulls the random part of the errors towards the map, so keep it
-        small where the scan has random errors.
+        constraint; default 0.1, the best of 0 / 0.02 / 0.1 on the benchmark above). It also
+        pulls the random part of the errors towards the map.
     remove_drift: also remove the mean displacement (the fitted map keeps the nominal centroid).
     max_displacement: refinement stops with :class:`PositionsDiverged` when a pattern drifts
         farther than this from its nominal position, pixels (default: a quarter of the probe size).
     """
 
-    start_epoch: int = 5
-    max_step: float = 0.5
-    momentum: float = 0.5
+    start_epoch: int = 20
+    max_step: float = 0.1
+    momentum: float = 0.0
+    gain: float = 1.0
+    regularization: float = 1e-3
     optimizer: str = "adam"
     lr: float = 0.1
     affine: bool = True
     affine_gain: float = 3.0
-    affine_blend: float = 0.02
+    affine_blend: float = 0.1
     remove_drift: bool = False
     max_displacement: float | None = None
 
@@ -78,6 +85,9 @@ class PositionOptions:
               f"max_step must lie in (0, 8] pixels, got {self.max_step!r}")
         check(_number(self.momentum) and 0 <= self.momentum < 1,
               f"momentum must lie in [0, 1), got {self.momentum!r}")
+        check(_number(self.gain) and 0 < self.gain <= 2, f"gain must lie in (0, 2], got {self.gain!r}")
+        check(_number(self.regularization) and self.regularization >= 0,
+              f"regularization must be >= 0, got {self.regularization!r}")
         check(self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         check(_number(self.lr) and self.lr > 0, f"lr must be positive, got {self.lr!r}")
         check(_number(self.affine_gain) and 1 <= self.affine_gain <= 20,

@@ -69,6 +69,16 @@ def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
         f"(memory_limit=, fewer workers per machine) {how}")
 
 
+def largest_fitting_chunk(client, n: int, modes: int, object_shape, working_factor: float = 1.0) -> int | None:
+    """The most patterns per chunk whose step plus the state fit under the smallest worker's pause
+    threshold (None: no memory limit; 0: not even one pattern fits)."""
+    limit = smallest_worker_memory(client)
+    if not limit:
+        return None
+    room = _fraction("pause", 0.8) * limit - state_bytes(object_shape) - _baseline(client)
+    return max(0, int(room // step_bytes(1, n, modes, working_factor)))
+
+
 def persist_fits(client, nbytes: int, working_bytes: int = 0, fraction: float = 0.5) -> bool:
     """``persist="auto"``: keep the data in worker memory when they take at most ``fraction`` of
     the cluster's memory and each worker's share of them plus ``working_bytes`` (one chunk step
