@@ -136,3 +136,19 @@ def test_sigterm_before_the_first_epoch_is_one_line(tmp_path):
     lines = [line for line in err.splitlines() if line.startswith("daskpty:")]
     assert lines and "interrupted" in lines[-1] and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_handled_stale_round_is_not_reported_as_an_error(caplog):
+    """distributed's ERROR "Compute Failed" report of a StaleRoundState (handled by the driver,
+    which logs one WARNING) is dropped; other task failures are still reported."""
+    import logging
+
+    import daskpty.execution.epoch_graph  # noqa: F401  (installs the filter, as on the workers)
+
+    log = logging.getLogger("distributed.worker")
+    template = "Compute Failed\nKey:       %s\nState:     %s\nTask:  %s\nException: %r\nTraceback: %r\n"
+    with caplog.at_level(logging.ERROR, logger="distributed.worker"):
+        log.error(template, "k1", "executing", "t", "StaleRoundState('round 1 did not find ...')", "tb")
+        log.error(template, "k2", "executing", "t", "ValueError('a real failure')", "tb")
+    keys = [r.args[0] for r in caplog.records if r.name == "distributed.worker"]
+    assert keys == ["k2"]

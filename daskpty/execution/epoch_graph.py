@@ -10,6 +10,7 @@ round is one level of the graph: one exchange of partial sums and nothing else.
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import time
 import uuid
@@ -161,6 +162,20 @@ class SubmittedEpoch:
 class StaleRoundState(RuntimeError):
     """A fused round task did not find the state it continues on its worker (the task was moved
     to another worker or recomputed); the driver restarts the epoch with the split graph."""
+
+
+class _HandledStaleRounds(logging.Filter):
+    """Drop distributed's ERROR "Compute Failed" report of a :class:`StaleRoundState`: the driver
+    handles it (restarts the epoch) and logs one WARNING line for it instead of a traceback."""
+
+    def filter(self, record) -> bool:
+        return not (str(record.msg).startswith("Compute Failed")
+                    and any("StaleRoundState" in str(a) for a in (record.args or ())))
+
+
+# Installed wherever this module is imported: the workers import it with the first round task.
+if not any(isinstance(f, _HandledStaleRounds) for f in logging.getLogger("distributed.worker").filters):
+    logging.getLogger("distributed.worker").addFilter(_HandledStaleRounds())
 
 
 #: The state each fused round task hands to the next one on the same worker, by (graph token,
