@@ -196,6 +196,7 @@ def free_bytes(path) -> int:
 
 
 def store_bytes(path) -> int:
+    """Bytes on disk under ``path`` (sum of file sizes; files that vanish meanwhile count 0)."""
     total = 0
     for dirpath, _, files in os.walk(os.fspath(path)):
         for name in files:
