@@ -143,17 +143,23 @@ def _carry_of(state) -> EpochCarry:
     return EpochCarry(with_local(state, None), local=local)
 
 
-def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_every: int, local=None):
-    """One epoch round by round from the client: returns ``(state, summed scalars, local)``."""
+def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_every: int, local=None,
+                watchdog: Watchdog | None = None):
+    """One epoch round by round from the client: returns ``(state, summed scalars, local)``.
+    ``watchdog`` bounds each round's wait by the slowest round so far (see :mod:`.watchdog`)."""
     scalars: dict[str, float] = {}
     for r in range(rounds):
+        start = time.perf_counter()
         if hasattr(adapter, "run_round"):  # engines that need extra evaluations (line searches)
             state, total = adapter.run_round(client, data, state, round_index=r, rounds=rounds,
                                              split_every=split_every, local=local)
         else:
             total = map_reduce(client, data, adapter.chunk_function, adapter.payload(state),
-                               round_index=r, rounds=rounds, split_every=split_every, local=local)
+                               round_index=r, rounds=rounds, split_every=split_every, local=local,
+                               timeout=None if watchdog is None else watchdog.bound())
             state = adapter.apply(state, total)
+        if watchdog is not None:
+            watchdog.observe(time.perf_counter() - start)
         if total is not None:
             if total.local:
                 local = {**local, **total.local}
@@ -237,10 +243,11 @@ def _position_metrics(scalars: dict) -> dict:
 def _client_epochs(client, data, adapter, state, epochs, rounds, split_every):
     """Epochs run round by round from the client; yields ``(EpochState, scalars, seconds)``."""
     local = getattr(state, "chunk_local", None)
+    watchdog = Watchdog()
     for _ in range(epochs):
         start = time.perf_counter()
         state = adapter.begin_epoch(state)
-        state, scalars, local = _run_rounds(client, data, adapter, state, rounds, split_every, local)
+        state, scalars, local = _run_rounds(client, data, adapter, state, rounds, split_every, local, watchdog)
         state = adapter.end_epoch(state)
         if hasattr(adapter, "epoch_scalars"):
             scalars.update(adapter.epoch_scalars(state))

@@ -21,7 +21,7 @@ import numpy as np
 from ..engines.partials import Partial, sum_partials
 from .placement import chunk_annotations
 from .tuning import release_memory, tune_allocator
-from .watchdog import ReconstructionStalled, stall_seconds
+from .watchdog import ReconstructionStalled
 
 
 @dataclass
@@ -165,7 +165,8 @@ def tree_reduce(blocks, split_every: int, name: str | None = None):
 
 
 def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0, rounds: int = 1,
-               split_every: int | None = None, local: dict | None = None) -> Partial:
+               split_every: int | None = None, local: dict | None = None,
+               timeout: float | None = None) -> Partial:
     """Run ``func(intensities_chunk, positions_chunk, payload) -> Partial`` on every chunk
     (or on slice ``round_index::rounds`` of every chunk) and return the tree-reduced sum.
 
@@ -173,7 +174,8 @@ def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0
     state of every chunk (``{chunk: {name: array}}``, see :func:`run_chunk`); the chunks' updates
     come back in the sum's ``local``. Round by round the chunks have no home worker that could keep
     it (out of core, any worker reads a chunk), so it travels with the tasks: 16–48 bytes per
-    pattern, against the pattern itself read from the store.
+    pattern, against the pattern itself read from the store. ``timeout``: seconds to wait for
+    the round (None: no limit) before :class:`~.watchdog.ReconstructionStalled`.
     """
     payload_future = client.scatter(payload, broadcast=True, hash=False)
     if data.persisted or local is not None:  # one task per chunk (persisted: on its chunk's worker)
@@ -199,12 +201,11 @@ def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0
     root = tree_reduce(parts, max(2, int(split_every)), name=f"{ROUND_PREFIX}-{uuid.uuid4().hex}")
     future = client.compute(root, optimize_graph=False)
     try:
-        bound = stall_seconds()
         try:
-            return future.result(timeout=bound)
+            return future.result(timeout=timeout)
         except TimeoutError:
-            raise ReconstructionStalled(f"a round did not finish within {bound:.0f} s "
-                                        "(DASKPTY_STALL_SECONDS)") from None
+            raise ReconstructionStalled(f"a round did not finish within {timeout:.0f} s "
+                                        "(see DASKPTY_STALL_SECONDS)") from None
     finally:
         future.release()
         payload_future.release()
