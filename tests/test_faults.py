@@ -78,6 +78,7 @@ def test_watchdog_bound_follows_the_slowest_epoch(monkeypatch):
     monkeypatch.setenv("DASKPTY_STALL_SECONDS", "30")
     dog = Watchdog()
     assert dog.bound() == 30
+    assert Watchdog(data_bytes=2 * 10**9).bound() == 30 + 100  # the first epoch reads the data
     dog.observe(0.5)
     assert dog.bound() == 30
     dog.observe(4.0)

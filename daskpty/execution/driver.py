@@ -243,7 +243,7 @@ def _position_metrics(scalars: dict) -> dict:
 def _client_epochs(client, data, adapter, state, epochs, rounds, split_every):
     """Epochs run round by round from the client; yields ``(EpochState, scalars, seconds)``."""
     local = getattr(state, "chunk_local", None)
-    watchdog = Watchdog()
+    watchdog = Watchdog(data_bytes=data.intensities.nbytes)
     for _ in range(epochs):
         start = time.perf_counter()
         state = adapter.begin_epoch(state)
@@ -340,7 +340,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
         run_stuck_loose_tasks(client)  # chunks pinned to workers that are gone: recompute anywhere
         return graph.submit(client.scatter(_carry_of(carry_state), hash=False))
 
-    watchdog = Watchdog()
+    watchdog = Watchdog(data_bytes=data.intensities.nbytes)
     started_with = _workers(client)
     last_end = time.time()  # when the last reported epoch ended (time.time() on the worker)
     pending = start(base)

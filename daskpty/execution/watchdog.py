@@ -35,11 +35,19 @@ def stall_seconds() -> float:
     return value
 
 
-class Watchdog:
-    """How long to wait for the next epoch: ``max(floor, EPOCH_FACTOR × slowest epoch)``."""
+#: Until the first epoch (or round) has finished, the bound also allows reading the data at this
+#: pessimistic rate (bytes/s): the first epoch waits for the chunks to be loaded.
+FIRST_READ_BYTES_PER_S = 20e6
 
-    def __init__(self, floor: float | None = None):
+
+class Watchdog:
+    """How long to wait for the next epoch: ``max(floor, EPOCH_FACTOR × slowest epoch)``; before
+    any epoch has finished, ``floor + data_bytes / FIRST_READ_BYTES_PER_S`` (the first one reads
+    the data: 256 GB at 20 MB/s is 3.6 h)."""
+
+    def __init__(self, floor: float | None = None, data_bytes: int = 0):
         self.floor = stall_seconds() if floor is None else float(floor)
+        self.first = self.floor + float(data_bytes) / FIRST_READ_BYTES_PER_S
         self.slowest = 0.0
 
     def observe(self, seconds: float) -> None:
@@ -47,4 +55,6 @@ class Watchdog:
             self.slowest = float(seconds)
 
     def bound(self) -> float:
+        if self.slowest == 0.0:
+            return self.first
         return max(self.floor, EPOCH_FACTOR * self.slowest)
