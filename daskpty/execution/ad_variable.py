@@ -1,7 +1,6 @@
 """The AD engine's adapter with a varying probe (see :mod:`.variable_probe`)."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,10 +42,7 @@ class VariableADAdapter(_ProbeModelMixin, ADAdapter):
         self.model = model
 
     def payload(self, state, object=None, probe=None) -> VariableADPayload:
-        base = super().payload(state, object, probe)
-        return VariableADPayload(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                                 model=self.model, eigen=state.eigen_probes,
-                                 transform=state.weight_transform, background=state.background)
+        return self._with_model(VariableADPayload, super().payload(state, object, probe), state)
 
     def apply(self, state, total, evaluate=None):
         state = super().apply(state, total, evaluate)
@@ -58,15 +54,3 @@ class VariableADAdapter(_ProbeModelMixin, ADAdapter):
         lsqml_opr.end_epoch(state, self.model)   # the same orthonormalisation and T
         state = super().end_epoch(state)
         return state
-
-    def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
-        state = super().new_state(obj, probe, epoch, engine_state)
-        self._attach(state, probe, engine_state)
-        return state
-
-    def engine_state(self, state) -> dict:
-        return {**super().engine_state(state), **self._stored(state)}
-
-    def initialise(self, client, data, state, *, split_every: int):
-        before = state.probe
-        return self._rescaled(super().initialise(client, data, state, split_every=split_every), before)

@@ -55,6 +55,25 @@ class _ProbeModelMixin:
         local.update(pm.initial_local(len(nominal), self.model))
         return local
 
+    # The adapter protocol, extended (the engine's adapter comes next in the MRO).
+    def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
+        state = super().new_state(obj, probe, epoch, engine_state)
+        self._attach(state, probe, engine_state)
+        return state
+
+    def engine_state(self, state) -> dict:
+        return {**super().engine_state(state), **self._stored(state)}
+
+    def initialise(self, client, data, state, *, split_every: int):
+        before = state.probe
+        return self._rescaled(super().initialise(client, data, state, split_every=split_every), before)
+
+    def _with_model(self, payload_cls, base, state):
+        """The engine's payload ``base`` as a ``payload_cls`` that also carries the probe model."""
+        return payload_cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                           model=self.model, eigen=state.eigen_probes,
+                           transform=state.weight_transform, background=state.background)
+
     def _attach(self, state, probe, engine_state: dict | None) -> None:
         engine_state = engine_state or {}
         n = np.shape(probe)[-1]
@@ -99,10 +118,7 @@ class VariableLSQMLAdapter(_ProbeModelMixin, LSQMLAdapter):
         self.model = model
 
     def payload(self, state) -> VariableLSQMLPayload:
-        base = super().payload(state)
-        return VariableLSQMLPayload(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                                    model=self.model, eigen=state.eigen_probes,
-                                    transform=state.weight_transform, background=state.background)
+        return self._with_model(VariableLSQMLPayload, super().payload(state), state)
 
     def apply(self, state, total):
         state = super().apply(state, total)
@@ -113,18 +129,6 @@ class VariableLSQMLAdapter(_ProbeModelMixin, LSQMLAdapter):
     def end_epoch(self, state):
         lsqml_opr.end_epoch(state, self.model)
         return super().end_epoch(state)
-
-    def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
-        state = super().new_state(obj, probe, epoch, engine_state)
-        self._attach(state, probe, engine_state)
-        return state
-
-    def engine_state(self, state) -> dict:
-        return {**super().engine_state(state), **self._stored(state)}
-
-    def initialise(self, client, data, state, *, split_every: int):
-        before = state.probe
-        return self._rescaled(super().initialise(client, data, state, split_every=split_every), before)
 
 
 def with_probe_model(adapter, model: pm.ProbeModelOptions | None):
