@@ -62,9 +62,25 @@ def main():
     ap.add_argument("--perturb-seed", type=int, default=1)
     ap.add_argument("--skip-references", action="store_true",
                     help="position case: leave out the Pty-Chi true/nominal reference runs")
+    ap.add_argument("--multislice", type=int, default=None, metavar="K",
+                    help="run the multislice case instead: K slices (2 or 3; see the module docstring)")
+    ap.add_argument("--ms-n", type=int, default=32, help="multislice case: pattern size")
+    ap.add_argument("--ms-grid", type=int, default=20, help="multislice case: grid x grid scan positions")
+    ap.add_argument("--ms-spacing", type=float, default=2e-9, help="multislice case: slice spacing, m")
+    ap.add_argument("--variable-probe", action="store_true",
+                    help="run the variable-probe (OPR) case instead (see the module docstring)")
+    ap.add_argument("--opr-modes", type=int, default=3, help="variable-probe case: OPR modes K (both codes)")
+    ap.add_argument("--opr-start", type=int, default=10,
+                    help="variable-probe case: first epoch (from 0) of the OPR updates (both codes)")
+    ap.add_argument("--vp-grid", type=int, default=14, help="variable-probe case: grid x grid positions")
+    ap.add_argument("--vp-n", type=int, default=32, help="variable-probe case: pattern size")
     args = ap.parse_args()
     if args.position_errors:
         return position_case(args)
+    if args.multislice:
+        return multislice_case(args)
+    if args.variable_probe:
+        return variable_probe_case(args)
     checkpoints = [int(e) for e in args.epochs.split(",")]
     epochs = max(checkpoints)
 
@@ -247,6 +263,263 @@ def position_case(args):
         summary.append({"code": code, "engine": engine, "positions": label, "s_per_epoch": spe,
                         "by_epoch": {str(e): list(g) for e, g in got.items()}})
     print(json.dumps(summary))
+
+
+def _peer_env():
+    # see main(): without distributed's MALLOC_TRIM_THRESHOLD_
+    return {k: v for k, v in os.environ.items() if k != "MALLOC_TRIM_THRESHOLD_"}
+
+
+def _peer(args, args_list, what):
+    """Run ptychi_peer.py with ``args_list``; its stdout, or None (printing why) on failure."""
+    import shlex
+
+    cmd = [args.peer_python, os.path.join(os.path.dirname(__file__), "ptychi_peer.py")] + [str(a) for a in args_list]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_peer_env())
+    if proc.returncode != 0:
+        print(f"Pty-Chi {what} failed ({shlex.join(cmd)}):\n" + proc.stderr[-3000:])
+        return None
+    return proc.stdout
+
+
+def _phase_nrmse(estimate, truth, mask):
+    """Phase NRMSE after alignment (shift, ramp, complex scale): ||dphi|| / ||phi - mean phi|| on
+    the mask (the measure of tests/test_multislice_reconstruct.py; weak-phase slices make the
+    complex NRMSE small for any estimate near 1)."""
+    from daskpty import metrics
+
+    a = metrics.align(estimate, truth, mask=mask)
+    pa, pt = np.angle(a), np.angle(truth)
+    pa, pt = pa - pa[mask].mean(), pt - pt[mask].mean()
+    return float(np.sqrt(((pa - pt)[mask] ** 2).sum() / (pt[mask] ** 2).sum()))
+
+
+def multislice_case(args):
+    """daskpty multislice LSQML vs Pty-Chi multislice LSQML on one simulated K-slice set.
+
+    daskpty's simulator (daskpty.simulate_multislice: 300 kV electrons, lambda = 1.97 pm, 0.25 A
+    pixels, weak-phase slices ``--ms-spacing`` apart, Poisson noise), both codes from the same
+    start: K slices of ones in the truth's frame and daskpty's aperture probe from the data's
+    geometry (defocus 6 nm, scaled to the data). Pty-Chi's forward model is first checked on the
+    true slices and probe against daskpty's noise-free intensities. Prints per-slice phase and
+    complex NRMSE (and of the projected object, the product of the slices) after each listed
+    epoch, and s/epoch of both codes.
+    """
+    import daskpty
+    from daskpty import metrics
+    from daskpty.physics.multislice import multislice_intensities
+    from daskpty.sample import aperture_probe
+    from daskpty.simulate_multislice import simulate_multislice
+    from distributed import Client, LocalCluster
+
+    if args.engine != "lsqml":
+        raise SystemExit("the multislice case compares LSQML (--engine lsqml)")
+    k = int(args.multislice)
+    checkpoints = sorted(int(e) for e in args.epochs.split(","))
+    epochs = checkpoints[-1]
+    tmp = tempfile.mkdtemp(prefix="daskpty-bench-ms-")
+    ds = simulate_multislice(n=args.ms_n, n_slices=k, grid=args.ms_grid, spacing_m=args.ms_spacing,
+                             noise=True, seed=2)
+    g = ds.geometry
+    n = args.ms_n
+    truth = ds.truth.slices
+    clean = np.fft.fftshift(multislice_intensities(truth, ds.truth.probe, ds.positions, ds.kernel), axes=(-2, -1))
+    intensities = ds.intensities.astype(np.float32)
+    data = daskpty.from_arrays(intensities, ds.positions, wavelength_m=g.wavelength_m,
+                               object_pixel_size_m=g.pixel_size_m, electron_voltage_v=300e3,
+                               convergence_semiangle_rad=25e-3)
+    power = float(intensities.sum(axis=(1, 2), dtype=np.float64).mean())
+    probe = aperture_probe(data.metadata, n, power=power, positions=ds.positions,
+                           aperture={"defocus_m": 6e-9})
+    obj = np.ones(truth.shape, np.complex64)
+    print(f"multislice: {len(ds.positions)} patterns of {n}x{n}, {k} slices of {truth.shape[1:]} px, "
+          f"lambda {g.wavelength_m:.4g} m, pixel {g.pixel_size_m:.3g} m, spacing {g.spacing_m:.3g} m "
+          f"(Fresnel number lambda dz / dx^2 = {g.fresnel_number:.2f}), Poisson noise; {epochs} epochs")
+
+    # --- Pty-Chi: forward check on the truth, then the reconstruction ---------------------------
+    peer = None
+    geometry = dict(wavelength_m=g.wavelength_m, pixel_size_m=g.pixel_size_m, slice_spacing_m=g.spacing_m)
+    if os.path.exists(args.peer_python):
+        check_in = os.path.join(tmp, "peer_check.npz")
+        np.savez(check_in, intensities=intensities, clean_intensities=clean, positions=ds.positions,
+                 probe=ds.truth.probe, object=truth, true_object=truth, true_probe=ds.truth.probe, **geometry)
+        out = _peer(args, [check_in, "--check-forward"], "forward check")
+        if out:
+            print("forward check: " + out.strip().replace("\n", "; "))
+        peer_in, peer_out = os.path.join(tmp, "peer_in.npz"), os.path.join(tmp, "peer_out.npz")
+        np.savez(peer_in, intensities=intensities, positions=ds.positions, probe=probe, object=obj, **geometry)
+        if _peer(args, [peer_in, peer_out, "--engine", "lsqml", "--epochs-list", args.epochs,
+                        "--batch-size", args.peer_batch, "--noise", "poisson" if args.noise == "poisson" else "gaussian",
+                        "--threads", args.peer_threads], "multislice LSQML") is not None:
+            with np.load(peer_out) as z:
+                peer = {key: z[key] for key in z.files}
+    else:
+        print(f"Pty-Chi virtualenv not found at {args.peer_python}; see benchmarks/README_ptychi.md")
+
+    # --- daskpty ------------------------------------------------------------------------------
+    objects = {}
+
+    def keep(epoch, state, metrics_):
+        if epoch in checkpoints:
+            objects[epoch] = np.array(state.get().object)
+
+    keep.takes_epoch_state = True
+    with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        rec = daskpty.reconstruct(data, engine="lsqml", epochs=epochs, object=obj, probe=probe, client=client,
+                                  slices=k, slice_spacing_m=g.spacing_m, rounds_per_epoch=args.rounds_per_epoch,
+                                  noise=args.noise, callback=keep, rescale_probe=False, check_data=False)
+        one = daskpty.reconstruct(data, engine="lsqml", epochs=epochs, object=obj[0], probe=probe, client=client,
+                                  rounds_per_epoch=args.rounds_per_epoch, noise=args.noise, rescale_probe=False,
+                                  check_data=False)
+    assert tuple(np.round(rec.origin)) == (0, 0), rec.origin  # the given object's frame = the truth's
+    seconds = np.array([h["seconds"] for h in rec.history])
+    ours_spe = float(np.median(seconds[1:]))
+    illum = np.asarray(rec.illumination)[0]
+    lit = illum > 0.3 * illum.max()
+    projected_truth = np.prod(truth, axis=0)
+
+    def errors(o):
+        o = np.asarray(o)
+        per = [(_phase_nrmse(o[i], truth[i], lit), float(metrics.nrmse(o[i], truth[i], mask=lit))) for i in range(k)]
+        p = np.prod(o, axis=0)
+        return per, (_phase_nrmse(p, projected_truth, lit), float(metrics.nrmse(p, projected_truth, mask=lit)))
+
+    print(f"\nper-slice phase NRMSE [complex NRMSE] vs truth, illuminated region (> 0.3 max, entrance slice); "
+          f"'proj' = product of the slices vs the true product")
+    head = "".join(f"{'slice ' + str(i):>16}" for i in range(k)) + f"{'proj':>16}"
+    print(f"{'code':<8} {'epochs':>6}{head}")
+    for code in ("daskpty", "Pty-Chi"):
+        for e in checkpoints:
+            if code == "daskpty":
+                o = objects[e]
+            elif peer is not None:
+                o = peer[f"object_{e}"]
+            else:
+                continue
+            per, proj = errors(o)
+            cells = "".join(f"{a:>8.4f} [{c:.4f}]" for a, c in per + [proj])
+            print(f"{code:<8} {e:>6}{cells}")
+    p1 = _phase_nrmse(one.object, projected_truth, lit)
+    print(f"(daskpty 1-slice fit of the same data, {epochs} epochs: projected phase NRMSE {p1:.4f}; "
+          f"per slice {' '.join(f'{_phase_nrmse(one.object, truth[i], lit):.4f}' for i in range(k))})")
+    print(f"\nseconds/epoch: daskpty {ours_spe:.4f} (median of epochs 2.., {args.workers} worker processes, "
+          f"{args.rounds_per_epoch} rounds/epoch)", end="")
+    if peer is not None:
+        theirs_spe = float(peer["seconds_per_epoch"])
+        print(f"   Pty-Chi {theirs_spe:.4f} (mean, batch {args.peer_batch}, {args.peer_threads} threads)"
+              f"   speed-up {theirs_spe / ours_spe:.2f}x")
+    else:
+        print()
+
+
+def _multiple_r(features, target):
+    x = np.c_[features, np.ones(len(features))]
+    coef, *_ = np.linalg.lstsq(x, target, rcond=None)
+    return float(np.corrcoef(x @ coef, target)[0, 1])
+
+
+def variable_probe_case(args):
+    """daskpty LSQML with OPR vs Pty-Chi LSQML with OPR on the drifting-probe scan.
+
+    daskpty.simulate_variable_probe (defocus drifting linearly along the scan, flux +-20 %
+    random, Poisson noise; the scan of benchmarks/bench_opr.py and tests/test_opr.py), both codes
+    from the same start (object ones, daskpty's probe from the mean pattern), OPR with
+    ``--opr-modes`` modes from epoch ``--opr-start`` in both (Pty-Chi: eigenmode weights and the
+    intensity variation (weight of mode 0) optimised). References: daskpty without OPR on the same
+    scan and on the constant-probe scan. Prints object NRMSE, r(w0^2, flux) and the multiple
+    correlation R(w1.., defocus) of the recovered weights, and s/epoch.
+    """
+    import daskpty
+    from daskpty.engines.initial import object_frame, probe_diameter_from_scan, probe_from_mean_pattern
+    from daskpty.metrics import nrmse_vs_truth
+    from daskpty.simulate_variable_probe import simulate_variable_probe
+    from distributed import Client, LocalCluster
+
+    if args.engine != "lsqml":
+        raise SystemExit("the variable-probe case compares LSQML (--engine lsqml)")
+    checkpoints = sorted(int(e) for e in args.epochs.split(","))
+    epochs = checkpoints[-1]
+    K = args.opr_modes
+    tmp = tempfile.mkdtemp(prefix="daskpty-bench-vp-")
+    sims = {"drifting": simulate_variable_probe(n=args.vp_n, grid=args.vp_grid),
+            "constant": simulate_variable_probe(n=args.vp_n, grid=args.vp_grid, constant=True)}
+    ds = sims["drifting"]
+    n = args.vp_n
+    shape, origin = object_frame(ds.positions, n)
+    positions = ds.positions + origin
+    starts = {}
+    for label, sim in sims.items():
+        inten = np.asarray(sim.intensities, np.float32)
+        probe = probe_from_mean_pattern(inten.mean(axis=0), diameter=probe_diameter_from_scan(sim.positions, n))
+        starts[label] = (inten, probe)
+    obj = np.ones(shape, np.complex64)
+    print(f"variable probe: {len(positions)} patterns of {n}x{n}, object {shape}; defocus drift "
+          f"{ds.truth.defocus.min():.2f}..{ds.truth.defocus.max():.2f} rad, flux {ds.truth.flux.min():.2f}.."
+          f"{ds.truth.flux.max():.2f}; OPR K = {K} from epoch {args.opr_start}; {epochs} epochs")
+
+    rows = []  # (code, run, {epoch: nrmse}, r_flux, R_defocus, s/epoch)
+
+    def correlations(w):
+        w = np.asarray(w, np.float64)
+        return (float(np.corrcoef(w[:, 0] ** 2, ds.truth.flux)[0, 1]),
+                _multiple_r(w[:, 1:], ds.truth.defocus) if w.shape[1] > 1 else float("nan"))
+
+    # --- Pty-Chi first (before this process starts a LocalCluster) ----------------------------
+    if os.path.exists(args.peer_python):
+        inten, probe = starts["drifting"]
+        for label, extra in (("OPR K=%d" % K, ["--opr-modes", K, "--opr-start", args.opr_start]), ("no OPR", [])):
+            peer_in = os.path.join(tmp, "peer_in.npz")
+            peer_out = os.path.join(tmp, f"peer_out_{len(rows)}.npz")
+            np.savez(peer_in, intensities=inten, positions=positions, probe=probe, object=obj)
+            if _peer(args, [peer_in, peer_out, "--engine", "lsqml", "--epochs-list", args.epochs,
+                            "--batch-size", args.peer_batch, "--noise", args.noise, "--threads",
+                            args.peer_threads] + extra, f"LSQML {label}") is None:
+                continue
+            with np.load(peer_out) as z:
+                out = {key: z[key] for key in z.files}
+            # no illumination from Pty-Chi: daskpty's mask of the same scan (filled in below)
+            r = correlations(out[f"opr_weights_{epochs}"]) if extra else (float("nan"), float("nan"))
+            rows.append(["Pty-Chi", label + " (drifting)", {e: out[f"object_{e}"] for e in checkpoints}, *r,
+                         float(out["seconds_per_epoch"])])
+    else:
+        print(f"Pty-Chi virtualenv not found at {args.peer_python}; see benchmarks/README_ptychi.md")
+
+    # --- daskpty ------------------------------------------------------------------------------
+    illumination = None
+    with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        for label, scan, kw in (("OPR K=%d" % K, "drifting", dict(opr_modes=K, probe_model={"start_epoch": args.opr_start})),
+                                ("no OPR", "drifting", {}), ("no OPR", "constant", {})):
+            objects = {}
+
+            def keep(epoch, state, metrics_):
+                if epoch in checkpoints:
+                    objects[epoch] = np.array(state.get().object)
+
+            keep.takes_epoch_state = True
+            inten, probe = starts[scan]
+            rec = daskpty.reconstruct(daskpty.from_arrays(inten, positions), engine="lsqml", epochs=epochs,
+                                      object=obj, probe=probe, client=client, noise=args.noise,
+                                      rounds_per_epoch=args.rounds_per_epoch, callback=keep,
+                                      rescale_probe=False, check_data=False, **kw)
+            if illumination is None:
+                illumination = rec.illumination
+            r = correlations(rec.probe_weights) if kw else (float("nan"), float("nan"))
+            seconds = np.array([h["seconds"] for h in rec.history])
+            rows.append(["daskpty", f"{label} ({scan})", objects, *r,
+                         float(np.median(seconds[max(1, args.opr_start):]))])
+
+    print(f"\nobject NRMSE vs truth (daskpty's illuminated region > 0.3 max); r(w0^2, flux): Pearson; "
+          f"R(w1.., defocus): multiple correlation; s/epoch: daskpty median over epochs {max(1, args.opr_start) + 1}.. "
+          f"({args.workers} worker processes, R = {args.rounds_per_epoch}), Pty-Chi mean over the run "
+          f"(batch {args.peer_batch}, {args.peer_threads} threads)")
+    head = "".join(f"{'NRMSE@' + str(e):>11}" for e in checkpoints)
+    print(f"{'code':<8} {'run':<22}{head} {'r(w0²,flux)':>12} {'R(w,defoc)':>11} {'s/epoch':>8}")
+    for code, label, objects, r_flux, r_def, spe in rows:
+        truth = sims["constant" if "constant" in label else "drifting"].truth
+        cells = "".join(f"{nrmse_vs_truth(objects[e], positions, illumination, truth):>11.4f}" for e in checkpoints)
+        print(f"{code:<8} {label:<22}{cells} {r_flux:>12.3f} {r_def:>11.3f} {spe:>8.4f}")
 
 
 def _shifted(data, origin):

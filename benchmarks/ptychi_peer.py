@@ -153,12 +153,14 @@ def to_ptychi_arrays(intensities, positions, probe, obj):
     if probe.ndim == 2:
         probe = probe[None]
     obj = np.asarray(obj, dtype=np.complex64)
+    if obj.ndim == 2:
+        obj = obj[None]  # (1 slice, H, W); a multislice object is (K, H, W), entrance slice first
     n = probe.shape[-1]
     if probe.shape[-2] != n or n % 2:
         raise SystemExit(f"probe must be square with an even side, got {probe.shape[-2:]}")
     if intensities.shape[1:] != (n, n):
         raise SystemExit(f"pattern shape {intensities.shape[1:]} != probe shape {(n, n)}")
-    H, W = obj.shape
+    H, W = obj.shape[-2:]
     t = positions - n / 2.0
     if probe.shape[0] > 1 and np.any(np.abs(t - np.floor(t + 0.5)) > 1e-6):
         print("[ptychi_peer] WARNING: Pty-Chi 2.2 applies the sub-pixel probe shift to the FIRST "
@@ -170,14 +172,15 @@ def to_ptychi_arrays(intensities, positions, probe, obj):
         pos_y=positions[:, 0] - H // 2,
         pos_x=positions[:, 1] - W // 2,
         probe=np.ascontiguousarray(probe[None] / np.float32(n)),  # (1 OPR mode, M, n, n)
-        obj=np.ascontiguousarray(obj[None]),  # (1 slice, H, W)
+        obj=np.ascontiguousarray(obj),  # (n_slices, H, W)
         origin=origin,
         n=n,
     )
 
 
 def build_task(engine, arrays, *, epochs, batch_size, noise, lr, probe_lr, seed,
-               rescale_probe_first_epoch, ambiguity_removal, positions=None):
+               rescale_probe_first_epoch, ambiguity_removal, positions=None, multislice=None,
+               opr=None):
     import torch
     import ptychi.api as api
     from ptychi.api.task import PtychographyTask
@@ -214,6 +217,11 @@ def build_task(engine, arrays, *, epochs, batch_size, noise, lr, probe_lr, seed,
     options.probe_position_options.optimizable = False
     if positions is not None:
         set_position_correction(options, api, engine, positions)
+    if multislice is not None:
+        set_multislice(options, arrays, multislice)
+    extra = {}
+    if opr is not None:
+        extra["opr_mode_weights_data"] = set_opr(options, arrays, opr)
 
     task = PtychographyTask(
         options,
@@ -222,6 +230,7 @@ def build_task(engine, arrays, *, epochs, batch_size, noise, lr, probe_lr, seed,
         probe_data=arrays["probe"],
         probe_position_x_px=arrays["pos_x"],
         probe_position_y_px=arrays["pos_y"],
+        **extra,
     )
     if engine == "ad" and noise == "poisson":
         task.reconstructor.loss_function = torch.nn.PoissonNLLLoss(log_input=False, full=False)
@@ -253,6 +262,47 @@ def set_position_correction(options, api, engine, settings):
     ac.optimization_plan.start = int(settings["start"])
 
 
+def set_multislice(options, arrays, settings):
+    """Pty-Chi 2.2's multislice object: ``object_options.slice_spacings_m`` (K - 1 spacings, m),
+    the object pixel size ``object_options.pixel_size_m`` (the probe inherits it) and
+    ``data_options.wavelength_m``. Its slice-to-slice propagator (AngularSpectrumPropagator) is
+    exp(2 pi i z sqrt(1/lambda^2 - u^2)): daskpty's kernel times the constant exp(2 pi i z / lambda),
+    the same sign, no band limit (daskpty's band limit is above Nyquist for the benchmark geometry;
+    --check-forward verifies the match). Every other multislice option keeps Pty-Chi's default
+    (no multislice regulariser; LSQML step sizes per slice, not joint with the probe)."""
+    k = arrays["obj"].shape[0]
+    if k < 2:
+        raise SystemExit("multislice needs an object of shape (K >= 2, H, W)")
+    options.data_options.wavelength_m = float(settings["wavelength_m"])
+    options.object_options.pixel_size_m = float(settings["pixel_size_m"])
+    options.object_options.slice_spacings_m = np.full(k - 1, float(settings["spacing_m"]))
+
+
+def set_opr(options, arrays, settings):
+    """Pty-Chi 2.2's OPR (variable probe): the probe gets ``modes`` OPR modes (mode 0 the given
+    probe, the eigenmodes random, normalised, as ptychi.utils.add_additional_opr_probe_modes_to_probe
+    makes them), per-pattern weights (1 for mode 0, ~1e-6 random for the eigenmodes, as
+    ptychi.utils.generate_initial_opr_mode_weights makes them), ``opr_mode_weight_options.optimizable``
+    with ``optimize_eigenmode_weights`` and (``intensity``) ``optimize_intensity_variation``, the
+    optimisation from epoch ``start``; probe OPR-mode orthogonalisation stays on (its default).
+    Returns the initial weights (N, modes)."""
+    import torch
+    from ptychi.utils import add_additional_opr_probe_modes_to_probe, generate_initial_opr_mode_weights
+
+    modes = int(settings["modes"])
+    probe = torch.as_tensor(arrays["probe"])
+    probe = add_additional_opr_probe_modes_to_probe(probe, modes - 1)
+    torch.manual_seed(int(settings.get("seed", 0)))
+    weights = generate_initial_opr_mode_weights(len(arrays["pos_y"]), modes, probe=probe)
+    arrays["probe"] = probe.numpy().astype(np.complex64)
+    ow = options.opr_mode_weight_options
+    ow.optimizable = True
+    ow.optimize_eigenmode_weights = True
+    ow.optimize_intensity_variation = bool(settings.get("intensity", True))
+    ow.optimization_plan.start = int(settings.get("start", 0))
+    return weights.numpy().astype(np.float32)
+
+
 def read_positions(task, shape):
     """Pty-Chi's positions (window centres relative to the origin we fixed) in daskpty's frame."""
     c = task.get_data_to_cpu("probe_positions", as_numpy=True).astype(np.float64)
@@ -261,9 +311,19 @@ def read_positions(task, shape):
 
 
 def read_back(task, n):
-    obj = task.get_data_to_cpu("object", as_numpy=True)[0].astype(np.complex64)
+    """Object (H, W), or (K, H, W) for a multislice object; probe (M, n, n) (OPR mode 0) in
+    daskpty's scale."""
+    obj = task.get_data_to_cpu("object", as_numpy=True).astype(np.complex64)
+    obj = obj[0] if obj.shape[0] == 1 else obj
     probe = task.get_data_to_cpu("probe", as_numpy=True)[0] * np.float32(n)
     return obj, probe.astype(np.complex64)
+
+
+def read_opr(task, n):
+    """OPR weights (N, K) and the OPR modes of the first incoherent mode (K, n, n), daskpty scale."""
+    weights = task.get_data_to_cpu("opr_mode_weights", as_numpy=True).astype(np.float32)
+    modes = task.get_data_to_cpu("probe", as_numpy=True)[:, 0] * np.float32(n)
+    return weights, modes.astype(np.complex64)
 
 
 def ptychi_forward(task, n_patterns, batch=256):
@@ -318,6 +378,12 @@ def main(argv=None):
     ap.add_argument("--make-test-case", choices=("small", "bench576"), default=None,
                     help="write a synthetic IN.npz (with true_object/true_probe) to the IN path "
                          "and exit: small = 200 x 32^2 on 160^2, bench576 = 576 x 64^2 on 256^2")
+    ap.add_argument("--opr-modes", type=int, default=None, metavar="K",
+                    help="variable probe: Pty-Chi's OPR with K modes (mode 0 + K-1 eigenmodes); "
+                         "OUT.npz then also holds opr_weights_<e> (N, K) and opr_modes_<e> (K, n, n)")
+    ap.add_argument("--opr-start", type=int, default=0, help="first epoch (from 0) of the OPR updates")
+    ap.add_argument("--no-opr-intensity", action="store_true",
+                    help="with --opr-modes: do not fit the per-pattern intensity (weight of mode 0)")
     ap.add_argument("--check-forward", action="store_true",
                     help="print the relative error of Pty-Chi's forward model on true_object/"
                          "true_probe vs the recorded intensities, then exit")
@@ -346,20 +412,33 @@ def main(argv=None):
     intensities = d["intensities"]
     positions = d["positions"]
     N = len(positions)
+    # a multislice problem: IN.npz holds object (K, H, W) and the geometry (wavelength_m,
+    # pixel_size_m, slice_spacing_m: metres; the spacing between neighbouring slices, > 0 downstream)
+    multislice = None
+    if d["object"].ndim == 3 and d["object"].shape[0] > 1:
+        multislice = {k: float(d[name]) for k, name in (("wavelength_m", "wavelength_m"),
+                                                       ("pixel_size_m", "pixel_size_m"),
+                                                       ("spacing_m", "slice_spacing_m"))}
 
     if args.check_forward:
         t_obj, t_probe = d["true_object"], d["true_probe"]
-        arrays = to_ptychi_arrays(intensities, positions, t_probe, t_obj)
+        # the noise-free daskpty model of the true object, when given (else the recorded data)
+        ref_data = d["clean_intensities"] if "clean_intensities" in d.files else intensities
+        arrays = to_ptychi_arrays(ref_data, positions, t_probe, t_obj)
         task = build_task("lsqml", arrays, epochs=1, batch_size=args.batch_size, noise="gaussian",
                           lr=args.lr, probe_lr=args.lr, seed=args.seed,
-                          rescale_probe_first_epoch=False, ambiguity_removal=False)
+                          rescale_probe_first_epoch=False, ambiguity_removal=False,
+                          multislice=multislice)
         y = ptychi_forward(task, N)
         meas = arrays["data"].astype(np.float64)
         err = np.linalg.norm(y - meas) / np.linalg.norm(meas)
-        ref = daskpty_forward_numpy(t_obj, t_probe, positions)
-        err_ref = np.linalg.norm(ref - intensities) / np.linalg.norm(intensities)
-        print(f"ptychi {version}: forward-model relative error vs intensities = {err:.3e}")
-        print(f"(daskpty NumPy reference model vs intensities = {err_ref:.3e})")
+        what = "daskpty's noise-free intensities" if "clean_intensities" in d.files else "intensities"
+        print(f"ptychi {version}: forward-model relative error vs {what} = {err:.3e}"
+              + (f" ({arrays['obj'].shape[0]} slices)" if multislice else ""))
+        if multislice is None:
+            ref = daskpty_forward_numpy(t_obj, t_probe, positions)
+            err_ref = np.linalg.norm(ref - ref_data) / np.linalg.norm(ref_data)
+            print(f"(daskpty NumPy reference model vs intensities = {err_ref:.3e})")
         return 0
 
     if args.out is None:
@@ -377,10 +456,15 @@ def main(argv=None):
         pos_settings = dict(start=args.position_start, step_size=args.position_step_size,
                             limit=args.position_limit, optimizer=args.position_optimizer,
                             momentum=args.position_momentum, affine=not args.no_affine)
+    opr_settings = None
+    if args.opr_modes and args.opr_modes > 1:
+        opr_settings = dict(modes=args.opr_modes, start=args.opr_start, seed=args.seed,
+                            intensity=not args.no_opr_intensity)
     task = build_task(args.engine, arrays, epochs=epochs_list[-1], batch_size=args.batch_size,
                       noise=args.noise, lr=args.lr, probe_lr=probe_lr, seed=args.seed,
                       rescale_probe_first_epoch=args.rescale_probe_first_epoch,
-                      ambiguity_removal=args.ambiguity_removal, positions=pos_settings)
+                      ambiguity_removal=args.ambiguity_removal, positions=pos_settings,
+                      multislice=multislice, opr=opr_settings)
     setup = time.perf_counter() - t0
 
     results = {}
@@ -403,6 +487,8 @@ def main(argv=None):
             comp = task.reconstructor.parameter_group.probe_positions.affine_transform_components
             results[f"affine_{e}"] = np.array([float(comp[k]) for k in
                                                ("scale", "asymmetry", "rotation", "shear")])
+        if opr_settings is not None:
+            results[f"opr_weights_{e}"], results[f"opr_modes_{e}"] = read_opr(task, n)
 
     try:
         loss = task.reconstructor.loss_tracker.table["loss"].to_numpy(dtype=np.float64)
@@ -425,6 +511,8 @@ def main(argv=None):
         torchvision_stub=np.bool_(stubbed),
         refine_positions=np.bool_(args.refine_positions),
         position_settings=np.str_(repr(pos_settings)),
+        multislice=np.str_(repr(multislice)),
+        opr_settings=np.str_(repr(opr_settings)),
     )
     print(f"[ptychi_peer] ptychi {version} {args.engine}: {run_time / epochs_list[-1]:.4f} s/epoch, "
           f"setup {setup:.2f} s, threads {torch.get_num_threads()} -> {args.out}", file=sys.stderr)
