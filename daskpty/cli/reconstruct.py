@@ -1,6 +1,7 @@
 """``daskpty reconstruct DATA.zarr -o RECON.zarr``: run LSQML on a data-set store."""
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -45,6 +46,8 @@ def add_parser(subparsers):
                    help="fit a background added to the model intensity")
     p.add_argument("--workers", type=int, default=None, help="local worker processes (default: one per core)")
     p.add_argument("--scheduler", default=None, help="address of a running dask scheduler")
+    p.add_argument("--protocol", default=None, choices=["tcp", "ucx"],
+                   help="transport of the embedded cluster (default tcp; ucx needs distributed-ucxx)")
     p.add_argument("--chunk-length", type=int, default=None, help="patterns per chunk")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-every", type=int, default=10, metavar="K",
@@ -97,6 +100,16 @@ def run(args) -> int:
         raise ValueError(f"--epochs must be >= 0, got {args.epochs}")
     if args.workers is not None and args.workers < 1:
         raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    if args.protocol is not None:
+        if args.scheduler:
+            raise ValueError("--protocol sets the embedded cluster's transport; a --scheduler "
+                             "address carries its own (tcp://..., ucx://...)")
+        from daskpty.execution.cluster import comm_options
+
+        try:
+            comm_options(args.protocol)
+        except ImportError as exc:
+            raise ValueError(str(exc)) from None
     ad_args = {}
     if args.engine == "ad":
         ad_args = {k: v for k, v in (("loss", args.loss), ("optimizer", args.optimizer), ("lr", args.lr),
@@ -112,10 +125,16 @@ def run(args) -> int:
         print(f"daskpty: --epochs 0: nothing to do; {args.output} was not written", file=sys.stderr)
         return 0
     client = None
+    scope = contextlib.ExitStack()  # closes the client (and a cluster started here) at the end
     if args.scheduler:
         from distributed import Client
 
         client = Client(args.scheduler)
+        scope.callback(client.close)
+    elif args.protocol is not None:
+        from daskpty.execution.cluster import client_context
+
+        client = scope.enter_context(client_context(None, n_workers=args.workers, protocol=args.protocol))
     try:
         rec = daskpty.reconstruct(data, engine=args.engine, epochs=args.epochs, noise=args.noise,
                                   rounds_per_epoch=args.rounds_per_epoch, probe_modes=args.probe_modes,
@@ -136,8 +155,7 @@ def run(args) -> int:
             return 130
         raise
     finally:
-        if client is not None:
-            client.close()
+        scope.close()
     last = rec.history[-1] if rec.history else {}
     line = f"wrote {args.output}: object {rec.object.shape}, probe {rec.probe.shape}"
     if last:

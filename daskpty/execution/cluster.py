@@ -33,25 +33,63 @@ def gpu_count() -> int:
         return 0
 
 
+#: Transports the embedded clusters offer: dask's TCP, or UCX through distributed-ucxx.
+PROTOCOLS = ("tcp", "ucx")
+#: dask-cuda ``LocalCUDACluster`` switches of the UCX transports (protocol="ucx" only).
+UCX_SWITCHES = ("enable_tcp_over_ucx", "enable_infiniband", "enable_nvlink", "enable_rdmacm")
+
+
+def comm_options(protocol: str | None = None, *, gpu: bool = False, **switches) -> dict:
+    """Cluster keyword arguments for ``protocol`` ("tcp", "ucx" or None: dask's default, TCP) and
+    the UCX switches of :data:`UCX_SWITCHES` (None entries dropped; GPU clusters only).
+
+    Raises ValueError for a bad protocol or switch, ImportError for "ucx" without distributed-ucxx.
+    """
+    unknown = sorted(set(switches) - set(UCX_SWITCHES))
+    if unknown:
+        raise ValueError(f"unknown transport option(s) {', '.join(unknown)}; known: {', '.join(UCX_SWITCHES)}")
+    switches = {k: bool(v) for k, v in switches.items() if v is not None}
+    if protocol is None and not switches:
+        return {}
+    if switches and protocol != "ucx":
+        raise ValueError(f"{', '.join(sorted(switches))} need protocol='ucx'")
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    if switches and not gpu:
+        raise ValueError(f"{', '.join(sorted(switches))} are dask-cuda options: GPU clusters only")
+    if protocol == "ucx":
+        import importlib.util
+
+        if importlib.util.find_spec("distributed_ucxx") is None:
+            raise ImportError("protocol='ucx' needs distributed-ucxx: pip install 'daskpty[gpu-ucx]' "
+                              "(or distributed-ucxx-cu12 / -cu13 for your CUDA)")
+    return {"protocol": protocol, **switches}
+
+
 def start_local_cluster(n_workers: int | None = None, threads_per_worker: int = 1,
                         memory_limit="auto", processes: bool = True, dashboard: bool = True,
-                        gpu: bool | None = None, **kwargs) -> LocalCluster:
+                        gpu: bool | None = None, protocol: str | None = None, **kwargs) -> LocalCluster:
     """Start the embedded default cluster on this machine.
 
     CPU: ``n_workers`` processes (default: one per core) with ``threads_per_worker`` threads.
     GPU (``gpu=None`` auto-detects): a ``LocalCUDACluster``, one worker per GPU; see
-    :func:`daskpty.execution.gpu.cuda_cluster` for MIG slices.
+    :func:`daskpty.execution.gpu.cuda_cluster` for MIG slices. ``protocol``: "tcp" (dask's
+    default) or "ucx" (needs distributed-ucxx); on GPUs the UCX switches of dask-cuda
+    (``enable_nvlink=True``, ...; see :func:`comm_options`) may be passed too.
     """
     if gpu is None:
         gpu = gpu_count() > 0 and _has_dask_cuda()
+    switches = {k: kwargs.pop(k) for k in UCX_SWITCHES if k in kwargs}
+    kwargs.update(comm_options(protocol, gpu=bool(gpu), **switches))
     # Always bind to loopback: dashboard_address=None would make distributed listen on all
     # interfaces (0.0.0.0:8787). dashboard=False keeps a loopback-only, random-port dashboard.
     address = "127.0.0.1:0"
     if gpu:
         from dask_cuda import LocalCUDACluster
 
-        return LocalCUDACluster(ip="127.0.0.1", n_workers=n_workers,
-                                dashboard_address=address, **kwargs)
+        if "interface" not in kwargs:  # an interface (e.g. ib0 for UCX) names the address itself
+            kwargs["ip"] = "127.0.0.1"
+        return LocalCUDACluster(n_workers=n_workers, dashboard_address=address, **kwargs)
     if n_workers is None:
         n_workers = max(1, (os.cpu_count() or 1) // threads_per_worker)
     if processes:
@@ -86,12 +124,14 @@ def client_context(client: Client | None = None, n_workers: int | None = None, *
     """Yield a client: ``client`` if given, else the current one, else a fresh embedded cluster.
 
     A cluster started here is closed on exit; a client passed in or found is left alone.
+    ``cluster_kwargs`` go to :func:`start_local_cluster` (e.g. ``protocol="ucx"``); with them a
+    fresh cluster is always started.
     """
     if client is not None:
         with client.as_current():  # dask calls without an explicit client use this one too
             yield client
         return
-    found = current_client() if n_workers is None else None
+    found = current_client() if n_workers is None and not cluster_kwargs else None
     if found is not None:
         yield found
         return

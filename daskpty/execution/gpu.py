@@ -82,14 +82,24 @@ def worker_memory_settings(device: CudaDevice, device_fraction: float = 0.8,
 
 
 def cuda_cluster(devices=None, *, device_fraction: float = 0.8, rmm_fraction: float | None = None,
-                 dashboard_address: str = "127.0.0.1:0", **kwargs):
+                 dashboard_address: str = "127.0.0.1:0", protocol: str | None = None,
+                 enable_tcp_over_ucx: bool | None = None, enable_infiniband: bool | None = None,
+                 enable_nvlink: bool | None = None, enable_rdmacm: bool | None = None, **kwargs):
     """Start a dask-cuda ``LocalCUDACluster`` with one worker per GPU or MIG slice.
 
     devices: None (all from ``nvidia-smi -L``; MIG slices when enabled), or a list of UUIDs /
-    indices. On MIG all slices must share one profile (one absolute memory limit for all workers).
-    Other keyword arguments go to ``LocalCUDACluster`` and override the computed settings (e.g. an
-    explicit ``device_memory_limit="2GiB"``).
+    indices; a device listed k times gets k workers, each with 1/k of its memory limits (two
+    workers on one GPU stand in for two MIG slices). On MIG all slices must share one profile
+    (one absolute memory limit for all workers). protocol: "tcp" (default) or "ucx" (needs
+    distributed-ucxx); the ``enable_*`` switches are dask-cuda's UCX transport flags (None: let
+    UCX choose). Other keyword arguments go to ``LocalCUDACluster`` and override the computed
+    settings (e.g. an explicit ``device_memory_limit="2GiB"``).
     """
+    from .cluster import comm_options
+
+    transport = comm_options(protocol, gpu=True, enable_tcp_over_ucx=enable_tcp_over_ucx,
+                             enable_infiniband=enable_infiniband, enable_nvlink=enable_nvlink,
+                             enable_rdmacm=enable_rdmacm)
     try:
         from dask_cuda import LocalCUDACluster
     except ImportError as exc:
@@ -102,6 +112,22 @@ def cuda_cluster(devices=None, *, device_fraction: float = 0.8, rmm_fraction: fl
         chosen = [by_id.get(str(d), CudaDevice(str(d), str(d), str(d))) for d in devices]
     if not chosen:
         raise RuntimeError("no CUDA device found (nvidia-smi -L lists none); use the CPU cluster")
-    settings = {**worker_memory_settings(chosen[0], device_fraction, rmm_fraction), **kwargs}
-    return LocalCUDACluster(CUDA_VISIBLE_DEVICES=[d.uuid for d in chosen], ip="127.0.0.1",
-                            dashboard_address=dashboard_address, **settings)
+    share = max(sum(d.uuid == c.uuid for c in chosen) for d in chosen)  # workers per device
+    rmm = rmm_fraction / share if rmm_fraction else None
+    settings = {**worker_memory_settings(chosen[0], device_fraction / share, rmm), **transport}
+    settings = {**settings, **kwargs}
+    if "interface" not in settings:  # an interface (e.g. ib0 for UCX) names the address itself
+        settings["ip"] = "127.0.0.1"
+    uuids = [d.uuid for d in chosen]
+    if share == 1:
+        return LocalCUDACluster(CUDA_VISIBLE_DEVICES=uuids, dashboard_address=dashboard_address, **settings)
+    # Several workers per device: dask-cuda rotates the device list by worker index, so the list of
+    # distinct devices with more workers than entries gives each worker one device (and no
+    # duplicate in its CUDA_VISIBLE_DEVICES); should dask-cuda refuse that, list them repeated.
+    distinct = list(dict.fromkeys(uuids))
+    try:
+        return LocalCUDACluster(CUDA_VISIBLE_DEVICES=distinct, n_workers=len(uuids),
+                                dashboard_address=dashboard_address, **settings)
+    except ValueError:
+        return LocalCUDACluster(CUDA_VISIBLE_DEVICES=uuids, n_workers=len(uuids),
+                                dashboard_address=dashboard_address, **settings)
