@@ -162,7 +162,7 @@ def run(args) -> int:
         line += f", final loss {last['loss']:.4g}, {last['seconds']:.3g} s/epoch"
     truth = getattr(data, "truth", None)
     if truth is not None and getattr(truth, "object", None) is not None:
-        line += f", object NRMSE vs truth {_nrmse_vs_truth(rec, data):.4f}"
+        line += _nrmse_vs_truth(rec, data)
     print(line, file=sys.stdout)
     return 0
 
@@ -213,8 +213,33 @@ def _kept(output):
     return None
 
 
-def _nrmse_vs_truth(rec, data) -> float:
-    """NRMSE of the reconstruction against truth/ on the well-illuminated region, truth frame."""
+def _nrmse_vs_truth(rec, data) -> str:
+    """The NRMSE of the reconstruction against truth/ on the well-illuminated region, truth frame,
+    as the text of the final line. A multislice object (K, H, W): each slice against the true
+    slice (when truth/object holds K slices) and the projected object (the product of the slices)
+    against the true projection (truth/object itself when it is 2-D)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
     from daskpty.metrics import nrmse_vs_truth
 
-    return nrmse_vs_truth(rec.object, rec.positions, rec.illumination, data.truth)
+    obj, truth = np.asarray(rec.object), data.truth
+    if obj.ndim == 2:
+        return f", object NRMSE vs truth {nrmse_vs_truth(obj, rec.positions, rec.illumination, truth):.4f}"
+    illumination = np.asarray(rec.illumination)
+    illumination = illumination[0] if illumination.ndim == 3 else illumination  # the entrance slice's
+    t_obj = np.asarray(truth.object)
+
+    def against(estimate, true_object):
+        ref = SimpleNamespace(object=true_object, positions=truth.positions)
+        return nrmse_vs_truth(estimate, rec.positions, illumination, ref)
+
+    text = ""
+    if t_obj.ndim == 3 and t_obj.shape[0] == obj.shape[0]:
+        per = ", ".join(f"{against(obj[k], t_obj[k]):.4f}" for k in range(obj.shape[0]))
+        text += f", object NRMSE vs truth per slice [{per}]"
+        t_obj = np.prod(t_obj, axis=0)
+    elif t_obj.ndim == 3:  # a different number of slices: only the projections compare
+        t_obj = np.prod(t_obj, axis=0)
+    return text + f", projected object NRMSE vs truth {against(np.prod(obj, axis=0), t_obj):.4f}"

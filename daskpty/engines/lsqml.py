@@ -29,7 +29,7 @@ from ..physics import (
     shift_ramps,
     split_positions,
 )
-from ..physics.backend import asarray_like, real_dots, to_numpy
+from ..physics.backend import asarray_like, is_cupy, real_dots, to_numpy
 from ..physics.noise import far_field_update
 from ..physics.patches import PatchIndex
 from ..physics.shifts import outer_ramps, shift_ramp_factors
@@ -327,7 +327,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         parts.local["shift_terms"] = (to_numpy(shift_num), to_numpy(shift_den))
     if variable is not None:
         variable.finish(parts, measured, model)
-    return parts.to_numpy()
+    return parts if is_cupy(obj) else parts.to_numpy()  # partials stay where the state lives
 
 
 def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, options: LSQMLOptions,
@@ -356,26 +356,30 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
 
 
 def apply(state: LSQMLState, total: Partial, options: LSQMLOptions) -> LSQMLState:
-    """Add a reduced partial to the state: O += β ΔO / √(W² + (δ max W)²), P += β ΔP / N."""
+    """Add a reduced partial to the state: O += β ΔO / √(W² + (δ max W)²), P += β ΔP / N.
+
+    Runs where the state lives (NumPy, or CuPy on a GPU worker: see
+    :mod:`daskpty.execution.device_state`); ``total`` must live there too."""
     accumulate_affine(state, total)
     if "object" not in total.boxes:
         return state
+    xp = get_xp(state.object)
     # New arrays, never writes into the state's (copies of a state share them).
     obj = state.object.copy()
     num = total.boxes["object"]
     illum = total.boxes["illumination"]
     scale = _preconditioner(illum.data, options.delta)
-    np.divide(np.float32(options.beta), scale, out=scale)  # β / p: complex ÷ real is 5× slower
+    xp.divide(np.float32(options.beta), scale, out=scale)  # β / p: complex ÷ real is 5× slower
     step = num.data * scale
     BoxedArray(num.offset, step).add_into(obj)
     probe = state.probe
     if "probe" in total.arrays:
         probe = (probe + options.beta * total.arrays["probe"] / np.float32(total.scalars["n"])).astype(np.complex64)
     # The epoch's illumination: the largest of its rounds', pixel by pixel (zero outside the boxes).
-    full_illum = (np.zeros(obj.shape, dtype=np.float32) if state.illumination is None
+    full_illum = (xp.zeros(obj.shape, dtype=np.float32) if state.illumination is None
                   else state.illumination.copy())
     (y0, x0), (y1, x1) = illum.offset, illum.stop
-    np.maximum(full_illum[y0:y1, x0:x1], illum.data, out=full_illum[y0:y1, x0:x1])
+    xp.maximum(full_illum[y0:y1, x0:x1], illum.data, out=full_illum[y0:y1, x0:x1])
     state.object, state.probe, state.illumination = obj, probe, full_illum
     return state
 
@@ -422,7 +426,7 @@ def end_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
     if options.momentum > 0 and state.epoch_start_object is not None:
         change = state.object - state.epoch_start_object
         if state.velocity is not None:
-            agree = np.vdot(state.velocity, change).real > 0
+            agree = float(get_xp(change).vdot(state.velocity, change).real) > 0
             if agree:
                 state.object = (state.object + options.momentum * state.velocity).astype(np.complex64)
                 state.velocity = (change + options.momentum * state.velocity).astype(np.complex64)
@@ -446,7 +450,7 @@ def normalize_scale(state: LSQMLState) -> None:
     lit = state.illumination > 0.5 * state.illumination.max()
     if not lit.any():
         return
-    c = float(np.abs(state.object[lit]).mean())
+    c = float(get_xp(state.object).abs(state.object[lit]).mean())
     if c > 0 and np.isfinite(c):
         state.object = (state.object / np.float32(c)).astype(np.complex64)
         state.probe = (state.probe * np.float32(c)).astype(np.complex64)

@@ -7,7 +7,7 @@ Layout (see docs/data-format.md)::
       positions             (N, 2) float64, (y, x) in object pixels
       mask                  (H, W) bool, optional (True = valid pixel)
       probe                 (M, H, W) complex64, optional initial guess
-      truth/                optional ground truth: object (complex64 2-D), probe, positions
+      truth/                optional ground truth: object (complex64 2-D, or (K, H, W) slices), probe, positions
 
 Writing is streamed shard by shard into ``X.zarr.partial-<random>`` and renamed into place at the
 end, so a failure never leaves a half-written store at the target path.
@@ -227,7 +227,7 @@ class Truth:
             self._cache[name] = self._group[name][...]
         return self._cache.get(name)
 
-    object = property(lambda self: self._get("object"), doc="complex64 (H, W) object")
+    object = property(lambda self: self._get("object"), doc="complex64 (H, W) object, or (K, H, W) slices")
     probe = property(lambda self: self._get("probe"), doc="complex64 (M, n, n) probe modes")
     positions = property(lambda self: self._get("positions"), doc="float64 (N, 2) true positions")
 
@@ -263,9 +263,9 @@ def _check_truth(truth, pattern_shape) -> Truth | None:
     obj = arrays.get("object")
     if obj is not None:
         obj = np.asarray(obj)
-        if obj.ndim != 2 or obj.dtype.kind not in "fc":
+        if obj.ndim not in (2, 3) or obj.dtype.kind not in "fc":
             fail(f"truth object has shape {obj.shape} and dtype {obj.dtype}; expected a 2-D "
-                 f"complex64 array")
+                 f"complex64 array (or (K, H, W) slices of a multislice object)")
         obj = obj.astype(np.complex64, copy=False)
     probe = check_probe(arrays.get("probe"), pattern_shape, what="truth probe")
     pos = arrays.get("positions")
@@ -482,7 +482,7 @@ def open_data(path, validate: str | None = "metadata", client=None) -> PtychoDat
 
 def _check_truth_shapes(truth: Truth, pattern_shape, where) -> None:
     for name, (shape, dtype) in truth.shapes().items():
-        ok = {"object": len(shape) == 2 and dtype.startswith("complex"),
+        ok = {"object": len(shape) in (2, 3) and dtype.startswith("complex"),
               "probe": len(shape) == 3 and shape[1:] == tuple(pattern_shape),
               "positions": len(shape) == 2 and shape[1] == 2}[name]
         if not ok:
@@ -606,7 +606,7 @@ def create_store(root: str, *, shape, dtype, shard_len: int, inner_len: int, pos
         if obj is not None:
             obj = np.asarray(obj, dtype=np.complex64)
             tg.create_array("object", data=obj, chunks=tuple(min(s, 1024) for s in obj.shape),
-                            dimension_names=("y", "x"))
+                            dimension_names=("slice", "y", "x")[-obj.ndim:])
         if truth.probe is not None:
             tg.create_array("probe", data=np.asarray(truth.probe, dtype=np.complex64),
                             dimension_names=("mode", "y", "x"))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...physics import fft2, get_xp, ifft2, model_intensity
-from ...physics.backend import asarray_like, real_dots, to_numpy
+from ...physics.backend import asarray_like, is_cupy, real_dots, to_numpy
 from ...physics.patches import PatchIndex
 from ...physics.shifts import outer_ramps, shift_ramp_factors
 from ..lsqml import _fft_in_place
@@ -239,6 +239,10 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
         part.arrays["position_grad"] = position_grad
     if variable is not None:
         variable.finish(part, measured, model)
+    if is_cupy(obj):  # partials stay where the state lives; the positions' optimiser is on the host
+        if want_positions:
+            part.arrays["position_grad"] = to_numpy(position_grad)
+        return part
     return part.to_numpy()
 
 
