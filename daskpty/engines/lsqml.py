@@ -30,9 +30,9 @@ from ..physics import (
     split_positions,
 )
 from ..physics.backend import asarray_like, is_cupy, real_dots, to_numpy
-from ..physics.noise import far_field_update
 from ..physics.patches import PatchIndex
 from ..physics.shifts import outer_ramps, shift_ramp_factors
+from ..physics import kernels
 from .partials import BoxedArray, Partial
 from .positions import (
     PositionOptions,
@@ -225,19 +225,15 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         xp.multiply(sp, o[:, None], out=wave)               # ψ = S_f P · O
         _fft_in_place(wave)
         y = intensities[batch].astype(np.float32, copy=False)
-        _, yhat, loss_b = far_field_update(options.noise, wave, y, valid, options.eps, overwrite=True,
-                                           background=None if variable is None else variable.background)
+        _, yhat, loss_b = kernels.far_field_update(options.noise, wave, y, valid, options.eps, overwrite=True,
+                                                   background=None if variable is None else variable.background)
         loss += float(loss_b.sum())
         # Σ_j y_j and Σ_j ŷ_j per pixel: float32 over one block, float64 across blocks.
         measured += ones[:b] @ y.reshape(b, -1)
         model += ones[:b] @ yhat.reshape(b, -1)
         chi = _fft_in_place(wave, inverse=True)             # χ = F⁻¹(Ψ' − Ψ)
-        g = grad[:b] if update_probe else obj_grad[batch]
-        xp.conj(sp[:, 0], out=g)
-        g *= chi[:, 0]
-        for k in range(1, n_modes):
-            g += xp.conj(sp[:, k]) * chi[:, k]
-        w = model_intensity(sp)                             # Σ_k |S_f P_k|²
+        # g = Σ_k conj(S_f P_k) χ_k and w = Σ_k |S_f P_k|² (one fused pass on the GPU)
+        g, w = kernels.object_gradient(sp, chi, out=grad[:b] if update_probe else obj_grad[batch])
         if position_terms:
             for axis, box_d in enumerate((box_dy, box_dx)):
                 d = index.extract(box_d, batch, out=d_patch[:b])
@@ -250,9 +246,9 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         index.scatter_add(obj_num, g, batch)
         index.scatter_add(illum, w, batch)
         if update_probe:  # G_j = conj(ramp_j) · F(conj(O_j) χ_j), summed; χ stays for pass 2
-            spec = xp.multiply(chi, xp.conj(o, out=o)[:, None], out=work[:b])
+            spec = kernels.conj_product(chi, o, out=work[:b])
             _fft_in_place(spec)
-            spec *= xp.conj(r, out=r)[:, None]
+            kernels.conj_product(spec, r, out=spec)
             if variable is None:
                 spectra_sum += ones_c[:b] @ spec.reshape(b, -1)
             else:  # Σ_j (∂P_jm/∂P_m) G_jm, and the eigen-probe and weight terms from G_j0
@@ -274,30 +270,23 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         b_chi = xp.empty(n_patterns)
         a_b = xp.empty(n_patterns)
         b_b = xp.empty(n_patterns)
-        a = xp.empty((step, n_modes, n, n), np.complex64)
+        # a_j = ΔÔ_j S_f P_j: formed by the reference dots only (the fused ones never store it)
+        a = None if kernels.uses_fused(obj_box) else xp.empty((step, n_modes, n, n), np.complex64)
     dirs = xp.empty((step, n, n), np.complex64)
     for batch in blocks:
         b = batch.stop - batch.start
         d = index.extract(obj_dir, batch, out=dirs[:b])    # ΔÔ_j
         if update_probe:
-            ab = xp.multiply(d[:, None], shifted[batch], out=a[:b])
             r = outer_ramps(ry[batch], rx[batch], out=ramp[:b])
             bb = xp.multiply(r[:, None], probe_dir_ft[None], out=work[:b])
             _fft_in_place(bb, inverse=True)                # S_f ΔP̂
             bb *= index.extract(obj_box, batch, out=patches[:b])[:, None]
             if variable is not None:                       # pattern j's probe moves by (∂P_j/∂P) ΔP̂
                 bb *= variable.mode_factors_xp(batch)[:, :, None, None]
-            chi = chis[batch]
-            a_chi[batch] = real_dots(ab, chi)
-            b_chi[batch] = real_dots(bb, chi)
-            a_a[batch] = real_dots(ab, ab)
-            b_b[batch] = real_dots(bb, bb)
-            a_b[batch] = real_dots(ab, bb)
+            (a_chi[batch], b_chi[batch], a_a[batch], b_b[batch], a_b[batch]) = kernels.step_dots(
+                d, shifted[batch], bb, chis[batch], work=None if a is None else a[:b])
         else:  # Re⟨a_j, χ_j⟩ = Re⟨ΔÔ_j, g_j⟩; Σ_k |ΔÔ_j S_f P_k|² = Σ |ΔÔ_j|² Σ_k |S_f P_k|²
-            a_chi[batch] = real_dots(d, obj_grad[batch])
-            d2 = xp.square(d.real)
-            d2 += xp.square(d.imag)
-            a_a[batch] = real_dots(d2, illum_patches[batch])
+            a_chi[batch], a_a[batch] = kernels.object_step_dots(d, obj_grad[batch], illum_patches[batch])
 
     if update_probe:
         a_a = a_a + options.tikhonov * a_a.mean() + 1e-30

@@ -8,6 +8,7 @@ from ...physics.backend import asarray_like, is_cupy, real_dots, to_numpy
 from ...physics.patches import PatchIndex
 from ...physics.shifts import outer_ramps, shift_ramp_factors
 from ..lsqml import _fft_in_place
+from ...physics import kernels
 from ..partials import BoxedArray, Partial
 from ..positions import finish_step, positions_for_step, step_with_optimizer
 from .losses import _far_field_loss
@@ -195,13 +196,12 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
         measured += ones[:b] @ y.reshape(b, -1)
         model += ones[:b] @ yhat.reshape(b, -1)
         g_psi = _fft_in_place(g_far, inverse=True)                          # g_ψ = F⁻¹ g_Ψ
-        q_power = model_intensity(q)
-        c.index.scatter_add(illum, q_power, batch)                          # Σ_k |Q_jk|²
-        if want_object_grad:                            # Σ_k conj(Q_jk) g_ψjk, in Q's buffer
-            g = xp.conj(q[:, 0], out=q[:, 0])
-            g *= g_psi[:, 0]
-            for m in range(1, n_modes):
-                g += xp.conj(q[:, m]) * g_psi[:, m]
+        if want_object_grad:                            # Σ_k conj(Q_jk) g_ψjk (in Q's buffer), Σ_k |Q_jk|²
+            g, q_power = kernels.object_gradient(q, g_psi, overwrite=True)
+        else:
+            q_power = model_intensity(q)
+        c.index.scatter_add(illum, q_power, batch)
+        if want_object_grad:
             if variable is not None:                    # Re⟨O_j, g_j⟩ = s_j ∂L/∂s_j, |O_j|²
                 variable.pattern_terms(batch, o, g, q_power)
             if want_object:
@@ -211,9 +211,9 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
         if want_spectra:
             if want_probe:                              # Σ_j |O_j|², windows of |O|² on the box
                 probe_illum += ones[:b] @ c.index.extract(obj_power, batch, out=powers[:b]).reshape(b, -1)
-            g_psi *= xp.conj(o, out=o)[:, None]                            # g_Q = conj(O_j) g_ψ
+            kernels.conj_product(g_psi, o, out=g_psi)                      # g_Q = conj(O_j) g_ψ
             spectra = _fft_in_place(g_psi)
-            spectra *= xp.conj(r, out=r)[:, None]                           # G_j
+            kernels.conj_product(spectra, r, out=spectra)                  # G_j
             if want_probe and variable is not None:     # Σ_j (∂P_jm/∂P_m) G_jm, eigen and weight terms
                 variable.probe_terms(batch, spectra, spectra_sum.reshape(n_modes, -1))
             elif want_probe:

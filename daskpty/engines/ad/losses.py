@@ -1,14 +1,10 @@
 """AD losses: value and gradient w.r.t. the far field Ψ (see :mod:`daskpty.engines.ad`)."""
 from __future__ import annotations
 
-import numpy as np
-
-from ...physics import get_xp, model_intensity
-from ...physics.backend import real_dots
-from ...physics.noise import _poisson_loss64
+from ...physics import kernels
 
 DEFAULT_EPS = 1e-6
-LOSS_NAMES = ("gaussian", "poisson", "intensity")
+LOSS_NAMES = kernels.LOSS_NAMES
 
 # --------------------------------------------------------------------------------------------------
 # Losses: value and gradient w.r.t. the far field Ψ (B, M, n, n)
@@ -24,53 +20,10 @@ def _far_field_loss(name: str, far, y, valid, eps: float, gradient: bool, overwr
     losses are Σ r² of their residuals r = √(ŷ+ε) − √y and ŷ − y, by BLAS dots (single precision:
     float32 over 1024 pixels, float64 across, see :func:`real_dots`); the Poisson loss, whose
     per-pixel terms are large next to their sum's changes, is evaluated in float64.
-    ``background`` (n, n), optional: added to ŷ (the returned ŷ included).
+    ``background`` (n, n), optional: added to ŷ (the returned ŷ included). The chain is
+    :func:`daskpty.physics.kernels.far_field_loss` (one fused kernel on the GPU).
     """
-    xp = get_xp(far)
-    rdtype = np.float64 if far.dtype == np.complex128 else np.float32
-    if valid is not None:
-        valid = xp.asarray(valid)
-    yhat = model_intensity(far)
-    if background is not None:
-        yhat += background
-    y = y.astype(rdtype, copy=False)
-    factor = None
-    if name == "gaussian":      # (√(ŷ+ε) − √y)² = (ŷ+ε) u²,  2h' = 2u,  u = 1 − √(y/(ŷ+ε))
-        level = yhat + rdtype(eps)
-        u = xp.divide(y, level)
-        xp.sqrt(u, out=u)
-        xp.subtract(rdtype(1), u, out=u)
-        if valid is not None:
-            u *= valid
-        level *= u
-        value = real_dots(level, u)
-        if gradient:
-            factor = u
-            factor *= rdtype(2)
-    elif name == "poisson":     # ŷ − y log(ŷ+ε),  2h' = 2 (1 − y/(ŷ+ε))
-        value = _poisson_loss64(yhat.astype(np.float64, copy=False), y.astype(np.float64, copy=False),
-                                valid, eps)
-        if gradient:
-            factor = yhat + rdtype(eps)
-            xp.divide(y, factor, out=factor)
-            factor *= rdtype(-2)
-            factor += rdtype(2)
-            if valid is not None:
-                factor *= valid
-    elif name == "intensity":   # (ŷ − y)²,  2h' = 4 (ŷ − y)
-        residual = yhat - y
-        if valid is not None:
-            residual *= valid
-        value = real_dots(residual, residual)
-        if gradient:
-            factor = residual
-            factor *= rdtype(4)
-    else:
-        raise ValueError(f"loss must be one of {LOSS_NAMES}, got {name!r}")
-    grad = None
-    if gradient:
-        grad = xp.multiply(far, factor[:, None], out=far if overwrite else None)
-    return value, grad, yhat
+    return kernels.far_field_loss(name, far, y, valid, eps, gradient, overwrite, background)
 
 
 def loss_and_gradient(far, y, *, loss: str = "gaussian", valid=None, eps: float = DEFAULT_EPS,
