@@ -92,3 +92,48 @@ def test_dask_cuda_workers_match_cpu_spill_and_leave_the_client_off_the_gpu():
     for name in ("gpu", "gpu_spilling"):
         assert report[name]["relative_difference"] < 1e-3, (name, report[name])
         assert report[name]["loss_ratio"] == pytest.approx(1.0, rel=1e-3), (name, report[name])
+
+
+def _partials_close(a, b, tol):
+    for key in b.boxes:
+        ref = b.boxes[key].data
+        assert np.linalg.norm(a.boxes[key].data - ref) <= tol * np.linalg.norm(ref), key
+    for key in b.arrays:
+        ref = np.asarray(b.arrays[key])
+        assert np.linalg.norm(np.asarray(a.arrays[key]) - ref) <= tol * max(np.linalg.norm(ref), 1e-30), key
+    for key, value in b.scalars.items():
+        assert a.scalars[key] == pytest.approx(value, rel=tol, abs=1e-12), key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("noise", ["gaussian", "poisson"])
+@pytest.mark.parametrize("update_probe", [True, False])
+def test_lsqml_and_ad_chunk_steps_fused_match_unfused(noise, update_probe):
+    """Whole chunk steps on the GPU with the fused kernels on and off (the CuPy expressions)."""
+    cupy = _cupy()
+    from daskpty.engines import ad, lsqml
+    from daskpty.physics import kernels
+
+    from synthetic import make_dataset
+
+    ds = make_dataset(n=32, grid=8, modes=2, seed=5)
+    y = cupy.asarray(np.fft.ifftshift(ds.intensities, axes=(-2, -1)).astype(np.float32))
+    valid = np.ones(ds.intensities.shape[-2:], bool)
+    valid[0, :3] = False
+    obj = ds.truth.object * np.complex64(0.9)
+    before = kernels.fused_enabled()
+    runs = {}
+    try:
+        for fused in (True, False):
+            kernels.set_fused(fused)
+            assert kernels.uses_fused(cupy.zeros(1, np.complex64)) == fused
+            runs[fused] = (
+                lsqml.chunk_step(obj, ds.truth.probe, y, ds.positions, options=lsqml.LSQMLOptions(noise=noise),
+                                 valid=valid, update_probe=update_probe),
+                ad.chunk_gradient(obj, ds.truth.probe, y, ds.positions, valid=valid,
+                                  options=ad.ADOptions(loss="gaussian" if noise == "gaussian" else "poisson"),
+                                  want_probe=update_probe, want_positions=True))
+    finally:
+        kernels.set_fused(before)
+    for fused_part, plain_part in zip(runs[True], runs[False]):
+        _partials_close(fused_part, plain_part, 1e-4)
