@@ -18,7 +18,36 @@ from synthetic import make_dataset
 
 
 class DeviceArray(np.ndarray):
-    """An ndarray that the backend takes for a CuPy array."""
+    """An ndarray that the backend takes for a CuPy array.
+
+    Like CuPy it refuses to mix with host arrays: an operation given a plain NumPy array of one
+    element or more beside a device array raises TypeError (CuPy: "Unsupported type"), so code
+    that builds a host array where it needed ``xp`` fails here as it would on a GPU."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        outs = kwargs.get("out", ())
+        for a in (*inputs, *outs):
+            if type(a) is np.ndarray and a.ndim > 0:
+                raise TypeError(f"Unsupported type {type(a)} beside a device array in {ufunc.__name__}")
+        inputs = tuple(a.view(np.ndarray) if isinstance(a, DeviceArray) else a for a in inputs)
+        if outs:
+            kwargs["out"] = tuple(a.view(np.ndarray) if isinstance(a, DeviceArray) else a for a in outs)
+        result = getattr(ufunc, method)(*inputs, **kwargs)
+        if outs:
+            return outs[0] if len(outs) == 1 else outs
+        if isinstance(result, tuple):
+            return tuple(_wrap(r) for r in result)
+        return _wrap(result)
+
+    def __array_function__(self, func, types_, args, kwargs):
+        """``np.func(device array)`` runs on the device, as CuPy's NEP-18 dispatch does."""
+        _refuse_host(args)
+        _refuse_host(kwargs.values())
+        out = kwargs.get("out")
+        result = func(*_as_host_views(args), **dict(zip(kwargs, _as_host_views(kwargs.values()))))
+        if out is not None:
+            return out
+        return tuple(_wrap(r) for r in result) if isinstance(result, tuple) else _wrap(result)
 
     def get(self):
         return np.array(self.view(np.ndarray))
@@ -30,17 +59,67 @@ class DeviceArray(np.ndarray):
 DeviceArray.__module__ = "cupy"
 
 
+def _wrap(result):
+    return result.view(DeviceArray) if isinstance(result, np.ndarray) else result
+
+
+def _as_host_views(args):
+    return tuple(a.view(np.ndarray) if isinstance(a, DeviceArray) else
+                 _as_host_views(a) if isinstance(a, (list, tuple)) else a for a in args)
+
+
 def _on_device(a):
     return np.ascontiguousarray(a).view(DeviceArray)
+
+
+def _refuse_host(args):
+    for a in args:
+        if type(a) is np.ndarray and a.ndim > 0:
+            raise TypeError(f"Unsupported type {type(a)}: a host array given to a device function")
+        if isinstance(a, (list, tuple)):
+            _refuse_host(a)
+
+
+def _device_function(f, takes_host: bool = False):
+    """``f`` as a CuPy function: device arrays out; host arrays in only where CuPy takes them."""
+    def wrapped(*args, **kwargs):
+        if not takes_host:
+            _refuse_host(args)
+            _refuse_host(kwargs.values())
+        out = f(*args, **kwargs)
+        if isinstance(out, tuple):
+            return tuple(_wrap(o) for o in out)
+        return _wrap(out)
+    return wrapped
+
+
+#: Complex 2-D host arrays at least this large that go to the device count as object uploads
+#: (the test objects are ~70²; a chunk's box of them at least 32²; probes are 3-D).
+OBJECT_UPLOAD_SIZE = 32 * 32
+
+#: The CuPy functions that take host data (``cupy.asarray`` and friends copy it to the device).
+_HOST_TO_DEVICE = ("asarray", "array", "ascontiguousarray")
 
 
 def _fake_cupy(calls):
     cp = types.ModuleType("cupy")
     for name in dir(np):
-        if not name.startswith("__"):
-            setattr(cp, name, getattr(np, name))
-    for name in ("asarray", "array", "ascontiguousarray", "empty", "zeros", "ones", "full"):
-        setattr(cp, name, (lambda f: lambda *a, **k: f(*a, **k).view(DeviceArray))(getattr(np, name)))
+        if name.startswith("__"):
+            continue
+        value = getattr(np, name)
+        if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)) or callable(value) and \
+                type(value).__name__ in ("_ArrayFunctionDispatcher", "function"):
+            value = _device_function(value, takes_host=name in _HOST_TO_DEVICE)
+        setattr(cp, name, value)
+    cp.linalg = types.SimpleNamespace(**{name: _device_function(getattr(np.linalg, name))
+                                         for name in ("svd", "eigh", "solve", "norm", "qr", "inv")})
+    upload = cp.asarray
+
+    def asarray(a, *args, **kwargs):  # counts host → device copies of object-sized arrays
+        if type(a) is np.ndarray and a.ndim == 2 and a.dtype.kind == "c" and a.size >= OBJECT_UPLOAD_SIZE:
+            calls["object_uploads"] = calls.get("object_uploads", 0) + 1
+        return upload(a, *args, **kwargs)
+    cp.asarray = asarray
     cp.ndarray = DeviceArray
     def counted(name, f):
         def wrapped(*a, **k):
@@ -58,8 +137,8 @@ def _fake_cupy(calls):
                                     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
     cupyx = types.ModuleType("cupyx")
     cupyx.empty_pinned = counted("pinned", lambda shape, dtype=np.float64: np.empty(shape, dtype))
-    cupyx.scatter_add = counted("scatter_add", lambda target, idx, vals: np.add.at(target.view(np.ndarray),
-                                                                                   np.asarray(idx), vals))
+    cupyx.scatter_add = counted("scatter_add", lambda target, idx, vals: np.add.at(
+        target.view(np.ndarray), np.asarray(idx).view(np.ndarray), np.asarray(vals).view(np.ndarray)))
     return cp, cupyx
 
 
@@ -137,3 +216,58 @@ def test_reconstruct_on_device_chunks_matches_cpu(fake_cupy, engine):
     assert _relative(dev.object, cpu.object) < 1e-4
     assert _relative(dev.probe, cpu.probe) < 1e-4
     assert [h["loss"] for h in dev.history] == pytest.approx([h["loss"] for h in cpu.history], rel=1e-4)
+
+
+def test_stand_in_refuses_host_arrays_like_cupy(fake_cupy):
+    """The stand-in is only worth its tests if it fails where CuPy fails: a host array beside a
+    device array, or given to a device function, raises."""
+    import cupy
+
+    dev = cupy.ones(4, np.float32)
+    with pytest.raises(TypeError):
+        dev + np.ones(4, np.float32)
+    with pytest.raises(TypeError):
+        cupy.maximum(dev, np.zeros(4, np.float32))
+    with pytest.raises(TypeError):
+        np.vdot(dev, np.ones(4, np.float32))
+    assert type(cupy.stack([dev, dev])) is type(dev) and type(np.sqrt(dev)) is type(dev)
+    fake_cupy.update(fft=1, scatter_add=1)  # (this test calls neither)
+
+
+@pytest.mark.parametrize("engine", ["lsqml", "ad"])
+def test_state_stays_on_device_between_rounds(fake_cupy, engine):
+    """Device-resident state: each worker uploads its copy of the object once; the chunk steps,
+    the worker's own sums and ``apply`` then run on the device, round after round and epoch
+    after epoch, and the client receives NumPy arrays. With the state kept on the host
+    (DASKPTY_DEVICE_STATE=0) every chunk step uploads its object box instead. Both give the CPU
+    path's result."""
+    import daskpty
+    from daskpty.execution import device_state
+    from distributed import Client, LocalCluster
+
+    ds = make_dataset(grid=8, seed=5)
+    start = np.ones_like(ds.truth.object)
+    epochs, rounds, chunks = 3, 2, 4
+    kwargs = {"engine": engine, "epochs": epochs, "object": start, "chunk_length": 16,
+              "rounds_per_epoch": rounds}
+    uploads = {}
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+        cpu = daskpty.reconstruct(ds, device="cpu", client=client, **kwargs)
+        results = {}
+        for resident in (True, False):
+            device_state.set_device_state(resident)
+            try:
+                before = fake_cupy.get("object_uploads", 0)
+                results[resident] = daskpty.reconstruct(ds, device="auto", client=client, **kwargs)
+                uploads[resident] = fake_cupy.get("object_uploads", 0) - before
+            finally:
+                device_state.set_device_state(True)
+    for rec in results.values():
+        assert type(rec.object) is np.ndarray and type(rec.probe) is np.ndarray  # left the device
+        assert _relative(rec.object, cpu.object) < 1e-4
+        assert _relative(rec.probe, cpu.probe) < 1e-4
+    # The probe-rescale round before the first epoch runs from the client (its chunks upload
+    # their boxes either way); after it, one upload per worker copy of the state.
+    assert uploads[True] == chunks + 2
+    assert uploads[False] >= chunks + chunks * rounds * epochs

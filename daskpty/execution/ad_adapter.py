@@ -64,6 +64,9 @@ class ADAdapter:
 
     name = "ad"
     chunk_function = staticmethod(ad_gradient_chunk)
+    #: What lives in device memory on GPU workers (see :mod:`.device_state`); the optimiser's
+    #: memory (Adam's moments) is object- and probe-sized.
+    device_fields = ("object", "probe", "illumination", "optimizer")
     loss_function = staticmethod(ad_loss_chunk)
 
     def __init__(self, options: ad.ADOptions | None = None, valid: np.ndarray | None = None,

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..engines import lsqml
 from ..engines.positions import PositionOptions, affine_parameters, fit_affine, initial_local
+from .device_state import fetch_host_state
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
 from .placement import run_stuck_loose_tasks
@@ -67,6 +68,8 @@ class LSQMLAdapter:
 
     name = "lsqml"
     chunk_function = staticmethod(lsqml_chunk)
+    #: What lives in device memory on GPU workers (see :mod:`.device_state`).
+    device_fields = ("object", "probe", "velocity", "illumination", "epoch_start_object")
 
     def __init__(self, options: lsqml.LSQMLOptions, valid: np.ndarray | None = None,
                  positions: PositionOptions | None = None):
@@ -178,8 +181,9 @@ class EpochState:
     the state is on the client anyway).
     """
 
-    def __init__(self, epoch: int, state=None, future=None, local_futures=()):
+    def __init__(self, epoch: int, state=None, future=None, local_futures=(), on_device: bool = False):
         self.epoch = int(epoch)
+        self._on_device = on_device  # then fetched as a host copy made on its worker
         self._state = state
         self._future = None
         self._local = []
@@ -197,7 +201,7 @@ class EpochState:
         """The state (gathered from the workers on the first call); with per-pattern state, its
         ``chunk_local`` holds every chunk's, gathered from the workers that keep them."""
         if self._state is None:
-            state = self._future.result().state
+            state = fetch_host_state(self._future) if self._on_device else self._future.result().state
             if self._local:
                 local = {}
                 for future in self._local:
@@ -277,7 +281,8 @@ def _state_of_any(epoch):
         if future.status != "finished":
             continue
         try:
-            state = future.result(timeout=60).state
+            state = (fetch_host_state(future, timeout=60) if epoch.on_device
+                     else future.result(timeout=60).state)
         except Exception:  # its worker died meanwhile: try the next copy
             continue
         return state if local is None else with_local(state, local)
@@ -353,7 +358,8 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 following = graph.submit(pending)
                 pending.release_last_round()  # the scheduler keeps them for the new graph
             try:
-                epoch, scalars, ended_at = pending.summary.result(timeout=watchdog.bound())
+                epoch, scalars, ended_at, on_device = pending.summary.result(timeout=watchdog.bound())
+                pending.on_device = on_device
                 pending.summary.release()
             except (CancelledError, StaleRoundState, TimeoutError, OSError) as exc:
                 # OSError: the comm to a dying worker closed (distributed's CommClosedError)
@@ -389,7 +395,8 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 reaches = base_done + 1
                 continue
             if reaches > done:  # (else an epoch recomputed after a restart: already reported)
-                handle = EpochState(epoch, future=pending.ends[0], local_futures=pending.locals)
+                handle = EpochState(epoch, future=pending.ends[0], local_futures=pending.locals,
+                                    on_device=on_device)
                 seconds, last_end = ended_at - last_end, ended_at
                 watchdog.observe(seconds)
                 yield handle, scalars, seconds

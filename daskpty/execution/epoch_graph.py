@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import dask
 import numpy as np
 
+from .device_state import follow_partials, has_device_arrays, resident
 from .placement import chunk_annotations
 from .rounds import (
     CHUNK_PREFIX,
@@ -46,10 +47,15 @@ class EpochCarry:
 
 
 def _chunks_of_round(blocks, positions, carry: EpochCarry, adapter, round_index, rounds,
-                     indices, tree: FixedTree) -> tuple[dict, dict]:
+                     indices, tree: FixedTree) -> tuple[dict, dict, EpochCarry]:
     """The chunk steps of one round for the chunks one worker holds (``indices``), summed over
-    the complete subtrees of the fixed tree among them: ``({(level, index): partial}, local)``,
-    ``local`` the chunks' updated per-pattern state (empty without one), kept out of the sums."""
+    the complete subtrees of the fixed tree among them: ``({(level, index): partial}, local,
+    carry)``, ``local`` the chunks' updated per-pattern state (empty without one), kept out of the
+    sums; ``carry`` the one the steps read, its state moved to the device when the chunks are
+    there (see :mod:`.device_state`)."""
+    state = resident(carry.state, adapter, blocks)
+    if state is not carry.state:
+        carry = EpochCarry(state, carry.scalars, carry.ended_at, carry.local)
     payload = adapter.payload(carry.state)
     keeps_local = getattr(adapter, "local_state", False)
     parts, local = {}, {}
@@ -64,13 +70,13 @@ def _chunks_of_round(blocks, positions, carry: EpochCarry, adapter, round_index,
             local.update(part.local)
             part.local = {}
         parts[(0, i)] = part
-    return tree.reduce(parts), local
+    return tree.reduce(parts), local, carry
 
 
 def _split_chunk_task(*args) -> dict:
     """:func:`_chunks_of_round` as a task of the split graph: the local state rides in the result
     under ``"local"`` (only the own replica's round end keeps it)."""
-    nodes, local = _chunks_of_round(*args)
+    nodes, local, _ = _chunks_of_round(*args)
     nodes["local"] = local
     return nodes
 
@@ -101,7 +107,7 @@ def _finish_round(carry: EpochCarry, adapter, first: bool, tree: FixedTree, own:
     total = tree.reduce(nodes)[tree.root]
     # The input carry may be read again (a recomputation after a lost worker, or the client's own
     # object on an in-process cluster), so the update goes to a copy.
-    state = copy_state(adapter, carry.state)
+    state = follow_partials(copy_state(adapter, carry.state), adapter, total)
     scalars = {} if first else dict(carry.scalars)
     if first:  # the epoch's first round starts it (its chunk tasks read only the payload)
         state = adapter.begin_epoch(state)
@@ -130,15 +136,17 @@ def _own_local(carry: EpochCarry, indices) -> dict:
 
 def _summary(carry: EpochCarry) -> tuple:
     """What the client needs after every epoch: the state's epoch counter, the epoch's summed
-    scalars and when it ended (a few hundred bytes; the state is gathered only when asked for).
+    scalars, when it ended and whether the state is in device memory (then the client fetches a
+    host copy: :func:`~.device_state.fetch_host_state`). A few hundred bytes; the state itself
+    is gathered only when asked for.
     The summary task often runs a round after the end (see the driver), hence the time stamp."""
-    return carry.state.epoch, carry.scalars, carry.ended_at
+    return carry.state.epoch, carry.scalars, carry.ended_at, has_device_arrays(carry.state)
 
 
 @dataclass
 class SubmittedEpoch:
     """One submitted epoch: ``ends``, one future per state copy of the :class:`EpochCarry` after
-    the epoch (all equal), and ``summary``, a future of :func:`_summary`'s triple.
+    the epoch (all equal), and ``summary``, a future of :func:`_summary`'s tuple.
     A fused epoch also holds ``last_round`` (its last round tasks' futures, one per replica) and
     its ``tag``: the next epoch's first round tasks start from them, not from ``ends``."""
 
@@ -147,6 +155,7 @@ class SubmittedEpoch:
     tag: str = ""
     last_round: list = field(default_factory=list)
     locals: list = field(default_factory=list)  # per replica: its chunks' per-pattern state
+    on_device: bool = False  # the state is in device memory (known once the summary is in)
 
     def release(self) -> None:
         """Release (never cancel: see the driver) this epoch's futures."""
@@ -228,7 +237,7 @@ def _round_task(start, adapter, tree: FixedTree, token: str, tag: str, replica: 
             raise StaleRoundState(f"round {round_index} of epoch graph {tag} did not find round "
                                   f"{round_index - 1}'s state on this worker")
         carry = _finish_round(entry[2], adapter, round_index == 1, tree, replica, *previous)
-    nodes, local = _chunks_of_round(blocks, positions, carry, adapter, round_index, rounds, indices, tree)
+    nodes, local, carry = _chunks_of_round(blocks, positions, carry, adapter, round_index, rounds, indices, tree)
     if local:  # a new carry (the old one may be read again: its task recomputed), with this
         # worker's chunks only (a start carry from the client holds every chunk's)
         merged = {**carry.local, **local}

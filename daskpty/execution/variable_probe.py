@@ -45,6 +45,7 @@ class _ProbeModelMixin:
 
     model: pm.ProbeModelOptions
     engine_label = "lsqml"
+    device_fields = ()  # the probe model's state stays on the host (not yet device-resident)
 
     @property
     def local_state(self) -> bool:

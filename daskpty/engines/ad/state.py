@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ...physics.backend import get_xp
 from ..partials import Partial
 from ..positions import accumulate_affine
 from .losses import DEFAULT_EPS, LOSS_NAMES
@@ -223,7 +224,7 @@ def _preconditioned(g, illum, delta: float):
 
 def _lit_mean_abs(obj, illum) -> float:
     lit = illum > 0.5 * illum.max()
-    return float(np.abs(obj[lit]).mean()) if lit.any() else 1.0
+    return float(get_xp(obj).abs(obj[lit]).mean()) if bool(lit.any()) else 1.0
 
 
 def apply(state: ADState, total: Partial, options: ADOptions, evaluate=None) -> ADState:
@@ -236,16 +237,17 @@ def apply(state: ADState, total: Partial, options: ADOptions, evaluate=None) -> 
     if total is None:
         return state
     accumulate_affine(state, total)
+    xp = get_xp(state.object)  # NumPy, or CuPy for a state on a GPU worker's device
     params, grads, pre, lrs = {}, {}, {}, {}
     epoch = state.epoch
     illum_box = total.boxes.get("illumination")
     full_illum = None
     if illum_box is not None:
-        full_illum = np.zeros(state.object.shape, dtype=illum_box.data.dtype)
+        full_illum = xp.zeros(state.object.shape, dtype=illum_box.data.dtype)
         illum_box.add_into(full_illum)
     if "object_grad" in total.boxes:
         box = total.boxes["object_grad"]
-        g = np.zeros(state.object.shape, dtype=np.result_type(state.object.dtype, box.data.dtype))
+        g = xp.zeros(state.object.shape, dtype=np.result_type(state.object.dtype, box.data.dtype))
         box.add_into(g)
         params["object"], grads["object"] = state.object, g
         pre["object"] = _preconditioned(g, full_illum, options.delta) if options.precondition else g
@@ -259,10 +261,10 @@ def apply(state: ADState, total: Partial, options: ADOptions, evaluate=None) -> 
                         if options.precondition else g)
         lrs["probe"] = options.learning_rate("probe", epoch)
         if options.optimizer == "adam":
-            lrs["probe"] *= float(np.sqrt(np.mean(np.abs(state.probe) ** 2)))
+            lrs["probe"] *= float(xp.sqrt(xp.mean(xp.abs(state.probe) ** 2)))
 
     if full_illum is not None:
-        state.illumination = full_illum if state.illumination is None else np.maximum(state.illumination,
+        state.illumination = full_illum if state.illumination is None else xp.maximum(state.illumination,
                                                                                       full_illum)
     if not grads:
         return state
@@ -303,8 +305,9 @@ def orthogonalize_probe(state: ADState) -> None:
     """P ← Uᴴ P (SVD, strongest mode first); linear optimiser memory is rotated the same way
     (Adam's second moment by |Uᴴ|², an approximation)."""
     m = state.probe.shape[0]
+    xp = get_xp(state.probe)
     a = state.probe.reshape(m, -1).astype(np.complex128)
-    u, s, vh = np.linalg.svd(a, full_matrices=False)
+    u, s, vh = xp.linalg.svd(a, full_matrices=False)
     state.probe = (s[:, None] * vh).reshape(state.probe.shape).astype(state.probe.dtype)
     uh = u.conj().T
     for key, arr in list(state.optimizer.arrays.items()):
@@ -313,7 +316,7 @@ def orthogonalize_probe(state: ADState) -> None:
             continue
         flat = arr.reshape(m, -1)
         if slot == "v":
-            new = (np.abs(uh) ** 2) @ flat
+            new = (xp.abs(uh) ** 2) @ flat
         else:
             new = uh @ flat
         state.optimizer.arrays[key] = new.reshape(arr.shape).astype(arr.dtype)
