@@ -70,8 +70,9 @@ for (int k_ = 0; k_ < modes; ++k_) {
 }
 """
 
-_FAR_PARAMS = ("raw complex64 far, raw float32 bg, raw float32 mask, int32 modes, int32 npix, "
-               "int32 has_bg, int32 bg_full, int32 has_mask")
+# Inputs are const in CuPy's kernels: far fields that a kernel scales in place are a raw *output*.
+_FAR_PARAMS = ("raw float32 bg, raw float32 mask, int32 modes, int32 npix, int32 has_bg, int32 bg_full, "
+               "int32 has_mask")
 
 _NEWTON_PREAMBLE = r"""
 __device__ complex<double> daskpty_newton_terms(float yhat, float y, float m, double alpha, double eps) {
@@ -111,9 +112,9 @@ def _build(name: str):
 
     ek, rk = cupy.ElementwiseKernel, cupy.ReductionKernel
     if name == "intensity":
-        return ek(_FAR_PARAMS, "float32 yhat", _PIXEL_INTENSITY + "yhat = s_;", "daskpty_intensity")
+        return ek("raw complex64 far, " + _FAR_PARAMS, "float32 yhat", _PIXEL_INTENSITY + "yhat = s_;", "daskpty_intensity")
     if name == "gaussian_update":   # ΔΨ = Ψ (√y − √(ŷ+ε))/√(ŷ+ε) · mask, residual for the loss
-        return ek(_FAR_PARAMS + ", float32 y, float32 eps", "float32 yhat, float32 resid",
+        return ek(_FAR_PARAMS + ", float32 y, float32 eps", "float32 yhat, float32 resid, raw complex64 far",
                   _PIXEL_INTENSITY + r"""
 yhat = s_;
 const float level_ = sqrtf(s_ + eps);
@@ -122,8 +123,8 @@ resid = r_;
 const float f_ = r_ / level_;
 """ + _SCALE_MODES, "daskpty_gaussian_update")
     if name == "poisson_apply":     # ΔΨ = −α_b (1 − y/(ŷ+ε)) · mask · Ψ
-        return ek("float32 yhat, float32 y, raw float64 alpha, raw complex64 far, raw float32 mask, "
-                  "int32 modes, int32 npix, int32 has_mask, float64 eps", "float32 factor", r"""
+        return ek("float32 yhat, float32 y, raw float64 alpha, raw float32 mask, int32 modes, int32 npix, "
+                  "int32 has_mask, float64 eps", "float32 factor, raw complex64 far", r"""
 const ptrdiff_t b_ = i / npix, p_ = i - b_ * npix, base_ = b_ * modes * npix + p_;
 const double m_ = has_mask ? mask[p_] : 1.0;
 const float f_ = (float)(-alpha[b_] * (m_ * (1.0 - (double)y / ((double)yhat + eps))));
@@ -131,7 +132,7 @@ factor = f_;
 """ + _SCALE_MODES, "daskpty_poisson_apply")
     if name == "ad_loss":           # kind 0 Gaussian, 1 Poisson, 2 intensity: 2h'(ŷ) and the loss term
         return ek(_FAR_PARAMS + ", float32 y, float32 eps, int32 kind, int32 write",
-                  "float32 yhat, float32 term", _PIXEL_INTENSITY + r"""
+                  "float32 yhat, float32 term, raw complex64 far", _PIXEL_INTENSITY + r"""
 yhat = s_;
 float f_, t_ = 0.f;
 if (kind == 0) {
@@ -209,7 +210,7 @@ def _contiguous(a, dtype=None):
 
 
 def _far_args(far, valid, background):
-    """The common far-field arguments of the fused kernels: (far, bg, mask, M, n², flags...)."""
+    """The arguments of :data:`_FAR_PARAMS` for far fields ``far``, and the (B, n, n) pixel shape."""
     import cupy
 
     b, m = far.shape[0], far.shape[1]
@@ -219,7 +220,7 @@ def _far_args(far, valid, background):
     mask = dummy if valid is None else _contiguous(cupy.asarray(valid), np.float32)
     if bg.size not in (1, npix):
         raise ValueError(f"background must be (1, 1) or the pattern shape, got {tuple(bg.shape)}")
-    return (far, bg, mask, np.int32(m), np.int32(npix), np.int32(background is not None),
+    return (bg, mask, np.int32(m), np.int32(npix), np.int32(background is not None),
             np.int32(bg.size == npix), np.int32(valid is not None)), (b,) + tuple(far.shape[-2:])
 
 
@@ -247,7 +248,7 @@ def mode_intensity(far, background=None):
 
     far = _contiguous(far)
     args, shape = _far_args(far, None, background)
-    return _kernel("intensity")(*args, cupy.empty(shape, np.float32))
+    return _kernel("intensity")(far, *args, cupy.empty(shape, np.float32))
 
 
 def poisson_alpha(yhat, y, valid=None, eps: float = DEFAULT_EPS, iterations: int = 10):
@@ -297,15 +298,16 @@ def far_field_update(noise: str, far, y, valid=None, eps: float = DEFAULT_EPS, o
     y = _contiguous(y, np.float32)
     args, shape = _far_args(far, valid, background)
     if noise == "gaussian":
-        yhat, resid = _kernel("gaussian_update")(*args, y, np.float32(eps), cupy.empty(shape, np.float32),
-                                                 cupy.empty(shape, np.float32))
+        yhat, resid, _ = _kernel("gaussian_update")(*args, y, np.float32(eps), cupy.empty(shape, np.float32),
+                                                    cupy.empty(shape, np.float32), far)
         loss = _kernel("sum_squares")(resid, axis=(1, 2))
     else:
-        yhat = _kernel("intensity")(*args, cupy.empty(shape, np.float32))
+        yhat = _kernel("intensity")(far, *args, cupy.empty(shape, np.float32))
         loss = poisson_loss(yhat, y, valid, eps)
         alpha = poisson_alpha(yhat, y, valid, eps)
-        _kernel("poisson_apply")(yhat, y, alpha, far, args[2], args[3], args[4], args[7], np.float64(eps),
-                                 cupy.empty(shape, np.float32))
+        _, mask, modes, npix, _, _, has_mask = args
+        _kernel("poisson_apply")(yhat, y, alpha, mask, modes, npix, has_mask, np.float64(eps),
+                                 cupy.empty(shape, np.float32), far)
     if overwrite and far is not given:  # a non-contiguous far was updated in a copy
         given[...] = far
         far = given
@@ -379,9 +381,9 @@ def far_field_loss(name: str, far, y, valid, eps: float, gradient: bool, overwri
     far = far.copy() if gradient and not overwrite else _contiguous(far)
     y = _contiguous(y, np.float32)
     args, shape = _far_args(far, valid, background)
-    yhat, term = _kernel("ad_loss")(*args, y, np.float32(eps), np.int32(LOSS_NAMES.index(name)),
-                                    np.int32(gradient), cupy.empty(shape, np.float32),
-                                    cupy.empty(shape, np.float32))
+    yhat, term, _ = _kernel("ad_loss")(*args, y, np.float32(eps), np.int32(LOSS_NAMES.index(name)),
+                                       np.int32(gradient), cupy.empty(shape, np.float32),
+                                       cupy.empty(shape, np.float32), far)
     if name == "poisson":
         value = poisson_loss(yhat, y, valid, eps)
     else:
