@@ -136,6 +136,9 @@ def _fake_cupy(calls):
     cp.cuda = types.SimpleNamespace(get_current_stream=lambda: stream,
                                     runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
     cupyx = types.ModuleType("cupyx")
+    cupyx.scipy = types.SimpleNamespace(fft=types.SimpleNamespace(  # in-place capable transforms
+        fft2=counted("fft", lambda a, norm=None, overwrite_x=False: np.fft.fft2(a, norm=norm).view(DeviceArray)),
+        ifft2=counted("fft", lambda a, norm=None, overwrite_x=False: np.fft.ifft2(a, norm=norm).view(DeviceArray))))
     cupyx.empty_pinned = counted("pinned", lambda shape, dtype=np.float64: np.empty(shape, dtype))
     cupyx.scatter_add = counted("scatter_add", lambda target, idx, vals: np.add.at(
         target.view(np.ndarray), np.asarray(idx).view(np.ndarray), np.asarray(vals).view(np.ndarray)))
@@ -149,6 +152,8 @@ def fake_cupy(monkeypatch):
     cp, cupyx = _fake_cupy(calls)
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setitem(sys.modules, "cupyx", cupyx)
+    monkeypatch.setitem(sys.modules, "cupyx.scipy", cupyx.scipy)
+    monkeypatch.setitem(sys.modules, "cupyx.scipy.fft", cupyx.scipy.fft)
     yield calls
     assert calls.get("fft", 0) > 0 and calls.get("scatter_add", 0) > 0  # the device branches ran
 

@@ -29,7 +29,7 @@ from ..physics import (
     shift_ramps,
     split_positions,
 )
-from ..physics.backend import asarray_like, is_cupy, real_dots, to_numpy
+from ..physics.backend import asarray_like, is_cupy, real_dots, shares_memory, to_numpy
 from ..physics.patches import PatchIndex
 from ..physics.shifts import outer_ramps, shift_ramp_factors
 from ..physics import kernels
@@ -127,9 +127,8 @@ CPU_BLOCK_BYTES = 1 << 20
 def _fft_in_place(buf, inverse: bool = False):
     """Orthonormal (inverse) 2-D FFT of ``buf`` written back into ``buf``."""
     out = (ifft2 if inverse else fft2)(buf, overwrite=True)
-    if not (isinstance(out, np.ndarray) and out.strides == buf.strides
-            and out.__array_interface__["data"][0] == buf.__array_interface__["data"][0]):
-        buf[...] = out  # CuPy (or a copying FFT): copy back
+    if not shares_memory(out, buf):
+        buf[...] = out  # a copying transform: copy back
     return buf
 
 

@@ -12,6 +12,20 @@ import scipy.fft
 _FFT_WORKERS = int(os.environ.get("DASKPTY_FFT_WORKERS", "1"))
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+#: The FFT-level optimisations, each on by default and switchable for the ablation benchmark
+#: (benchmarks/bench_ablation.py) through the environment of the worker processes:
+#: ``DASKPTY_FFT_BATCHED=0`` transforms one 2-D pattern at a time instead of one batched call;
+#: ``DASKPTY_FFT_INPLACE=0`` never lets a transform reuse its input's memory;
+#: ``DASKPTY_CUFFT_PLAN_CACHE=0`` empties CuPy's cuFFT plan cache (a new plan for every call).
+FFT_SETTINGS = {"batched": _env_flag("DASKPTY_FFT_BATCHED"), "inplace": _env_flag("DASKPTY_FFT_INPLACE"),
+                "plan_cache": _env_flag("DASKPTY_CUFFT_PLAN_CACHE")}
+_PLAN_CACHE_SET = False
+
+
 def set_fft_workers(n: int) -> None:
     """Set the number of threads scipy.fft uses for batched CPU FFTs (default 1, or the
     ``DASKPTY_FFT_WORKERS`` environment variable).
@@ -56,25 +70,67 @@ def asarray_like(a, like):
     return xp.asarray(a)
 
 
+def _transform(a, inverse: bool, overwrite: bool):
+    overwrite = overwrite and FFT_SETTINGS["inplace"]
+    if is_cupy(a):
+        _apply_plan_cache_setting()
+        if overwrite and a.flags.c_contiguous:  # cuFFT may then write the result into ``a``
+            import cupyx.scipy.fft as cufft
+
+            return (cufft.ifft2 if inverse else cufft.fft2)(a, norm="ortho", overwrite_x=True)
+        import cupy
+
+        return (cupy.fft.ifft2 if inverse else cupy.fft.fft2)(a, norm="ortho")
+    return (scipy.fft.ifft2 if inverse else scipy.fft.fft2)(a, norm="ortho", workers=_FFT_WORKERS,
+                                                          overwrite_x=overwrite)
+
+
+def _per_pattern(a, inverse: bool, overwrite: bool):
+    """The transform one (n, n) pattern at a time (the ablation's unbatched baseline)."""
+    flat = a.reshape((-1,) + a.shape[-2:])
+    out = get_xp(a).empty(flat.shape, dtype=np.result_type(a.dtype, np.complex64))
+    for i in range(flat.shape[0]):
+        out[i] = _transform(flat[i], inverse, False)
+    return out.reshape(a.shape)
+
+
+def _apply_plan_cache_setting() -> None:
+    global _PLAN_CACHE_SET
+    if not _PLAN_CACHE_SET:
+        _PLAN_CACHE_SET = True
+        if not FFT_SETTINGS["plan_cache"]:
+            import cupy
+
+            cupy.fft.config.get_plan_cache().set_size(0)
+
+
 def fft2(a, overwrite: bool = False):
     """Orthonormal 2-D FFT over the last two axes, batched over the leading axes.
 
-    ``overwrite=True`` lets the CPU transform reuse ``a``'s memory (pass temporaries only).
+    ``overwrite=True`` lets the transform reuse ``a``'s memory (pass temporaries only): scipy's
+    ``overwrite_x`` on the CPU, an in-place cuFFT execution on the GPU; the result may or may not
+    be ``a`` itself (see ``_fft_in_place`` of the LSQML engine).
     """
-    if is_cupy(a):
-        import cupy
-
-        return cupy.fft.fft2(a, norm="ortho")
-    return scipy.fft.fft2(a, norm="ortho", workers=_FFT_WORKERS, overwrite_x=overwrite)
+    if not FFT_SETTINGS["batched"] and a.ndim > 2:
+        return _per_pattern(a, False, overwrite)
+    return _transform(a, False, overwrite)
 
 
 def ifft2(a, overwrite: bool = False):
     """Orthonormal inverse 2-D FFT over the last two axes (the adjoint of :func:`fft2`)."""
-    if is_cupy(a):
-        import cupy
+    if not FFT_SETTINGS["batched"] and a.ndim > 2:
+        return _per_pattern(a, True, overwrite)
+    return _transform(a, True, overwrite)
 
-        return cupy.fft.ifft2(a, norm="ortho")
-    return scipy.fft.ifft2(a, norm="ortho", workers=_FFT_WORKERS, overwrite_x=overwrite)
+
+def shares_memory(out, buf) -> bool:
+    """True when ``out`` is ``buf``'s memory with the same layout (a transform done in place)."""
+    if out.shape != buf.shape or out.strides != buf.strides:
+        return False
+    ptr = getattr(out.data, "ptr", None)
+    if ptr is not None:  # CuPy
+        return ptr == getattr(buf.data, "ptr", None)
+    return out.__array_interface__["data"][0] == buf.__array_interface__["data"][0]
 
 
 def fftfreq(n: int, xp=np):
