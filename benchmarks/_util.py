@@ -262,8 +262,8 @@ def bench_cluster(backend: str, workers, threads_per_worker: int = 1, memory_lim
             from daskpty.execution.gpu import cuda_cluster, list_cuda_devices
 
             devices = list_cuda_devices()
-            if workers:
-                devices = devices[:workers]
+            if workers and devices:  # more workers than devices: several share one (a MIG stand-in)
+                devices = [devices[i % len(devices)] for i in range(workers)]
             kw = {"threads_per_worker": threads_per_worker}
             if memory != "auto":
                 kw["memory_limit"] = memory
