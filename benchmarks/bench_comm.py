@@ -322,7 +322,8 @@ def print_projection(args, rows=(), log=print):
 
     def table(title, names, counts, units=None):
         log("")
-        log(f"{title}: s/round = compute + exchange (exchange share); '*' = communication-bound")
+        log(f"{title}: s/round = compute + exchange (exchange share); '*' = communication-bound; "
+            f"= t/t(one whole A100)")
         log("| workers | " + " | ".join(names) + " |")
         log("|---:|" + "---:|" * len(names))
         first = {}
@@ -333,7 +334,7 @@ def print_projection(args, rows=(), log=print):
                 p = project_round_time(c * 7, b, w, link(name), worker_speed=units[w]) if units else \
                     project_round_time(c, b, w, link(name))
                 cells.append(f"{p.compute_s:.3f} + {p.exchange_s:.3f} ({100 * p.exchange_fraction:.0f}%)"
-                             f"{'*' if p.communication_bound else ''}")
+                             f"{'*' if p.communication_bound else ''} = {p.total_s / c:.2f}x")
                 if p.communication_bound:
                     first.setdefault(name, w)
             log(f"| {w} | " + " | ".join(cells) + " |")
@@ -346,7 +347,27 @@ def print_projection(args, rows=(), log=print):
     table("Whole GPUs of one node", ["gpu-tcp", "gpu-ucx-nvlink"], range(2, 9))
     table("Several nodes (one worker per node / NIC)", ["node-eth25-tcp", "node-eth100-tcp", "node-ib-hdr",
                                                          "node-ib-ndr"], (2, 4, 8, 16, 32))
+    # gpu_check.sh's stand-in for 2 MIG slices: 2 workers on one H200 (PCIe Gen5 host link), its
+    # 65,536 x 128^2 case at the target of 0.5 s/epoch for 1 worker
+    side = 65536 ** 0.5 * sc["step_over_n"] * 128 + 128
+    b_h200 = sc["partial_bytes_per_px"] * side * side
+    log("")
+    log(f"2 workers on one H200, 65,536 x 128^2 (B = {b_h200 / 1e6:.0f} MB per round), 1 worker at the target "
+        f"0.5 s/epoch: slowdown of 2 workers by rounds/epoch (exchange through host memory)")
+    for name, lk in (("tcp", Link("h200-tcp", (tcp or _tcp_default(),), 50e9, LINKS["mig-tcp"].latency_s)),
+                     ("ucx", Link("h200-ucx", LINKS["mig-ucx"].worker_bandwidths, 50e9, LINKS["mig-ucx"].latency_s))):
+        cells = []
+        for r in (1, 2, 4, 8):
+            p = project_round_time(0.5 / r, b_h200, 2, lk, worker_speed=0.5)
+            cells.append(f"R={r}: +{100 * (p.total_s * r / 0.5 - 1):.0f}%")
+        log(f"  {name}: " + ", ".join(cells))
     return sc
+
+
+def _tcp_default() -> float:
+    from daskpty.execution.comm_model import LINKS
+
+    return LINKS["mig-tcp"].worker_bandwidths[0]
 
 
 def main(argv=None):
