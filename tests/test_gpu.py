@@ -137,3 +137,32 @@ def test_lsqml_and_ad_chunk_steps_fused_match_unfused(noise, update_probe):
         kernels.set_fused(before)
     for fused_part, plain_part in zip(runs[True], runs[False]):
         _partials_close(fused_part, plain_part, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["lsqml", "ad"])
+def test_device_resident_state_matches_host_state_and_cpu(engine):
+    """On a real GPU: the state kept in device memory between rounds (the default), the state
+    on the host (DASKPTY_DEVICE_STATE=0 layout) and the CPU path give the same object, and the
+    result handed to the client is NumPy."""
+    _cupy()
+    import daskpty
+    from daskpty.execution import device_state
+    from distributed import Client, LocalCluster
+
+    from synthetic import make_dataset
+
+    ds = make_dataset(grid=8, seed=6)
+    kw = dict(engine=engine, epochs=4, object=np.ones_like(ds.truth.object), chunk_length=16, rounds_per_epoch=2)
+    with LocalCluster(n_workers=2, processes=False, dashboard_address="127.0.0.1:0") as cl, Client(cl) as c:
+        cpu = daskpty.reconstruct(ds, client=c, device="cpu", **kw)
+        resident = daskpty.reconstruct(ds, client=c, device="gpu", **kw)
+        device_state.set_device_state(False)
+        try:
+            host = daskpty.reconstruct(ds, client=c, device="gpu", **kw)
+        finally:
+            device_state.set_device_state(True)
+    for rec in (resident, host):
+        assert type(rec.object) is np.ndarray
+        assert np.linalg.norm(rec.object - cpu.object) / np.linalg.norm(cpu.object) < 1e-3
+    assert np.linalg.norm(resident.object - host.object) / np.linalg.norm(host.object) < 1e-4
