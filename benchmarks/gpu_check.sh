@@ -13,11 +13,17 @@
 # SIZES (default "16384 65536": patterns of 128x128, simulated with Poisson noise).
 #
 # Steps: install the wheels into /tmp/site; nvidia-smi -L; versions; the in-process GPU tests of
-# tests/test_gpu.py; bench_epoch on the GPU backend with one worker for each size (s/epoch,
-# patterns/s, device memory, CuPy pool, cuFFT plan cache hits/misses read in the worker's task
-# thread); the bare-FFT floor of the largest size on the same worker setup; last the test on
+# tests/test_gpu.py; one simulated store per size (/tmp/gpu_check_N.zarr, shared by the benchmarks);
+# bench_epoch on the GPU backend with one worker for each size (s/epoch, patterns/s, device memory,
+# CuPy pool, cuFFT plan cache hits/misses read in the worker's task thread); the same with two
+# dask-cuda workers on the one GPU (the stand-in for 2 MIG slices); bench_comm.py with those two
+# workers (compute and exchange per round, a CuPy worker-to-worker transfer probe, the projection
+# of docs/gpu.md; COMM_SIZE, default the smallest size); bench_ablation.py --backend gpu when the
+# script exists; the bare-FFT floor of the largest size on the same worker setup; Pty-Chi on the
+# GPU when a ptychi wheel is carried (and ptychi_peer.py takes --device); last the test on
 # dask-cuda worker processes (CPU equality, spilling under a small device_memory_limit, no CUDA
-# context in the client).
+# context in the client). Steps run in that order until the budget is spent (raise
+# GPU_CHECK_BUDGET_S, up to ~560 within one 600 s device command, to reach the last ones).
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
@@ -76,16 +82,72 @@ EOF
 step "pytest -m gpu tests/test_gpu.py (in-process)" 200 "$PY" -m pytest -q -m gpu tests/test_gpu.py \
     -k "not dask_cuda" -p no:cacheprovider
 
+# One store per size, read by every benchmark below (each would otherwise simulate its own).
+data_for() {  # data_for N -> the bench_epoch/bench_comm arguments naming the data of size N
+  if [ -f "/tmp/gpu_check_$1.zarr.ok" ]; then echo "--data /tmp/gpu_check_$1.zarr"
+  else echo "--n-patterns $1 --probe-size 128 --tmpdir /tmp"; fi
+}
+# Simulated on a CPU cluster, as the benchmarks' own simulation does (daskpty's embedded default
+# would be a dask-cuda cluster here).
+SIMULATE='import sys, daskpty
+from distributed import Client
+from daskpty.execution.cluster import start_local_cluster
+with start_local_cluster(gpu=False, dashboard=False) as cl, Client(cl) as c:
+    daskpty.simulate(sys.argv[2], preset="small", n_patterns=int(sys.argv[1]), probe_size=128, client=c,
+                     overwrite=True)
+open(sys.argv[2] + ".ok", "w").close()
+print("simulated", sys.argv[2])'
+for n in $SIZES; do
+  rm -f "/tmp/gpu_check_${n}.zarr.ok"
+  step "simulate ${n} x 128^2" 120 "$PY" -c "$SIMULATE" "$n" "/tmp/gpu_check_${n}.zarr"
+done
+
 last=""
 for n in $SIZES; do
+  # shellcheck disable=SC2046
   step "bench_epoch gpu ${n} x 128^2" 300 "$PY" benchmarks/bench_epoch.py --backend gpu --workers 1 \
-      --n-patterns "$n" --probe-size 128 --epochs "$EPOCHS" --tmpdir /tmp --plan-cache
+      $(data_for "$n") --epochs "$EPOCHS" --plan-cache
   last=$n
 done
+
+# Two dask-cuda workers on the one GPU (cuda_cluster lists the device twice and gives each worker
+# half its memory limits): the stand-in for 2 MIG slices; compare patterns/s with the 1-worker runs.
+for n in $SIZES; do
+  # shellcheck disable=SC2046
+  step "bench_epoch gpu ${n} x 128^2, 2 workers on one GPU" 240 "$PY" benchmarks/bench_epoch.py --backend gpu \
+      --workers 2 $(data_for "$n") --epochs "$EPOCHS" --plan-cache
+done
+
+COMM_SIZE="${COMM_SIZE:-${SIZES%% *}}"
+comm_data="--sizes ${COMM_SIZE}x128 --tmpdir /tmp"
+[ -f "/tmp/gpu_check_${COMM_SIZE}.zarr.ok" ] && comm_data="--data /tmp/gpu_check_${COMM_SIZE}.zarr"
+# shellcheck disable=SC2086
+step "bench_comm gpu ${COMM_SIZE} x 128^2, 2 workers on one GPU" 180 "$PY" benchmarks/bench_comm.py --backend gpu \
+    --workers 2 $comm_data --rounds 1,4 --epochs 4 --probe-bytes 64e6,256e6 --project --json
+
+if [ -f benchmarks/bench_ablation.py ]; then
+  step "bench_ablation gpu" 180 "$PY" benchmarks/bench_ablation.py --backend gpu
+else
+  echo "=== SKIP bench_ablation: benchmarks/bench_ablation.py is not in this tree"
+fi
 
 if [ -n "$last" ]; then
   step "bench_fft_floor gpu ${last} x 128^2" 120 "$PY" benchmarks/bench_fft_floor.py --backend gpu --workers 1 \
       --n-patterns "$last" --probe-size 128 --repeat 5
+fi
+
+# Pty-Chi on the same GPU: its wheel (and pydantic's) must be carried in $WHL_DIR; torch is the box's.
+if ! ls "$WHL_DIR"/ptychi-*.whl >/dev/null 2>&1; then
+  echo "=== Pty-Chi: not carried (no ptychi wheel in $WHL_DIR/)"
+elif ! "$PY" -c "import torch, ptychi, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "=== Pty-Chi: not carried (ptychi or a CUDA torch does not import here)"
+elif ! grep -q -- "--device" benchmarks/ptychi_peer.py; then
+  echo "=== Pty-Chi: skipped (benchmarks/ptychi_peer.py has no --device option: it runs on the CPU)"
+else
+  step "Pty-Chi LSQML on the GPU (bench576 test case)" 150 bash -c "'$PY' benchmarks/ptychi_peer.py \
+      /tmp/ptychi_in.npz --make-test-case bench576 && '$PY' benchmarks/ptychi_peer.py /tmp/ptychi_in.npz \
+      /tmp/ptychi_out.npz --engine lsqml --epochs-list 10 --device cuda && '$PY' -c \
+      \"import numpy as np; z = np.load('/tmp/ptychi_out.npz'); print('Pty-Chi s/epoch', float(z['seconds_per_epoch']))\""
 fi
 
 # Last, as it starts dask-cuda worker processes three times (a test in a subprocess, ~1-2 min).
