@@ -217,3 +217,12 @@ def test_cli_protocol_errors_are_one_line(store_path, tmp_path, capsys, without_
                  "--scheduler", "tcp://127.0.0.1:1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--scheduler" in err[0]
+
+
+def test_an_interface_replaces_the_loopback_address(fake_dask_cuda, with_ucxx):
+    from daskpty.execution.gpu import cuda_cluster
+
+    cuda_cluster(["GPU-a"], protocol="ucx", interface="ib0")
+    cluster_mod.start_local_cluster(gpu=True, protocol="ucx", interface="ib0")
+    for kw in fake_dask_cuda.calls:
+        assert kw["interface"] == "ib0" and "ip" not in kw

@@ -88,7 +88,7 @@ def start_local_cluster(n_workers: int | None = None, threads_per_worker: int = 
         from dask_cuda import LocalCUDACluster
 
         if "interface" not in kwargs:  # an interface (e.g. ib0 for UCX) names the address itself
-            kwargs["ip"] = "127.0.0.1"
+            kwargs.setdefault("ip", "127.0.0.1")
         return LocalCUDACluster(n_workers=n_workers, dashboard_address=address, **kwargs)
     if n_workers is None:
         n_workers = max(1, (os.cpu_count() or 1) // threads_per_worker)
