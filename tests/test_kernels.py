@@ -270,6 +270,124 @@ def test_environment_variable_turns_fusion_off():
 
 
 # --------------------------------------------------------------------------------------------------
+# The fused branches' calls, on the CPU: a stand-in CuPy whose kernel classes check every call
+# against the declared parameters (count, dtypes, contiguous raw arrays, broadcast shapes, the
+# reduction axes) and return outputs of the declared shapes. It checks the plumbing, not numbers.
+
+
+class _DeviceArray(np.ndarray):
+    pass
+
+
+_DeviceArray.__module__ = "cupy"
+_DTYPES = {"float32": np.float32, "float64": np.float64, "complex64": np.complex64,
+           "complex128": np.complex128, "int32": np.int32, "int64": np.int64}
+
+
+def _params(text):
+    out = []
+    for p in text.split(","):
+        words = p.split()
+        raw = words[0] == "raw"
+        words = words[raw:]
+        out.append((raw, _DTYPES[words[0]], words[1]))
+    return out
+
+
+def _checked_shape(name, params, args):
+    assert len(args) == len(params), (name, len(args), len(params))
+    shapes = []
+    for (raw, dtype, pname), a in zip(params, args):
+        if isinstance(a, np.ndarray):
+            assert type(a) is _DeviceArray and a.dtype == dtype, (name, pname, type(a), a.dtype)
+            if raw:
+                assert a.flags.c_contiguous, (name, pname)
+            else:
+                shapes.append(a.shape)
+        else:
+            assert np.asarray(a).dtype == dtype, (name, pname, type(a))
+    return np.broadcast_shapes(*shapes)
+
+
+class _Elementwise:
+    def __init__(self, in_params, out_params, operation, name, **kwargs):
+        self.ins, self.outs, self.name = _params(in_params), _params(out_params), name
+
+    def __call__(self, *args):
+        _CALLED.add(self.name)
+        shape = _checked_shape(self.name, self.ins + self.outs, args)
+        outs = args[len(self.ins):]
+        assert all(o.shape == shape for (raw, _, _), o in zip(self.outs, outs) if not raw), self.name
+        return outs if len(outs) > 1 else outs[0]
+
+
+class _Reduction:
+    def __init__(self, in_params, out_params, map_expr, reduce_expr, post_map_expr, identity, name, **kwargs):
+        self.ins, self.out, self.name = _params(in_params), _params(out_params)[0][1], name
+
+    def __call__(self, *args, axis):
+        _CALLED.add(self.name)
+        shape = _checked_shape(self.name, self.ins, args)
+        return np.zeros([s for i, s in enumerate(shape) if i not in axis], self.out).view(_DeviceArray)
+
+
+_CALLED: set = set()
+
+
+@pytest.fixture
+def checking_cupy(monkeypatch, fused_restored):
+    import types
+
+    cp = types.ModuleType("cupy")
+    for name in ("clip", "maximum", "float32", "complex64"):
+        setattr(cp, name, getattr(np, name))
+    for name in ("asarray", "ascontiguousarray", "empty", "zeros", "ones", "full"):
+        setattr(cp, name, (lambda f: lambda *a, **k: f(*a, **k).view(_DeviceArray))(getattr(np, name)))
+    cp.ElementwiseKernel, cp.ReductionKernel = _Elementwise, _Reduction
+    monkeypatch.setitem(sys.modules, "cupy", cp)
+    monkeypatch.setattr(kernels, "_KERNELS", {})
+    kernels.set_fused(True)
+    _CALLED.clear()
+    yield lambda a: np.ascontiguousarray(a).view(_DeviceArray)
+    text = open(kernels.__file__).read()
+    import re
+    built = re.findall(r'"(daskpty_\w+)"', text)
+    assert _CALLED == set(built), set(built) - _CALLED  # every kernel was called
+
+
+@pytest.mark.parametrize("modes", [1, 3])
+def test_fused_calls_match_the_kernels_parameters(checking_cupy, modes):
+    dev = checking_cupy
+    b, ny, nx = 3, 8, 6
+    far, y, valid, bg = _case((b, modes, ny, nx), seed=16, background="pixel")
+    pattern = (b, ny, nx)
+    assert kernels.uses_fused(dev(far)) and not kernels.uses_fused(far)
+    for background in (None, dev(bg), dev(bg[:1, :1])):
+        for mask in (None, dev(valid)):
+            for noise in ("gaussian", "poisson"):
+                buf = dev(far)
+                delta, yhat, loss = kernels.far_field_update(noise, buf, dev(y), mask, overwrite=True,
+                                                             background=background)
+                assert delta is buf and yhat.shape == pattern and loss.shape == (b,)
+            for name in kernels.LOSS_NAMES:
+                value, grad, yhat = kernels.far_field_loss(name, dev(far), dev(y), mask, 1e-6, True,
+                                                           background=background)
+                assert value.shape == (b,) and grad.shape == far.shape and yhat.shape == pattern
+                assert kernels.far_field_loss(name, dev(far), dev(y), mask, 1e-6, False)[1] is None
+    strided = dev(np.concatenate([far, far], axis=-1))[..., ::2]  # overwrite a non-contiguous far
+    assert kernels.far_field_update("gaussian", strided, dev(y), None, overwrite=True)[0] is strided
+    assert kernels.far_field_loss("poisson", strided, dev(y), None, 1e-6, True, overwrite=True)[1] is strided
+    assert kernels.mode_intensity(dev(far), dev(bg)).shape == pattern
+    assert kernels.poisson_alpha(dev(y), dev(y), dev(valid)).shape == (b,)
+    sp, d = dev(far), dev(far[:, 0])
+    g, w = kernels.object_gradient(sp, sp)
+    assert g.shape == pattern and g.dtype == np.complex64 and w.dtype == np.float32
+    assert kernels.conj_product(sp, d, out=sp) is sp
+    assert all(s.shape == (b,) for s in kernels.step_dots(d, sp, sp, sp))
+    assert all(s.shape == (b,) for s in kernels.object_step_dots(d, g, w))
+
+
+# --------------------------------------------------------------------------------------------------
 # GPU: the fused CuPy path against the NumPy reference
 
 
