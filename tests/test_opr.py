@@ -207,3 +207,133 @@ def test_cli_fits_opr_and_show_draws_the_weights(tmp_path):
     assert main(["reconstruct", str(tmp_path / "s.zarr"), "-o", str(tmp_path / "x.zarr"),
                  "--opr-modes", "9"]) == 2   # 64 patterns: at most 6 modes
     assert not (tmp_path / "x.zarr").exists()
+
+
+def _random_model(rng, n=8, k=3, modes=1, b=10, dtype=np.complex128):
+    probe = (rng.standard_normal((modes, n, n)) + 1j * rng.standard_normal((modes, n, n))).astype(dtype)
+    eigen = pm.initial_eigen_probes(probe[0], k - 1).astype(dtype)
+    w = np.c_[1 + 0.1 * rng.standard_normal(b), 0.2 * rng.standard_normal((b, k - 1))]
+    amp2 = (1 + 0.1 * rng.standard_normal(b))[:, None]
+    return probe, eigen, w, amp2
+
+
+@pytest.mark.parametrize("modes, dtype", [(1, np.complex128), (2, np.complex64)])
+def test_pattern_spectra_and_probe_sums_match_a_direct_sum(modes, dtype):
+    """The batched real products of ``spectra`` / ``probe_terms`` against einsum references."""
+    rng = np.random.default_rng(2)
+    n, k, b = 8, 3, 10
+    probe, eigen, w, amp2 = _random_model(rng, n, k, modes, b, dtype)
+    model = pm.ProbeModelOptions(opr_modes=k, fit_intensity=True, start_epoch=0)
+    like = np.zeros((b, n, n), np.float32 if dtype == np.complex64 else np.float64)
+    v = pm.PatternProbes(model, probe, eigen, {"opr_weights": w, "intensity_scale": amp2}, like, active=True,
+                         cdtype=dtype)
+    v.begin(4, b, True)
+    s = np.sqrt(amp2[:, 0])
+    basis_ft = np.fft.fft2(np.concatenate([probe[:1], eigen]).astype(np.complex128), norm="ortho")
+    spec = (rng.standard_normal((b, modes, n, n)) + 1j * rng.standard_normal((b, modes, n, n))).astype(dtype)
+    sums = np.zeros((modes, n * n), np.complex128)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == np.complex64 else dict(rtol=1e-10, atol=1e-10)
+    for batch in (slice(0, 4), slice(4, 8), slice(8, 10)):
+        out = v.spectra(batch, np.empty((batch.stop - batch.start, modes, n, n), dtype))
+        ref = np.einsum("jk,kxy->jxy", w[batch] * s[batch, None], basis_ft)
+        np.testing.assert_allclose(out[:, 0], ref, **tol)
+        if modes > 1:
+            np.testing.assert_allclose(out[:, 1], s[batch, None, None] * np.fft.fft2(probe[1], norm="ortho"), **tol)
+        o = (rng.standard_normal((batch.stop - batch.start, n, n)) + 1j).astype(dtype)
+        v.pattern_terms(batch, o, o, np.ones_like(o.real))
+        v.probe_terms(batch, spec[batch], sums)
+    f0 = s * w[:, 0]
+    np.testing.assert_allclose(sums[0], np.einsum("j,jr->r", f0, spec[:, 0].reshape(b, -1)), **tol)
+    if modes > 1:
+        np.testing.assert_allclose(sums[1], np.einsum("j,jr->r", s, spec[:, 1].reshape(b, -1)), **tol)
+    c = w[:, 1:] * s[:, None]
+    np.testing.assert_allclose(v.eigen_num, np.einsum("jk,jr->kr", c, spec[:, 0].reshape(b, -1)), **tol)
+    rhs = np.einsum("kr,jr->jk", basis_ft.reshape(k, -1).conj(), spec[:, 0].reshape(b, -1)).real
+    np.testing.assert_allclose(v.rhs, rhs, **tol)
+
+
+def test_sampled_weight_curvature_is_the_gauss_newton_matrix():
+    """H_kl of the sampled patterns against JᵀJ of the far-field amplitude |Ψ_j| by central
+    differences in w_jk (integer positions: no sub-pixel shift, which the sampling ignores)."""
+    rng = np.random.default_rng(3)
+    n, k, b = 8, 3, 6
+    probe, eigen, w, _ = _random_model(rng, n, k, 1, b)
+    obj = (1 + 0.3 * rng.standard_normal((20, 20)) + 0.3j * rng.standard_normal((20, 20)))
+    corners = rng.integers(0, 12, (b, 2))
+    patches = np.stack([obj[y:y + n, x:x + n] for y, x in corners])
+    model = pm.ProbeModelOptions(opr_modes=k, start_epoch=0, curvature_damping=0.0)
+    v = pm.PatternProbes(model, probe, eigen, {"opr_weights": w}, np.zeros((b, n, n)), active=True,
+                         cdtype=np.complex128)
+    v.begin(b, b, True)
+    v.sample_stride = 1                                     # measure every pattern
+    v.pattern_terms(slice(0, b), patches, None, None)
+    got = v.weight_curvature()
+    basis = np.concatenate([probe[:1], eigen])
+
+    def amplitude(j, wj):
+        return np.abs(np.fft.fft2(np.einsum("k,kxy->xy", wj, basis) * patches[j], norm="ortho")).ravel()
+
+    h = 1e-6
+    assert v._curvature_count == b
+    per_unit = [None] * b
+    for j in range(b):
+        jac = np.stack([(amplitude(j, w[j] + h * e) - amplitude(j, w[j] - h * e)) / (2 * h) for e in np.eye(k)])
+        per_unit[j] = jac @ jac.T / np.mean(np.abs(patches[j]) ** 2)
+    expected = np.mean(per_unit, axis=0)
+    np.testing.assert_allclose(got / v.obj_power[:, None, None], np.broadcast_to(expected, got.shape), rtol=1e-5,
+                               atol=1e-8 * np.abs(expected).max())
+    # the exit-wave Gram overstates a quadrature direction's curvature: the in-phase share of an
+    # eigen-probe's far-field change is below one
+    full = np.einsum("kr,lr->kl", basis.reshape(k, -1).conj(), basis.reshape(k, -1)).real
+    assert expected[1, 1] < full[1, 1]
+
+
+def test_first_starting_eigen_probe_is_a_focus_change():
+    """For the simulator's defocused disc, d P / d(defocus) lies in the real span of U_0 and the
+    starting eigen-probe of K = 2 (the beam-direction derivative i F⁻¹(|k|² F P_0)); the old
+    start (P_0 · i(r² − ⟨r²⟩), a curvature of the phase at the sample) would not do."""
+    from daskpty.simulate_variable_probe import disc_probe
+
+    p0 = disc_probe(32, 1.9).astype(np.complex128)
+    dp = (disc_probe(32, 1.95) - disc_probe(32, 1.85)).astype(np.complex128)
+    u = pm.initial_eigen_probes(p0, 1).astype(np.complex128)
+    rows = np.stack([p0.ravel(), u[0].ravel()])
+    real = np.concatenate([rows.real, rows.imag], 1)          # real weights: the real span
+    target = np.concatenate([dp.real.ravel(), dp.imag.ravel()])
+    coef, *_ = np.linalg.lstsq(real.T, target, rcond=None)
+    captured = np.linalg.norm(real.T @ coef) / np.linalg.norm(target)
+    assert captured > 0.95, captured
+    c = np.arange(32) - 15.5
+    r2 = np.add.outer(c**2, c**2)
+    old = np.concatenate([(p0 * 1j * r2).real.ravel(), (p0 * 1j * r2).imag.ravel()])
+    old_rows = np.stack([real[0], old])
+    coef, *_ = np.linalg.lstsq(old_rows.T, target, rcond=None)
+    assert np.linalg.norm(old_rows.T @ coef) / np.linalg.norm(target) < 0.9 * captured
+
+
+def test_centred_eigen_terms_are_additive_and_centre_the_weights():
+    """Two chunks' partial sums give the centred numerators and denominators of all patterns."""
+    rng = np.random.default_rng(4)
+    n, k, b = 8, 3, 12
+    probe, eigen, w, amp2 = _random_model(rng, n, k, 1, b)
+    model = pm.ProbeModelOptions(opr_modes=k, fit_intensity=True, start_epoch=0)
+    spec = rng.standard_normal((b, 1, n, n)) + 1j * rng.standard_normal((b, 1, n, n))
+    o = rng.standard_normal((b, n, n)) + 1j * rng.standard_normal((b, n, n))
+    arrays = []
+    for part in (slice(0, 5), slice(5, 12)):
+        m = part.stop - part.start
+        v = pm.PatternProbes(model, probe, eigen, {"opr_weights": w[part], "intensity_scale": amp2[part]},
+                             np.zeros((m, n, n)), active=True, cdtype=np.complex128)
+        v.begin(m, m, True)
+        v.pattern_terms(slice(0, m), o[part], o[part], np.ones((m, n, n)))
+        v.probe_terms(slice(0, m), spec[part], np.zeros((1, n * n), complex))
+        out = type("P", (), {"arrays": {}})()
+        v.finish(out, np.zeros(n * n), np.zeros(n * n))
+        arrays.append(out.arrays)
+    total = {name: arrays[0][name] + arrays[1][name] for name in arrays[0]}
+    num, den = pm.centred_eigen_terms(total, b)
+    s = np.sqrt(amp2[:, 0])
+    centred = (w[:, 1:] - w[:, 1:].mean(axis=0)) * s[:, None]
+    power = np.mean(np.abs(o) ** 2, axis=(1, 2))
+    np.testing.assert_allclose(num, np.einsum("jk,jxy->kxy", centred, spec[:, 0]), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(den[:, 0, 0], np.einsum("jk,j->k", centred**2, power), rtol=1e-10)

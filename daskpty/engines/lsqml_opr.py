@@ -23,9 +23,12 @@ from ..physics import ifft2
 from . import lsqml
 from .probe_model import (
     PROBE_MODEL_KEYS,
+    WEIGHT_TRUST,
     PatternProbes,
     ProbeModelOptions,
+    centred_eigen_terms,
     check_finite,
+    initial_eigen_probes,
     orthonormalize,
     solve_weight_steps,
     step_background,
@@ -49,9 +52,9 @@ def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: in
         if variable.want_weights:
             free = slice(0, w.shape[1]) if model.fit_mean_weight else slice(1, w.shape[1])
             if free.stop > free.start:
-                gram = variable.gram[:, free, free] * (amp * amp)[:, None, None]
+                gram = variable.weight_curvature()[:, free, free] * (amp * amp)[:, None, None]
                 rhs = variable.rhs[:, free] * amp[:, None]
-                w[:, free] += model.weight_step * solve_weight_steps(gram, rhs)
+                w[:, free] += model.weight_step * solve_weight_steps(gram, rhs, trust=WEIGHT_TRUST / model.weight_step)
         new["opr_weights"] = w
     if variable.amplitude is not None:
         s = variable.amplitude.copy()
@@ -87,10 +90,9 @@ def apply(state, total, model: ProbeModelOptions, delta: float = 0.1, valid=None
     """The probe model's share of ``lsqml.apply``: eigen-probe and background updates (new arrays)."""
     arrays = total.arrays
     if "opr_eigen_num" in arrays and state.eigen_probes is not None:
-        num = ifft2(np.asarray(arrays["opr_eigen_num"], np.complex64))
-        den = np.asarray(arrays["opr_eigen_den"], np.float32)
-        floor = delta * den.reshape(len(den), -1).max(axis=1)[:, None, None] + 1e-30
-        step = num / (den + floor.astype(np.float32))
+        num, den = centred_eigen_terms(arrays, total.scalars.get("n", 1.0))
+        num = ifft2(np.asarray(num, np.complex64))
+        step = num / np.float32(1.0 + delta) / np.maximum(den, 1e-30).astype(np.float32)
         state.eigen_probes = (state.eigen_probes + np.float32(model.eigen_step) * step).astype(np.complex64)
     if "background_residual" in arrays and state.background is not None:
         state.background = step_background(state.background, arrays["background_residual"],
@@ -99,7 +101,16 @@ def apply(state, total, model: ProbeModelOptions, delta: float = 0.1, valid=None
 
 def end_epoch(state, model: ProbeModelOptions) -> None:
     """Before ``lsqml.end_epoch``: orthonormalise the eigen-probes after an epoch that moved them;
-    ``state.weight_transform`` is the T every chunk applies to its weights at its next visit."""
+    ``state.weight_transform`` is the T every chunk applies to its weights at its next visit.
+
+    Before the first epoch that fits them (``start_epoch``) the eigen-probes start afresh from
+    the mean probe as it is then (:func:`~.probe_model.initial_eigen_probes`): the probe the
+    run began with may look nothing like it, and every weight of theirs is still zero, so no
+    pattern's probe changes."""
     state.weight_transform = None
-    if state.eigen_probes is not None and len(state.eigen_probes) and model.active(state.epoch):
+    if state.eigen_probes is None or not len(state.eigen_probes):
+        return
+    if model.active(state.epoch):
         state.eigen_probes, state.weight_transform = orthonormalize(state.probe[0], state.eigen_probes)
+    elif state.epoch + 1 == model.start_epoch:
+        state.eigen_probes = initial_eigen_probes(state.probe[0], len(state.eigen_probes))

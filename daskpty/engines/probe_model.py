@@ -38,6 +38,13 @@ PROBE_MODEL_KEYS = ("opr_weights", "intensity_scale")
 #: thousands of patterns).
 PATTERNS_PER_MODE = 10
 MAX_OPR_MODES = 16
+#: The weights' Gauss–Newton curvature is measured on every CURVATURE_STRIDE-th pattern of a
+#: chunk step (more often in short steps, so that at least CURVATURE_SAMPLES are measured).
+CURVATURE_STRIDE = 16
+CURVATURE_SAMPLES = 4
+#: Largest change of a pattern's weights in one step (relative to ‖U_0‖): a trust region for
+#: the Gauss–Newton steps, whose linear model of the far field holds only for small changes.
+WEIGHT_TRUST = 0.05
 
 
 class ProbeModelDiverged(ValueError):
@@ -61,6 +68,8 @@ class ProbeModelOptions:
     background_step: damping of the background update, 0 < step ≤ 1.
     max_weight: |weight| (relative to the mean probe) or intensity factor beyond which the run
         stops with :class:`ProbeModelDiverged`.
+    curvature_damping: the weights' Levenberg–Marquardt damping, relative to the exit-wave
+        curvature ‖U_k O_j‖² (see :meth:`PatternProbes.weight_curvature`).
     """
 
     opr_modes: int | None = 0
@@ -71,6 +80,7 @@ class ProbeModelOptions:
     eigen_step: float = 0.5
     background_step: float = 0.5
     max_weight: float = 100.0
+    curvature_damping: float = 0.02
 
     def __post_init__(self):
         def check(ok, message):
@@ -90,6 +100,8 @@ class ProbeModelOptions:
         for name in ("weight_step", "eigen_step", "background_step"):
             v = getattr(self, name)
             check(_number(v) and 0 < v <= 1, f"{name} must lie in (0, 1], got {v!r}")
+        check(_number(self.curvature_damping) and 0 <= self.curvature_damping <= 1,
+              f"curvature_damping must lie in [0, 1], got {self.curvature_damping!r}")
         check(_number(self.max_weight) and self.max_weight > 1,
               f"max_weight must be a number > 1, got {self.max_weight!r}")
 
@@ -191,9 +203,15 @@ def check_finite(local: dict, options: ProbeModelOptions, epoch: int) -> None:
 # --- the eigen-probes --------------------------------------------------------------------------
 
 def initial_eigen_probes(probe0, n_eigen: int, seed: int = 0) -> np.ndarray:
-    """K − 1 starting eigen-probes (K−1, n, n) complex64: the mean probe times a defocus-like
-    phase i(r² − ⟨r²⟩), then y and x (shift-like), then seeded noise; orthogonal to P_0 and to
-    each other, each as strong as P_0 (their weights start at zero)."""
+    """K − 1 starting eigen-probes (K−1, n, n) complex64, orthogonal to P_0 and to each other,
+    each as strong as P_0 (their weights start at zero), in the order of how a beam drifts:
+
+    1. defocus, the derivative of P_0 along the beam: i F⁻¹(|k|² F P_0) (a change of the
+       propagation distance to the sample, or of the lens' focus);
+    2. 3. beam pointing: the shifts ∂P_0/∂y, ∂P_0/∂x (as i k F P_0);
+    4. a real-space curvature of the phase, P_0 · i(r² − ⟨r²⟩) (a change of the lens' focal
+       length seen at the sample);
+    then seeded noise."""
     probe0 = np.asarray(to_numpy(probe0), dtype=np.complex128)
     n = probe0.shape[-1]
     if n_eigen == 0:
@@ -205,14 +223,29 @@ def initial_eigen_probes(probe0, n_eigen: int, seed: int = 0) -> np.ndarray:
     cy, cx = (power * y).sum() / total, (power * x).sum() / total
     y, x = y - cy, x - cx
     r2 = y * y + x * x
-    radius = np.sqrt((power * r2).sum() / total) or n / 4.0
-    shapes = [1j * (r2 / radius**2 - (power * r2).sum() / total / radius**2), y / radius, x / radius]
+    spectrum = np.fft.fft2(probe0)
+    k = np.fft.fftfreq(n)
+    ky, kx = np.meshgrid(k, k, indexing="ij")
+    directions = [np.fft.ifft2(1j * (ky * ky + kx * kx) * spectrum),
+                  np.fft.ifft2(1j * ky * spectrum), np.fft.ifft2(1j * kx * spectrum),
+                  probe0 * 1j * (r2 - (power * r2).sum() / total)]
     rng = np.random.default_rng(seed)
-    while len(shapes) < n_eigen:
-        shapes.append(rng.standard_normal((n, n)) + 1j * rng.standard_normal((n, n)))
-    basis = np.stack([probe0] + [probe0 * s for s in shapes[:n_eigen]])
-    eigen, _ = orthonormalize(basis[0], basis[1:])
+    while len(directions) < n_eigen:
+        directions.append(probe0 * (rng.standard_normal((n, n)) + 1j * rng.standard_normal((n, n))))
+    eigen, _ = orthonormalize(probe0, np.stack(directions[:n_eigen]))
     return eigen
+
+
+def _real_view(a, required: bool = True):
+    """A complex array (..., m) whose last axis is contiguous as a real one (..., 2m), no copy
+    (None when the namespace cannot, and not ``required``; else a contiguous copy)."""
+    try:
+        return a.view(a.real.dtype)
+    except (ValueError, TypeError):
+        if not required:
+            return None
+        xp = get_xp(a)
+        return xp.ascontiguousarray(a).view(a.real.dtype)
 
 
 def _real_rows(a):
@@ -278,6 +311,10 @@ class PatternProbes:
             self.basis = basis                                  # U (K, n, n)
             self.basis_ft = fft2(basis)                         # F U
             self.basis_ft_flat = self.basis_ft.reshape(len(basis), -1)
+            # F U as real rows (K, 2n²): real coefficients times complex rows, and Re⟨F U_k, G⟩,
+            # are then single real matrix products (no complex multiply by a real number).
+            self.basis_ft_real = _real_view(self.basis_ft_flat)
+        self.probe = probe
         self.probe_ft = fft2(probe)
         self.background = None if background is None else asarray_like(background, like).astype(rdtype)
 
@@ -294,15 +331,21 @@ class PatternProbes:
         return f
 
     def spectra(self, batch, out):
-        """F P_j (b, M, n, n) of a sub-batch into ``out``."""
+        """F P_j (b, M, n, n) of a sub-batch into ``out``: mode 0 as one real product
+        (b, K) @ (K, 2n²) of the coefficients s_j w_jk and the eigen-probe spectra."""
         xp = self.xp
         amp = self._amp(batch)
         b = batch.stop - batch.start
         if self.weights is None:
             xp.multiply(xp.asarray(amp.astype(self.rdtype))[:, None, None, None], self.probe_ft[None], out=out)
             return out
-        coeff = xp.asarray((self.weights[batch] * amp[:, None]).astype(self.cdtype))
-        out[:, 0] = (coeff @ self.basis_ft_flat).reshape(b, self.n, self.n)
+        coeff = xp.asarray((self.weights[batch] * amp[:, None]).astype(self.rdtype))
+        target = out[:, 0].reshape(b, -1)
+        dst = _real_view(target, required=False)
+        if dst is not None:
+            xp.matmul(coeff, self.basis_ft_real, out=dst)
+        else:  # a namespace whose views cannot reinterpret a strided complex array
+            target[...] = (coeff @ self.basis_ft_real).view(self.cdtype)
         if self.n_modes > 1:
             xp.multiply(xp.asarray(amp.astype(self.rdtype))[:, None, None, None], self.probe_ft[None, 1:],
                         out=out[:, 1:])
@@ -314,20 +357,9 @@ class PatternProbes:
             return None
         return self.weights[batch, 1:] * self._amp(batch)[:, None]
 
-    def weight_gram(self, powers_flat):
-        """Σ_r Re(conj U_k U_l) |O_j|² per pattern (b, K, K) (the shift of the window ignored)."""
-        xp = self.xp
-        k = len(self.basis)
-        if not hasattr(self, "_products"):
-            u = self.basis.reshape(k, -1)
-            prod = (xp.conj(u)[:, None] * u[None]).real.astype(self.rdtype)   # (K, K, n²)
-            self._products = prod.reshape(k * k, -1).T                          # (n², K²)
-        return (powers_flat @ self._products).reshape(-1, k, k)
-
     def weight_rhs(self, spec0_flat):
         """Re⟨F U_k, G_j0⟩ per pattern (b, K): ⟨S_f U_k O_j, χ_j0⟩ without another FFT."""
-        return (spec0_flat @ self.xp.conj(self.basis_ft_flat).T).real
-
+        return _real_view(spec0_flat) @ self.basis_ft_real.T
 
     # --- hooks of the LSQML chunk step (see lsqml.chunk_step) -----------------------------------
 
@@ -342,50 +374,116 @@ class PatternProbes:
         k = 0 if self.weights is None else len(self.basis)
         if self.want_weights:
             self.rhs = xp.empty((n_patterns, k))
-            self.gram = xp.empty((n_patterns, k, k))
+            self.obj_power = xp.empty(n_patterns)               # ⟨|O_j|²⟩ over the window
+            self.sample_stride = max(1, min(CURVATURE_STRIDE, n_patterns // CURVATURE_SAMPLES))
+            self._curvature = np.zeros((k, k))
+            self._curvature_count = 0
         if self.want_eigen:
             self.eigen_num = xp.zeros((k - 1, n * n), self.cdtype)
-            self.eigen_den = xp.zeros((k - 1, n * n), self.rdtype)
+            self.eigen_mean_num = xp.zeros(n * n, self.cdtype)
+            self.eigen_moments = np.zeros((k - 1, 4))
         if self.want_intensity:
             self.int_num = xp.empty(n_patterns)
             self.int_den = xp.empty(n_patterns)
-        self._powers = xp.empty((step, n * n), self.rdtype)
+            self._powers = xp.empty((step, n * n), self.rdtype)
 
     def mode_factors_xp(self, batch):
         return self.xp.asarray(self.mode_factors(batch).astype(self.rdtype))
 
     def pattern_terms(self, batch, o, g, w) -> None:
-        """Pass 1, before the object patches are conjugated: |O_j|² and, for the intensity
-        factor, Re⟨ψ_j, χ_j⟩ = Re⟨O_j, g_j⟩ and ‖ψ_j‖² = ⟨|O_j|², Σ_k |S_f P_jk|²⟩."""
+        """Pass 1, before the object patches are conjugated: ⟨|O_j|²⟩ and the sampled
+        curvature of the weights (see :meth:`_sample_curvature`) and, for the intensity factor,
+        Re⟨ψ_j, χ_j⟩ = Re⟨O_j, g_j⟩ and ‖ψ_j‖² = ⟨|O_j|², Σ_k |S_f P_jk|²⟩."""
         xp = self.xp
         b = batch.stop - batch.start
-        if not (self.want_weights or self.want_intensity):
-            return
-        p = self._powers[:b]
-        flat = o.reshape(b, -1)
-        xp.multiply(flat.real, flat.real, out=p)
-        p += xp.square(flat.imag)
+        if self.want_weights:
+            self.obj_power[batch] = real_dots(o, o) / float(self.n * self.n)
+            first = (-batch.start) % self.sample_stride
+            if first < b:
+                self._sample_curvature(batch, slice(first, b, self.sample_stride), o)
         if self.want_intensity:
+            p = self._powers[:b]
+            flat = o.reshape(b, -1)
+            xp.multiply(flat.real, flat.real, out=p)
+            p += xp.square(flat.imag)
             self.int_num[batch] = real_dots(o, g)
             self.int_den[batch] = real_dots(p.reshape(o.shape), w)
+
+    def _sample_curvature(self, batch, rows: slice, o) -> None:
+        """The Gauss–Newton curvature of the weights, measured exactly on every
+        ``sample_stride``-th pattern: H_kl = Σ Re(conj Ψ̂ D_k) Re(conj Ψ̂ D_l) / ⟨|O_j|²⟩ with
+        D_k = F(U_k O_j) (the far-field direction of w_jk per unit s_j) and Ψ̂ = Ψ_j0 / √ŷ_j
+        (the sub-pixel shift ignored). Only the component of D_k in phase with the far field
+        changes the intensity: for a defocus-like eigen-probe it is a few per mille of ‖D_k‖²,
+        so the exit-wave Gram Σ Re(conj U_k U_l)|O_j|² would make the weights' steps hundreds of
+        times too short. K FFTs per sampled pattern (M − 1 more with incoherent modes)."""
+        xp = self.xp
+        ob = o[rows]
+        s = ob.shape[0]
+        k, n2 = len(self.basis), self.n * self.n
+        d = fft2(self.basis[None] * ob[:, None]).reshape(s, k, n2)       # D_k per unit s_j
+        idx = slice(batch.start + rows.start, batch.start + rows.stop, rows.step)
+        amp = self._amp(slice(0, self.n_patterns))[idx]
+        coeff = xp.asarray((self.weights[idx] * amp[:, None]).astype(self.rdtype))
+        psi = (coeff[:, :, None] * d).sum(axis=1)                        # Ψ_j0 = Σ_k s_j w_jk D_k
+        power = xp.square(psi.real) + xp.square(psi.imag)
+        for m in range(1, self.n_modes):
+            other = fft2(self.probe[m][None] * ob).reshape(s, n2) * xp.asarray(amp.astype(self.rdtype))[:, None]
+            power += xp.square(other.real) + xp.square(other.imag)
+        level = power.mean(axis=1, keepdims=True)
+        hat = psi / xp.sqrt(power + 1e-6 * level + 1e-30)
+        proj = (hat.real[:, None] * d.real + hat.imag[:, None] * d.imag).astype(np.float64)   # Re(conj Ψ̂ D_k)
+        curv = proj @ proj.transpose(0, 2, 1)                             # (s, K, K)
+        mean_power = xp.maximum(self.obj_power[idx], 1e-30)
+        self._curvature += to_numpy((curv / mean_power[:, None, None]).sum(axis=0))
+        self._curvature_count += s
+
+    def weight_curvature(self) -> np.ndarray:
+        """The weights' curvature matrices per unit s_j² (B, K, K): the sampled Gauss–Newton
+        curvature per unit ⟨|O|²⟩, plus ``curvature_damping`` times the exit-wave one
+        (diag ‖U_k‖², the whole change of the exit wave), times each pattern's ⟨|O_j|²⟩. The
+        damping is the Levenberg–Marquardt term of a weight whose far-field change is nearly in
+        quadrature: its intensity changes at second order, which the Gauss–Newton curvature
+        leaves out, so an undamped step overshoots."""
+        damping = self.options.curvature_damping
+        unit = self._curvature / max(self._curvature_count, 1)
+        norms = to_numpy(self.xp.sum(self.xp.abs(self.basis.reshape(len(self.basis), -1)) ** 2, axis=1))
+        unit = unit + damping * np.diag(np.asarray(norms, np.float64))
+        return np.asarray(self.obj_power, np.float64)[:, None, None] * unit[None]
 
     def probe_terms(self, batch, spec, spectra_sum) -> None:
         """Pass 1: the shared modes' probe sums Σ_j (∂P_jm/∂P_m) G_jm into ``spectra_sum``
         (M, n²), the weights' right-hand sides and Gram matrices, the eigen-probe numerators
-        Σ_j s_j w_jk G_j0 and preconditioners Σ_j (s_j w_jk)² |O_j|²."""
+        Σ_j s_j w_jk G_j0 and preconditioners Σ_j (s_j w_jk)² |O_j|².
+
+        Mode 0's sum and the eigen-probe numerators are one real product (1 + K−1, b) @ (b, 2n²)
+        (their coefficients are real), the other modes' one (b,) @ (b, (M−1)n²); each in the
+        data's precision over the sub-batch, added into the caller's (float64 in AD) sums."""
         xp = self.xp
         b = batch.stop - batch.start
         flat = spec.reshape(b, self.n_modes, -1)
-        factors = self.mode_factors(batch).astype(spectra_sum.dtype)
-        for m in range(self.n_modes):
-            spectra_sum[m] += xp.asarray(factors[:, m]) @ flat[:, m]
-        if self.want_weights:
-            self.rhs[batch] = self.weight_rhs(flat[:, 0])
-            self.gram[batch] = self.weight_gram(self._powers[:b])
+        amp = self._amp(batch)
+        factor0 = amp if self.weights is None else amp * self.weights[batch, 0]
+        coeff = factor0[None]
         if self.want_eigen:
             c = self.eigen_coefficients(batch)
-            self.eigen_num += xp.asarray(c.T.astype(self.cdtype)) @ flat[:, 0]
-            self.eigen_den += xp.asarray((c * c).T.astype(self.rdtype)) @ self._powers[:b]
+            coeff = np.concatenate([coeff, amp[None], c.T])
+        spec0 = flat[:, 0]
+        rows = (xp.asarray(coeff.astype(self.rdtype)) @ _real_view(spec0)).view(self.cdtype)
+        spectra_sum[0] += rows[0]
+        if self.n_modes > 1:
+            rest = flat[:, 1:].reshape(b, -1)
+            spectra_sum[1:] += (xp.asarray(amp.astype(self.rdtype)) @ rest).reshape(self.n_modes - 1, -1)
+        if self.want_weights:
+            self.rhs[batch] = self.weight_rhs(spec0)
+        if self.want_eigen:
+            self.eigen_mean_num += rows[1]
+            self.eigen_num += rows[2:]
+            m = to_numpy(self.obj_power[batch])
+            w = self.weights[batch, 1:]
+            self.eigen_moments += np.stack([w.sum(axis=0), (c * amp[:, None] * m[:, None]).sum(axis=0),
+                                            (c * c * m[:, None]).sum(axis=0),
+                                            np.full(w.shape[1], (amp * amp * m).sum())], axis=1)
 
     def background_terms(self, loss: str, yhat, y, valid, eps: float) -> None:
         """AD: ∂L/∂b per pixel, Σ_j h'(ŷ_j), and its Gauss–Newton curvature, summed over the
@@ -424,21 +522,43 @@ class PatternProbes:
         if self.want_eigen:
             k1 = self.options.n_eigen
             part.arrays["opr_eigen_num"] = self.eigen_num.reshape(k1, n, n)
-            part.arrays["opr_eigen_den"] = self.eigen_den.reshape(k1, n, n)
-        for name in ("rhs", "gram", "int_num", "int_den"):
+            part.arrays["opr_eigen_mean_num"] = self.eigen_mean_num.reshape(1, n, n)
+            part.arrays["opr_eigen_moments"] = self.eigen_moments
+        for name in ("rhs", "obj_power", "int_num", "int_den"):
             if hasattr(self, name):
                 setattr(self, name, to_numpy(getattr(self, name)))
 
 
-def solve_weight_steps(gram, rhs, tikhonov: float = 1e-2) -> np.ndarray:
-    """Per-pattern least-squares steps Δw = (G + λ mean diag G)⁻¹ h, (B, K) float64."""
+def centred_eigen_terms(arrays, count: float):
+    """The eigen-probes' update numerators and denominators with every pattern's weights taken
+    relative to their mean over the patterns summed, w_jk − w̄_k: Σ_j s_j (w_jk − w̄_k) G_j0 (in
+    Fourier space, (K−1, n, n)) and Σ_j s_j² (w_jk − w̄_k)² ⟨|O_j|²⟩ ((K−1, 1, 1)), from the additive
+    sums of the chunk steps. The mean probe takes Σ_j G_j0 in the same round: an eigen-probe
+    stepped with the plain Σ_j s_j w_jk G_j0 would take the share w̄_k of it a second time
+    (PtychoShelves and Pty-Chi likewise step the eigen-probes along δP_j − mean δP)."""
+    num = np.asarray(arrays["opr_eigen_num"])
+    moments = np.asarray(arrays["opr_eigen_moments"], np.float64)
+    mean = moments[:, 0] / max(count, 1.0)
+    num = num - (mean[:, None, None] * np.asarray(arrays["opr_eigen_mean_num"])).astype(num.dtype)
+    den = moments[:, 2] - 2 * mean * moments[:, 1] + mean * mean * moments[:, 3]
+    return num, np.maximum(den, 0.0).reshape(-1, 1, 1)
+
+
+def solve_weight_steps(gram, rhs, tikhonov: float = 1e-2, trust: float | None = None) -> np.ndarray:
+    """Per-pattern least-squares steps Δw = (G + λ diag G)⁻¹ h, (B, K) float64 (each weight
+    damped relative to its own curvature: the eigen-probes' is far below the mean probe's),
+    each pattern's step scaled down to |Δw|∞ ≤ ``trust`` (the weights are relative to ‖U_0‖)."""
     gram = np.asarray(gram, dtype=np.float64)
     rhs = np.asarray(rhs, dtype=np.float64)
     k = gram.shape[-1]
     diag = np.einsum("bkk->bk", gram)
-    floor = tikhonov * diag.mean(axis=1) + 1e-30
-    gram = gram + floor[:, None, None] * np.eye(k)[None]
-    return np.linalg.solve(gram, rhs[..., None])[..., 0]
+    floor = tikhonov * diag + 1e-30 * (1.0 + diag.max(axis=1, keepdims=True))
+    gram = gram + floor[:, :, None] * np.eye(k)[None]
+    step = np.linalg.solve(gram, rhs[..., None])[..., 0]
+    if trust is not None:
+        big = np.abs(step).max(axis=1, keepdims=True)
+        step = step * np.minimum(1.0, trust / np.maximum(big, 1e-300))
+    return step
 
 
 def background_frame(background, n: int) -> np.ndarray | None:

@@ -20,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...physics import ifft2
-from ..probe_model import PROBE_MODEL_KEYS, PatternProbes, ProbeModelOptions, check_finite, solve_weight_steps
+from ..probe_model import (PROBE_MODEL_KEYS, WEIGHT_TRUST, PatternProbes, ProbeModelOptions, centred_eigen_terms,
+                           check_finite, solve_weight_steps)
 from .gradient import chunk_gradient, refining_chunk_gradient
 
 
@@ -70,8 +71,9 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
             if "opr_weights" in grads:
                 free = slice(0, w.shape[1]) if model.fit_mean_weight else slice(1, w.shape[1])
                 if free.stop > free.start:
-                    gram = variable.gram[:, free, free] * (amp * amp)[:, None, None]
-                    w[:, free] -= model.weight_step * kappa * solve_weight_steps(gram, grads["opr_weights"][:, free])
+                    gram = variable.weight_curvature()[:, free, free] * (amp * amp)[:, None, None]
+                    w[:, free] -= model.weight_step * solve_weight_steps(
+                        gram, kappa * grads["opr_weights"][:, free], trust=WEIGHT_TRUST / model.weight_step)
             new["opr_weights"] = w
         if variable.amplitude is not None:
             c = amp * amp
@@ -94,10 +96,8 @@ def apply(state, total, model: ProbeModelOptions, loss: str, delta: float = 0.1)
     if "opr_eigen_num" in arrays and state.eigen_probes is not None:
         pixels = arrays["opr_eigen_num"].shape[-1] ** 2
         kappa = gauss_newton_scale(loss, total.scalars.get("sum_model", 0.0) / (n * pixels))
-        grad = ifft2(np.asarray(arrays["opr_eigen_num"]))
-        den = np.asarray(arrays["opr_eigen_den"], np.float64)
-        floor = delta * den.reshape(len(den), -1).max(axis=1)[:, None, None] + 1e-30
-        step = kappa * grad / (den + floor)
+        num, den = centred_eigen_terms(arrays, n)
+        step = kappa * ifft2(np.asarray(num)) / ((1.0 + delta) * np.maximum(den, 1e-30))
         state.eigen_probes = (state.eigen_probes - model.eigen_step * step).astype(state.eigen_probes.dtype)
     if "background_grad" in arrays and state.background is not None:
         grad = np.asarray(arrays["background_grad"], np.float64)
