@@ -15,7 +15,10 @@ IN.npz (daskpty conventions)
                 uses object pixels round(t) ... round(t) + n - 1 with the probe Fourier-shifted by +f;
     probe       (M, n, n) complex64 initial probe;  object (H, W) complex64 initial object;
     forward model: I = fftshift(sum_modes |fft2(S_f(P) * O[window], norm="ortho")|^2).
-    --check-forward additionally needs true_object / true_probe.
+    --check-forward additionally needs true_object / true_probe (and compares with
+    clean_intensities when given).
+    Multislice: object (K, H, W), entrance slice first, plus wavelength_m, pixel_size_m and
+    slice_spacing_m (metres); daskpty's multislice model (angular spectrum over +dz between slices).
 
 Conversion to Pty-Chi 2.2 (details in README_ptychi.md)
     * intensities -> ifftshift (DC at [0, 0]) and passed with ``data_options.fft_shift=False``;
