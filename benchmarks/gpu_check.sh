@@ -79,8 +79,8 @@ except Exception as exc:
     print("cupy device query failed:", exc)
 EOF
 
-step "pytest -m gpu tests/test_gpu.py (in-process)" 200 "$PY" -m pytest -q -m gpu tests/test_gpu.py \
-    -k "not dask_cuda" -p no:cacheprovider
+step "pytest -m gpu tests/test_gpu.py tests/test_kernels.py (in-process)" 200 "$PY" -m pytest -q -m gpu \
+    tests/test_gpu.py tests/test_kernels.py -k "not dask_cuda" -p no:cacheprovider
 
 # One store per size, read by every benchmark below (each would otherwise simulate its own).
 data_for() {  # data_for N -> the bench_epoch/bench_comm arguments naming the data of size N
