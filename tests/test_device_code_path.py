@@ -116,8 +116,9 @@ def _fake_cupy(calls):
     upload = cp.asarray
 
     def asarray(a, *args, **kwargs):  # counts host → device copies of object-sized arrays
-        if type(a) is np.ndarray and a.ndim == 2 and a.dtype.kind == "c" and a.size >= OBJECT_UPLOAD_SIZE:
-            calls["object_uploads"] = calls.get("object_uploads", 0) + 1
+        if type(a) is np.ndarray and a.dtype.kind == "c" and a.size >= OBJECT_UPLOAD_SIZE:
+            key = "object_uploads" if a.ndim == 2 else "stack_uploads"  # (K, H, W) slices, probes
+            calls[key] = calls.get(key, 0) + 1
         return upload(a, *args, **kwargs)
     cp.asarray = asarray
     cp.ndarray = DeviceArray
@@ -145,15 +146,22 @@ def _fake_cupy(calls):
     return cp, cupyx
 
 
-@pytest.fixture
-def fake_cupy(monkeypatch):
-    """Installs the stand-in; yields the count of device FFT and scatter-add calls."""
+def install_fake_cupy(monkeypatch) -> dict:
+    """Put the stand-in in ``sys.modules`` (cupy, cupyx, cupyx.scipy.fft) for one test; returns
+    the dict in which it counts device FFTs, scatter-adds, pinned buffers and uploads."""
     calls = {}
     cp, cupyx = _fake_cupy(calls)
     monkeypatch.setitem(sys.modules, "cupy", cp)
     monkeypatch.setitem(sys.modules, "cupyx", cupyx)
     monkeypatch.setitem(sys.modules, "cupyx.scipy", cupyx.scipy)
     monkeypatch.setitem(sys.modules, "cupyx.scipy.fft", cupyx.scipy.fft)
+    return calls
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch):
+    """Installs the stand-in; yields the count of device FFT and scatter-add calls."""
+    calls = install_fake_cupy(monkeypatch)
     yield calls
     assert calls.get("fft", 0) > 0 and calls.get("scatter_add", 0) > 0  # the device branches ran
 
@@ -276,3 +284,36 @@ def test_state_stays_on_device_between_rounds(fake_cupy, engine):
     # their boxes either way); after it, one upload per worker copy of the state.
     assert uploads[True] == chunks + 2
     assert uploads[False] >= chunks + chunks * rounds * epochs
+
+
+@pytest.mark.parametrize("engine", ["lsqml", "ad"])
+def test_multislice_state_stays_on_device(fake_cupy, engine):
+    """The multislice engines' (K, H, W) state is device-resident too: same result as the CPU and
+    as the host-state layout, with far fewer uploads of the slices."""
+    import daskpty
+    from daskpty.execution import device_state
+    from daskpty.simulate_multislice import simulate_multislice
+    from distributed import Client, LocalCluster
+
+    ds = simulate_multislice(n_slices=2, noise=False, seed=2)
+    g = ds.geometry
+    data = daskpty.from_arrays(ds.intensities.astype(np.float32), ds.positions, wavelength_m=g.wavelength_m,
+                               object_pixel_size_m=g.pixel_size_m)
+    kw = dict(engine=engine, epochs=3, rounds_per_epoch=2, chunk_length=25, slices=2, check_data=False,
+              slice_spacing_m=2e-9)
+    uploads, results = {}, {}
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+        cpu = daskpty.reconstruct(data, device="cpu", client=client, **kw)
+        for resident in (True, False):
+            device_state.set_device_state(resident)
+            try:
+                before = fake_cupy.get("stack_uploads", 0)
+                results[resident] = daskpty.reconstruct(data, device="auto", client=client, **kw)
+                uploads[resident] = fake_cupy.get("stack_uploads", 0) - before
+            finally:
+                device_state.set_device_state(True)
+    for rec in results.values():
+        assert type(rec.object) is np.ndarray and rec.object.shape == cpu.object.shape
+        assert _relative(rec.object, cpu.object) < 1e-4
+    assert 3 * uploads[True] < uploads[False]

@@ -318,9 +318,7 @@ def test_near_field_lsqml_recovers_the_object():
 def test_device_code_path_matches_cpu(monkeypatch):
     """The CuPy branches (flat-index gathers, cupyx.scatter_add, .get()) through the NumPy-backed
     stand-in of tests/test_device_code_path.py: same partials as on the CPU."""
-    import sys
-
-    from test_device_code_path import _fake_cupy, _on_device
+    from test_device_code_path import _on_device, install_fake_cupy
 
     ds = simulate_multislice(n=24, grid=5, step=3.0, noise=True, seed=1)
     y = np.fft.ifftshift(ds.intensities, axes=(-2, -1))
@@ -328,10 +326,7 @@ def test_device_code_path_matches_cpu(monkeypatch):
     options = lsqml.LSQMLOptions()
     cpu = ms.chunk_step(obj, ds.truth.probe, y, ds.positions, options=options, kernel=ds.kernel)
     cpu_grad = ms.chunk_gradient(obj, ds.truth.probe, y, ds.positions, kernel=ds.kernel)
-    calls = {}
-    cp, cupyx = _fake_cupy(calls)
-    monkeypatch.setitem(sys.modules, "cupy", cp)
-    monkeypatch.setitem(sys.modules, "cupyx", cupyx)
+    calls = install_fake_cupy(monkeypatch)
     dev = ms.chunk_step(obj, ds.truth.probe, _on_device(y), ds.positions, options=options, kernel=ds.kernel)
     dev_grad = ms.chunk_gradient(obj, ds.truth.probe, _on_device(y), ds.positions, kernel=ds.kernel)
     assert calls.get("fft", 0) > 0 and calls.get("scatter_add", 0) > 0

@@ -31,7 +31,7 @@ import dataclasses
 import numpy as np
 
 from ..physics import fft2, get_xp, ifft2, model_intensity
-from ..physics.backend import asarray_like, real_dots, to_numpy
+from ..physics.backend import asarray_like, is_cupy, real_dots, to_numpy
 from ..physics.multislice import (
     detector_forward,
     multislice_forward,
@@ -198,7 +198,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
     )
     if probe_sum is not None:
         part.arrays["probe"] = (np.float32(alpha_p) * probe_sum).astype(np.complex64, copy=False)
-    return part.to_numpy()
+    return part if is_cupy(obj) else part.to_numpy()  # partials stay where the state lives
 
 
 def apply(state: LSQMLState, total: Partial, options: LSQMLOptions) -> LSQMLState:
@@ -206,17 +206,18 @@ def apply(state: LSQMLState, total: Partial, options: LSQMLOptions) -> LSQMLStat
     P += β ΔP / N; the epoch's illumination (K, H, W) keeps the largest of its rounds'."""
     if "object" not in total.boxes:
         return state
+    xp = get_xp(state.object)  # NumPy, or CuPy for a state in a GPU worker's memory
     obj = state.object.copy()
     num, illum = total.boxes["object"], total.boxes["illumination"]
     scale = _preconditioner(illum.data, options.delta)
-    np.divide(np.float32(options.beta), scale, out=scale)
+    xp.divide(np.float32(options.beta), scale, out=scale)
     BoxedArray(num.offset, num.data * scale).add_into(obj)
     probe = state.probe
     if "probe" in total.arrays:
         probe = (probe + options.beta * total.arrays["probe"] / np.float32(total.scalars["n"])).astype(np.complex64)
-    full = np.zeros(obj.shape, np.float32) if state.illumination is None else state.illumination.copy()
+    full = xp.zeros(obj.shape, np.float32) if state.illumination is None else state.illumination.copy()
     (y0, x0), (y1, x1) = illum.offset, illum.stop
-    np.maximum(full[:, y0:y1, x0:x1], illum.data, out=full[:, y0:y1, x0:x1])
+    xp.maximum(full[:, y0:y1, x0:x1], illum.data, out=full[:, y0:y1, x0:x1])
     state.object, state.probe, state.illumination = obj, probe, full
     return state
 
@@ -239,7 +240,7 @@ def normalize_scale(state: LSQMLState) -> None:
     for k in range(obj.shape[0]):
         w = state.illumination[k]
         lit = w > 0.5 * w.max()
-        c = float(np.abs(obj[k][lit]).mean()) if lit.any() else 0.0
+        c = float(get_xp(obj).abs(obj[k][lit]).mean()) if bool(lit.any()) else 0.0
         if c > 0 and np.isfinite(c):
             obj[k] /= np.float32(c)
             total *= c
@@ -303,7 +304,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, kernel=None, detector=
         part.arrays["probe_grad"] = ifft2(c.probe_gradient_spectra(g_q)).astype(cdtype, copy=False)
         power = xp.abs(c.patches[0]) ** 2
         part.arrays["probe_illumination"] = power.sum(axis=0).astype(rdtype)
-    return part.to_numpy()
+    return part if is_cupy(obj) else part.to_numpy()  # partials stay where the state lives
 
 
 def chunk_loss(obj, probe, intensities, positions, *, kernel=None, detector=None, loss: str = "gaussian",

@@ -50,7 +50,6 @@ class MultisliceLSQMLAdapter(LSQMLAdapter):
     """LSQML multislice: per-slice directions and joint step lengths, (K, H, W) state."""
 
     chunk_function = staticmethod(ms_lsqml_chunk)
-    device_fields = ()  # the multislice state stays on the host (not yet device-resident)
 
     def __init__(self, options, valid=None, *, kernel=None, detector=None):
         super().__init__(options, valid, None)
@@ -108,7 +107,6 @@ class MultisliceADAdapter(ADAdapter):
 
     chunk_function = staticmethod(ms_ad_gradient_chunk)
     loss_function = staticmethod(ms_ad_loss_chunk)
-    device_fields = ()  # the multislice state stays on the host (not yet device-resident)
 
     def __init__(self, options=None, valid=None, *, kernel=None, detector=None):
         super().__init__(options, valid, None)
