@@ -388,6 +388,117 @@ def test_fused_calls_match_the_kernels_parameters(checking_cupy, modes):
 
 
 # --------------------------------------------------------------------------------------------------
+# The CUDA sources compile (NVRTC through CuPy's bindings and its bundled headers; no GPU needed,
+# skipped without CuPy). Each kernel is assembled in the shape CuPy generates — const CArray inputs,
+# non-raw arguments bound by reference per index, reductions through REDUCE/POST_MAP — an
+# approximation of CuPy's code generator that catches C++ errors such as writing to an input.
+# Without a GPU: pip install cupy-cuda12x nvidia-cuda-nvrtc-cu12 in a throwaway venv, then
+# LD_LIBRARY_PATH=<venv>/lib/python3.X/site-packages/nvidia/cuda_nvrtc/lib PYTHONPATH=.:tests \
+#   <venv>/bin/python -m pytest --noconftest tests/test_kernels.py -k nvrtc
+
+_SCALARS = {"modes", "npix", "has_bg", "bg_full", "has_mask", "eps", "kind", "write", "per_item"}
+_CTYPES = {"float32": "float", "float64": "double", "complex64": "complex<float>",
+           "complex128": "complex<double>", "int32": "int", "int64": "long long"}
+
+
+def _nvrtc_compiler():
+    cupy = pytest.importorskip("cupy")
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except ImportError:
+        pytest.skip("no NVRTC bindings in this CuPy")
+    root = os.path.join(os.path.dirname(cupy.__file__), "_core", "include")
+    options = tuple("-I" + d for d in [root] + [os.path.join(root, "cupy", "_cccl", x)
+                                                for x in ("libcudacxx", "thrust", "cub")])
+    options += ("--std=c++17", "-arch=compute_80")
+
+    def compile_source(src):
+        prog = nvrtc.createProgram(src, "kernel.cu", (), ())
+        try:
+            nvrtc.compileProgram(prog, options)
+            return ""
+        except Exception as exc:
+            return nvrtc.getProgramLog(prog) or str(exc)
+        finally:
+            nvrtc.destroyProgram(prog)
+
+    try:
+        error = compile_source('extern "C" __global__ void k() {}')
+    except Exception as exc:  # the NVRTC library itself is missing
+        pytest.skip(f"NVRTC not loadable: {exc}")
+    if error:
+        pytest.skip(f"NVRTC does not compile an empty kernel here: {error[:200]}")
+    return compile_source
+
+
+class _Recorded:
+    def __init__(self, kind, in_params, out_params, *rest, preamble="", **kwargs):
+        n_exprs = 1 if kind == "map" else 4  # then the name, as CuPy's classes take them
+        self.kind, self.ins, self.outs, self.preamble = kind, in_params, out_params, preamble
+        self.exprs, self.name = rest[:n_exprs], kwargs.get("name", rest[n_exprs] if len(rest) > n_exprs else "k")
+
+    def source(self):
+        decls, binds = [], []
+        params = [(p, True) for p in self.ins.split(",")] + [(p, False) for p in self.outs.split(",")]
+        for text, is_input in params:
+            words = text.split()
+            raw = words[0] == "raw"
+            ctype, name = _CTYPES[words[raw]], words[raw + 1]
+            const = "const " if is_input else ""
+            if name in _SCALARS:
+                decls.append(f"{const}{ctype} {name}")
+            elif raw:
+                decls.append(f"{const}CArray<{ctype}, 4, true, true> {name}")
+            else:
+                ndim = 1 if self.kind == "reduce" and not is_input else 3
+                decls.append(f"{const}CArray<{ctype}, {ndim}, true, true> _raw_{name}")
+                index = "_ind" if self.kind == "map" else ("_in_ind" if is_input else "_out_ind")
+                binds.append((is_input, f"{const}{ctype} &{name} = _raw_{name}[{index}.get()];"))
+        head = "#include <cupy/complex.cuh>\n#include <cupy/carray.cuh>\n" + self.preamble + "\n"
+        if self.kind == "map":
+            body = "\n".join(b for _, b in binds) + "\n" + self.exprs[0]
+            return head + (f'extern "C" __global__ void {self.name}({", ".join(decls)}, CIndexer<3> _ind) '
+                           f"{{ CUPY_FOR(i, _ind.size()) {{ _ind.set(i);\n{body};\n}} }}")
+        map_expr, reduce_expr, post_map, identity = self.exprs
+        rtype = _CTYPES[self.outs.split()[0]]
+        ins = "\n".join(b for is_input, b in binds if is_input)
+        outs = "\n".join(b for is_input, b in binds if not is_input)
+        return head + f"""typedef {rtype} _type_reduce;
+#define REDUCE(a, b) ({reduce_expr})
+#define POST_MAP(a) ({post_map})
+extern "C" __global__ void {self.name}({", ".join(decls)}, CIndexer<3> _in_ind, CIndexer<1> _out_ind) {{
+  _type_reduce _s = _type_reduce({identity});
+  for (ptrdiff_t _i = 0; _i < _in_ind.size(); ++_i) {{
+    _in_ind.set(_i);
+{ins}
+    _s = REDUCE(_s, static_cast<_type_reduce>({map_expr}));
+  }}
+  _out_ind.set(0);
+{outs}
+  POST_MAP(_s);
+}}"""
+
+
+def test_cuda_sources_compile_with_nvrtc(monkeypatch):
+    import re
+    import types
+
+    compile_source = _nvrtc_compiler()
+    recorder = types.ModuleType("cupy")
+    recorder.ElementwiseKernel = lambda *a, **k: _Recorded("map", *a, **k)
+    recorder.ReductionKernel = lambda *a, **k: _Recorded("reduce", *a, **k)
+    monkeypatch.setitem(sys.modules, "cupy", recorder)
+    text = open(kernels.__file__).read()
+    names = re.findall(r'if name == "(\w+)"', text[text.index("def _build("):text.index("def _kernel(")])
+    assert len(names) >= 10
+    errors = {name: compile_source(kernels._build(name).source()) for name in names}
+    assert not any(errors.values()), {k: v[:2000] for k, v in errors.items() if v}
+    bad = _Recorded("map", "raw complex64 far, int32 npix", "float32 w", "far[i] = far[i] * 2.f; w = 0.f;",
+                    "writes_an_input")
+    assert compile_source(bad.source())  # the check does catch a write into a (const) input
+
+
+# --------------------------------------------------------------------------------------------------
 # GPU: the fused CuPy path against the NumPy reference
 
 
