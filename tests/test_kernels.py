@@ -408,6 +408,8 @@ def _nvrtc_compiler():
     except ImportError:
         pytest.skip("no NVRTC bindings in this CuPy")
     root = os.path.join(os.path.dirname(cupy.__file__), "_core", "include")
+    if not os.path.isdir(os.path.join(root, "cupy", "_cccl")):
+        pytest.skip("this CuPy does not bundle the CCCL headers")
     options = tuple("-I" + d for d in [root] + [os.path.join(root, "cupy", "_cccl", x)
                                                 for x in ("libcudacxx", "thrust", "cub")])
     options += ("--std=c++17", "-arch=compute_80")
