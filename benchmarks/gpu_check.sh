@@ -16,7 +16,7 @@
 # tests/test_gpu.py; one simulated store per size (/tmp/gpu_check_N.zarr, shared by the benchmarks);
 # bench_epoch on the GPU backend with one worker for each size (s/epoch, patterns/s, device memory,
 # CuPy pool, cuFFT plan cache hits/misses read in the worker's task thread); the same with two
-# dask-cuda workers on the one GPU (the stand-in for 2 MIG slices); bench_comm.py with those two
+# workers on the one GPU (the stand-in for 2 MIG slices); bench_comm.py with those two
 # workers (compute and exchange per round, a CuPy worker-to-worker transfer probe, the projection
 # of docs/gpu.md; COMM_SIZE, default the smallest size); bench_ablation.py --backend gpu when the
 # script exists; the bare-FFT floor of the largest size on the same worker setup; Pty-Chi on the
@@ -110,8 +110,9 @@ for n in $SIZES; do
   last=$n
 done
 
-# Two dask-cuda workers on the one GPU (cuda_cluster lists the device twice and gives each worker
-# half its memory limits): the stand-in for 2 MIG slices; compare patterns/s with the 1-worker runs.
+# Two workers on the one GPU (the device listed twice: cuda_cluster starts plain dask workers, each
+# with CUDA_VISIBLE_DEVICES set to it, as dask-cuda puts one worker per device): the stand-in for
+# 2 MIG slices; compare patterns/s with the 1-worker runs.
 for n in $SIZES; do
   # shellcheck disable=SC2046
   step "bench_epoch gpu ${n} x 128^2, 2 workers on one GPU" 240 "$PY" benchmarks/bench_epoch.py --backend gpu \

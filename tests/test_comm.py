@@ -164,13 +164,38 @@ def test_cuda_cluster_ucx_without_distributed_ucxx_is_one_clear_error(fake_dask_
     assert fake_dask_cuda.calls == []
 
 
-def test_two_workers_on_one_gpu_share_its_memory(fake_dask_cuda):
+def test_a_device_listed_twice_gets_two_plain_workers_on_it(monkeypatch, with_ucxx):
+    import distributed
+
     from daskpty.execution.gpu import cuda_cluster
 
-    cuda_cluster(["GPU-a", "GPU-a"], device_fraction=0.8)
-    (kw,) = fake_dask_cuda.calls
-    assert kw["n_workers"] == 2 and kw["CUDA_VISIBLE_DEVICES"] == ["GPU-a"]
-    assert kw["device_memory_limit"] == pytest.approx(0.4)
+    recorder = type("SpecCluster", (_Recorder,), {"calls": []})
+    monkeypatch.setattr(distributed, "SpecCluster", recorder)
+    cuda_cluster(["GPU-a", "GPU-a"], protocol="tcp", threads_per_worker=2)  # needs no dask-cuda
+    (kw,) = recorder.calls
+    workers = [w["options"] for w in kw["workers"].values()]
+    assert [w["env"]["CUDA_VISIBLE_DEVICES"] for w in workers] == ["GPU-a", "GPU-a"]
+    assert all(w["nthreads"] == 2 and w["protocol"] == "tcp" and w["host"] == "127.0.0.1" for w in workers)
+    assert kw["scheduler"]["options"]["protocol"] == "tcp"
+    with pytest.raises(ValueError, match="rmm_pool_size .*do not apply"):
+        cuda_cluster(["GPU-a", "GPU-a"], rmm_pool_size="1GB")
+    with pytest.raises(ValueError, match="protocol= only"):
+        cuda_cluster(["GPU-a", "GPU-a"], protocol="ucx", enable_nvlink=True)
+
+
+def test_shared_device_workers_each_see_only_their_device():
+    """Real worker processes (no GPU needed): the device reaches each one's environment."""
+    from distributed import Client
+
+    from daskpty.execution.gpu import shared_device_cluster
+
+    with shared_device_cluster(["GPU-x", "GPU-x", "GPU-y"], memory_limit="1GiB") as cluster, \
+            Client(cluster) as client:
+        seen = client.run(lambda: __import__("os").environ.get("CUDA_VISIBLE_DEVICES"))
+        limits = {w["memory_limit"] for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+    assert sorted(seen.values()) == ["GPU-x", "GPU-x", "GPU-y"]
+    assert limits == {2**30}
+    assert all(a.startswith("tcp://127.0.0.1:") for a in seen)
 
 
 def test_embedded_gpu_cluster_passes_the_protocol_through(fake_dask_cuda, with_ucxx):

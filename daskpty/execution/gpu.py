@@ -88,9 +88,9 @@ def cuda_cluster(devices=None, *, device_fraction: float = 0.8, rmm_fraction: fl
     """Start a dask-cuda ``LocalCUDACluster`` with one worker per GPU or MIG slice.
 
     devices: None (all from ``nvidia-smi -L``; MIG slices when enabled), or a list of UUIDs /
-    indices; a device listed k times gets k workers, each with 1/k of its memory limits (two
-    workers on one GPU stand in for two MIG slices). On MIG all slices must share one profile
-    (one absolute memory limit for all workers). protocol: "tcp" (default) or "ucx" (needs
+    indices. A device listed k times gets k workers (two workers on one GPU stand in for two MIG
+    slices): see :func:`shared_device_cluster`. On MIG all slices must share one profile (one
+    absolute memory limit for all workers). protocol: "tcp" (default) or "ucx" (needs
     distributed-ucxx); the ``enable_*`` switches are dask-cuda's UCX transport flags (None: let
     UCX choose). Other keyword arguments go to ``LocalCUDACluster`` and override the computed
     settings (e.g. an explicit ``device_memory_limit="2GiB"``).
@@ -100,10 +100,6 @@ def cuda_cluster(devices=None, *, device_fraction: float = 0.8, rmm_fraction: fl
     transport = comm_options(protocol, gpu=True, enable_tcp_over_ucx=enable_tcp_over_ucx,
                              enable_infiniband=enable_infiniband, enable_nvlink=enable_nvlink,
                              enable_rdmacm=enable_rdmacm)
-    try:
-        from dask_cuda import LocalCUDACluster
-    except ImportError as exc:
-        raise ImportError("GPU clusters need the gpu extra: pip install 'daskpty[gpu]'") from exc
     found = list_cuda_devices()
     if devices is None:
         chosen = found
@@ -112,22 +108,55 @@ def cuda_cluster(devices=None, *, device_fraction: float = 0.8, rmm_fraction: fl
         chosen = [by_id.get(str(d), CudaDevice(str(d), str(d), str(d))) for d in devices]
     if not chosen:
         raise RuntimeError("no CUDA device found (nvidia-smi -L lists none); use the CPU cluster")
-    share = max(sum(d.uuid == c.uuid for c in chosen) for d in chosen)  # workers per device
-    rmm = rmm_fraction / share if rmm_fraction else None
-    settings = {**worker_memory_settings(chosen[0], device_fraction / share, rmm), **transport}
-    settings = {**settings, **kwargs}
+    uuids = [d.uuid for d in chosen]
+    if len(set(uuids)) < len(uuids):
+        if len(transport) > 1:
+            raise ValueError("workers sharing a device take protocol= only, not dask-cuda's UCX switches")
+        return shared_device_cluster(uuids, protocol=protocol, dashboard_address=dashboard_address, **kwargs)
+    try:
+        from dask_cuda import LocalCUDACluster
+    except ImportError as exc:
+        raise ImportError("GPU clusters need the gpu extra: pip install 'daskpty[gpu]'") from exc
+    settings = {**worker_memory_settings(chosen[0], device_fraction, rmm_fraction), **transport, **kwargs}
     if "interface" not in settings:  # an interface (e.g. ib0 for UCX) names the address itself
         settings["ip"] = "127.0.0.1"
-    uuids = [d.uuid for d in chosen]
-    if share == 1:
-        return LocalCUDACluster(CUDA_VISIBLE_DEVICES=uuids, dashboard_address=dashboard_address, **settings)
-    # Several workers per device: dask-cuda rotates the device list by worker index, so the list of
-    # distinct devices with more workers than entries gives each worker one device (and no
-    # duplicate in its CUDA_VISIBLE_DEVICES); should dask-cuda refuse that, list them repeated.
-    distinct = list(dict.fromkeys(uuids))
-    try:
-        return LocalCUDACluster(CUDA_VISIBLE_DEVICES=distinct, n_workers=len(uuids),
-                                dashboard_address=dashboard_address, **settings)
-    except ValueError:
-        return LocalCUDACluster(CUDA_VISIBLE_DEVICES=uuids, n_workers=len(uuids),
-                                dashboard_address=dashboard_address, **settings)
+    return LocalCUDACluster(CUDA_VISIBLE_DEVICES=uuids, dashboard_address=dashboard_address, **settings)
+
+
+#: Keyword arguments :func:`shared_device_cluster` takes (the rest are dask-cuda's).
+SHARED_DEVICE_OPTIONS = ("threads_per_worker", "memory_limit", "local_directory")
+
+
+def shared_device_cluster(devices, *, protocol: str | None = None, dashboard_address: str = "127.0.0.1:0",
+                          threads_per_worker: int = 1, memory_limit="auto", **kwargs):
+    """A cluster of one worker process per entry of ``devices`` (UUIDs or indices, repeats
+    allowed), each seeing only its device (``CUDA_VISIBLE_DEVICES``): several workers on one GPU.
+
+    dask-cuda names its workers by device and so cannot put two on one; these are plain dask
+    workers (distributed ``SpecCluster`` of nannies on 127.0.0.1), without dask-cuda's device
+    spilling, RMM pool or CPU affinity. memory_limit: host bytes per worker, or "auto" (the
+    machine's memory split evenly). dashboard_address None: no dashboard.
+    """
+    from distributed import Nanny, Scheduler, SpecCluster
+    from distributed.system import MEMORY_LIMIT
+
+    from .cluster import comm_options
+
+    other = sorted(set(kwargs) - set(SHARED_DEVICE_OPTIONS))
+    if other:
+        raise ValueError(f"workers sharing a device are plain dask workers: {', '.join(other)} "
+                         f"(dask-cuda options) do not apply")
+    devices = [str(d) for d in devices]
+    if not devices:
+        raise ValueError("shared_device_cluster needs at least one device")
+    if memory_limit == "auto":
+        memory_limit = int(MEMORY_LIMIT / len(devices))
+    transport = comm_options(protocol)
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": dashboard_address is not None,
+                                               "dashboard_address": dashboard_address or "127.0.0.1:0",
+                                               **transport}}
+    workers = {i: {"cls": Nanny, "options": {"host": "127.0.0.1", "nthreads": int(threads_per_worker),
+                                             "memory_limit": memory_limit, "env": {"CUDA_VISIBLE_DEVICES": d},
+                                             **transport, **kwargs}}
+               for i, d in enumerate(devices)}
+    return SpecCluster(workers=workers, scheduler=scheduler)
