@@ -39,7 +39,7 @@ from ..physics.multislice import (
     slice_windows,
     transmit,
 )
-from ..physics.noise import far_field_update
+from ..physics.kernels import far_field_update  # fused on the GPU (the NumPy reference on the CPU)
 from ..physics.patches import PatchIndex
 from ..physics.propagation import angular_spectrum_adjoint
 from ..physics.shifts import outer_ramps, shift_ramp_factors, split_positions
