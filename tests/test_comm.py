@@ -251,3 +251,16 @@ def test_an_interface_replaces_the_loopback_address(fake_dask_cuda, with_ucxx):
     cluster_mod.start_local_cluster(gpu=True, protocol="ucx", interface="ib0")
     for kw in fake_dask_cuda.calls:
         assert kw["interface"] == "ib0" and "ip" not in kw
+
+
+def test_cli_protocol_tcp_runs_on_its_own_embedded_cluster(store_path, tmp_path, capsys, monkeypatch):
+    from daskpty.cli import main
+
+    asked = []
+    real = cluster_mod.start_local_cluster
+    monkeypatch.setattr(cluster_mod, "start_local_cluster", lambda **kw: asked.append(kw) or real(**kw))
+    out = str(tmp_path / "recon.zarr")
+    assert main(["reconstruct", str(store_path), "-o", out, "--protocol", "tcp", "--workers", "1",
+                 "--epochs", "1", "--quiet"]) == 0
+    assert asked and asked[0]["protocol"] == "tcp" and asked[0]["n_workers"] == 1
+    assert "wrote" in capsys.readouterr().out
