@@ -2,12 +2,17 @@
 NRMSE figures of the ground-truth scan of tests/test_opr.py.
 
     python benchmarks/bench_opr.py [--workers 2] [--epochs 40] [--timing-grid 24] [--n 64]
+        [--repeats 3] [--opr-modes 2] [--start-epoch 10] [--skip-timing] [--skip-quality]
 
 Timing: a drifting-probe scan of --timing-grid² patterns of --n² pixels, s/epoch (median of
-the epochs after the first two) without OPR and with K = 3 (target: ≤ 30 % extra). Figures: the
-32² scan whose defocus drifts along the scan and whose flux varies ±20 %: NRMSE of the same scan
-with a constant probe, of the drifting scan without OPR and with OPR (K = 2), and the
-correlation of the recovered weights with the true flux and defocus, for LSQML and AD.
+the epochs after the first two) without OPR and with K = 3 (target: ≤ 30 % extra); the runs
+alternate --repeats times and the fastest median of each counts (the machine is shared). Then
+the chunk step alone (one process, one BLAS thread, the fastest of 15 alternating calls on
+--chunk patterns): the engines' own extra cost, free of the scheduler's. Figures: the 32² scan
+whose defocus drifts along the scan and whose flux varies ±20 %: NRMSE of the same scan with a
+constant probe, of the drifting scan without OPR and with OPR (K = --opr-modes, weights from
+--start-epoch), and the correlation of the recovered weights with the true flux and defocus,
+for LSQML and AD.
 """
 from __future__ import annotations
 
@@ -30,7 +35,25 @@ def main(argv=None):
     parser.add_argument("--timing-grid", type=int, default=24)
     parser.add_argument("--timing-epochs", type=int, default=8)
     parser.add_argument("--n", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--opr-modes", type=int, default=2)
+    parser.add_argument("--start-epoch", type=int, default=10)
+    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--chunk-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.chunk_only:
+        chunk_timing(args.n, args.chunk)
+        return
+    if not args.skip_timing:
+        import os
+        import subprocess
+        import sys
+
+        one = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        subprocess.run([sys.executable, __file__, "--chunk-only", "--n", str(args.n), "--chunk", str(args.chunk)],
+                       env={**os.environ, **one}, check=True)
 
     from distributed import Client, LocalCluster
 
@@ -44,16 +67,21 @@ def main(argv=None):
 
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
                       dashboard_address=None) as cluster, Client(cluster) as client:
-        big = simulate_variable_probe(n=args.n, grid=args.timing_grid, step=args.n / 8, photons=1e7)
-        print(f"timing: {len(big.positions)} patterns of {args.n}², {args.workers} workers")
-        for engine in ("lsqml", "ad"):
-            seconds = {}
-            for label, kw in (("no OPR", {}), ("OPR K=3", dict(opr_modes=3, probe_model={"start_epoch": 0}))):
-                rec = run(big, client, engine=engine, epochs=args.timing_epochs, **kw)
-                seconds[label] = float(np.median([h["seconds"] for h in rec.history[2:]]))
-            extra = seconds["OPR K=3"] / seconds["no OPR"] - 1
-            print(f"  {engine}: {seconds['no OPR']:.3f} s/epoch without OPR, {seconds['OPR K=3']:.3f} with "
-                  f"K=3 ({100 * extra:+.0f} %)", flush=True)
+        if not args.skip_timing:
+            big = simulate_variable_probe(n=args.n, grid=args.timing_grid, step=args.n / 8, photons=1e7)
+            print(f"timing: {len(big.positions)} patterns of {args.n}², {args.workers} workers, "
+                  f"best of {args.repeats}")
+            for engine in ("lsqml", "ad"):
+                seconds = {"no OPR": np.inf, "OPR K=3": np.inf}
+                for _ in range(args.repeats):
+                    for label, kw in (("no OPR", {}), ("OPR K=3", dict(opr_modes=3, probe_model={"start_epoch": 0}))):
+                        rec = run(big, client, engine=engine, epochs=args.timing_epochs, **kw)
+                        seconds[label] = min(seconds[label], float(np.median([h["seconds"] for h in rec.history[2:]])))
+                extra = seconds["OPR K=3"] / seconds["no OPR"] - 1
+                print(f"  {engine}: {seconds['no OPR']:.3f} s/epoch without OPR, {seconds['OPR K=3']:.3f} with "
+                      f"K=3 ({100 * extra:+.0f} %)", flush=True)
+        if args.skip_quality:
+            return
 
         varying, constant = simulate_variable_probe(), simulate_variable_probe(constant=True)
         print(f"ground truth: {len(varying.positions)} patterns of 32², {args.epochs} epochs")
@@ -62,7 +90,7 @@ def main(argv=None):
             kw = dict(engine=engine, epochs=args.epochs, chunk_length=48)
             e_const = nrmse_vs_truth(*_parts(run(constant, client, **kw)), constant.truth)
             e_plain = nrmse_vs_truth(*_parts(run(varying, client, **kw)), varying.truth)
-            rec = run(varying, client, opr_modes=2, probe_model={"start_epoch": 10}, **kw)
+            rec = run(varying, client, opr_modes=args.opr_modes, probe_model={"start_epoch": args.start_epoch}, **kw)
             e_opr = nrmse_vs_truth(*_parts(rec), varying.truth)
             w = rec.probe_weights
             r_flux = np.corrcoef(w[:, 0] ** 2, varying.truth.flux)[0, 1]
@@ -70,6 +98,46 @@ def main(argv=None):
             print(f"  {engine}: NRMSE constant probe {e_const:.4f} | drifting, no OPR {e_plain:.4f} | OPR K=2 "
                   f"{e_opr:.4f} ({e_opr / e_const:.2f}x constant); r(w0², flux) {r_flux:.3f}, "
                   f"R(w1, defocus) {r_defocus:.3f} [{time.perf_counter() - start:.0f} s]", flush=True)
+
+
+def chunk_timing(n: int, patterns: int, modes: int = 3, calls: int = 15) -> None:
+    """The chunk step with and without OPR K = ``modes`` in this process (run with one BLAS
+    thread: ``main`` starts it as a subprocess with OPENBLAS/OMP/MKL_NUM_THREADS=1)."""
+    from daskpty.engines import lsqml, lsqml_opr
+    from daskpty.engines import probe_model as pm
+    from daskpty.engines.ad import ADOptions, opr as ad_opr
+    from daskpty.engines.ad.gradient import chunk_gradient
+    from daskpty.simulate_variable_probe import simulate_variable_probe
+
+    grid = int(np.ceil(np.sqrt(patterns)))
+    ds = simulate_variable_probe(n=n, grid=grid, step=n / 8, photons=1e7)
+    y = np.fft.ifftshift(ds.intensities[:patterns], axes=(-2, -1))
+    pos, obj, probe = ds.positions[:patterns], ds.truth.object, ds.truth.probe
+    model = pm.ProbeModelOptions(opr_modes=modes, start_epoch=0)
+    eigen = pm.initial_eigen_probes(probe[0], modes - 1)
+    local = pm.initial_local(len(y), model)
+    local["opr_weights"][:, 1:] = 0.01
+    lo, ao = lsqml.LSQMLOptions(), ADOptions()
+    common = dict(model=model, eigen=eigen, transform=None, background=None, epoch=1)
+    steps = {
+        "lsqml": lambda: lsqml.chunk_step(obj, probe, y, pos, options=lo),
+        "lsqml OPR": lambda: lsqml_opr.variable_chunk_step(obj, probe, y, pos, local, options=lo,
+                                                           update_probe=True, **common),
+        "ad": lambda: chunk_gradient(obj, probe, y, pos, options=ao),
+        "ad OPR": lambda: ad_opr.variable_chunk_gradient(obj, probe, y, pos, local, options=ao, **common),
+    }
+    best = dict.fromkeys(steps, np.inf)
+    for f in steps.values():
+        f()
+    for _ in range(calls):
+        for name, f in steps.items():
+            start = time.perf_counter()
+            f()
+            best[name] = min(best[name], time.perf_counter() - start)
+    print(f"chunk step, {len(y)} patterns of {n}², one thread, fastest of {calls}: "
+          f"LSQML {1e3 * best['lsqml']:.1f} ms, with OPR K={modes} {1e3 * best['lsqml OPR']:.1f} ms "
+          f"({100 * (best['lsqml OPR'] / best['lsqml'] - 1):+.0f} %); AD {1e3 * best['ad']:.1f} ms, with OPR "
+          f"{1e3 * best['ad OPR']:.1f} ms ({100 * (best['ad OPR'] / best['ad'] - 1):+.0f} %)", flush=True)
 
 
 def _parts(rec):

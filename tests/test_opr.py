@@ -265,8 +265,9 @@ def test_sampled_weight_curvature_is_the_gauss_newton_matrix():
     v = pm.PatternProbes(model, probe, eigen, {"opr_weights": w}, np.zeros((b, n, n)), active=True,
                          cdtype=np.complex128)
     v.begin(b, b, True)
-    v.sample_stride = 1                                     # measure every pattern
+    assert v.sample_stride == 1                             # few patterns: every one is measured
     v.pattern_terms(slice(0, b), patches, None, None)
+    v.finish(type("P", (), {"arrays": {}})(), None, None)
     got = v.weight_curvature()
     basis = np.concatenate([probe[:1], eigen])
 

@@ -40,7 +40,7 @@ PATTERNS_PER_MODE = 10
 MAX_OPR_MODES = 16
 #: The weights' Gauss–Newton curvature is measured on every CURVATURE_STRIDE-th pattern of a
 #: chunk step (more often in short steps, so that at least CURVATURE_SAMPLES are measured).
-CURVATURE_STRIDE = 16
+CURVATURE_STRIDE = 32
 CURVATURE_SAMPLES = 4
 #: Largest change of a pattern's weights in one step (relative to ‖U_0‖): a trust region for
 #: the Gauss–Newton steps, whose linear model of the far field holds only for small changes.
@@ -376,6 +376,7 @@ class PatternProbes:
             self.rhs = xp.empty((n_patterns, k))
             self.obj_power = xp.empty(n_patterns)               # ⟨|O_j|²⟩ over the window
             self.sample_stride = max(1, min(CURVATURE_STRIDE, n_patterns // CURVATURE_SAMPLES))
+            self._samples = xp.empty((len(range(0, n_patterns, self.sample_stride)), n, n), self.cdtype)
             self._curvature = np.zeros((k, k))
             self._curvature_count = 0
         if self.want_eigen:
@@ -399,8 +400,10 @@ class PatternProbes:
         if self.want_weights:
             self.obj_power[batch] = real_dots(o, o) / float(self.n * self.n)
             first = (-batch.start) % self.sample_stride
-            if first < b:
-                self._sample_curvature(batch, slice(first, b, self.sample_stride), o)
+            if first < b:                                       # kept for _sample_curvature
+                at = (batch.start + first) // self.sample_stride
+                rows = o[first::self.sample_stride]
+                self._samples[at:at + len(rows)] = rows
         if self.want_intensity:
             p = self._powers[:b]
             flat = o.reshape(b, -1)
@@ -409,20 +412,23 @@ class PatternProbes:
             self.int_num[batch] = real_dots(o, g)
             self.int_den[batch] = real_dots(p.reshape(o.shape), w)
 
-    def _sample_curvature(self, batch, rows: slice, o) -> None:
-        """The Gauss–Newton curvature of the weights, measured exactly on every
-        ``sample_stride``-th pattern: H_kl = Σ Re(conj Ψ̂ D_k) Re(conj Ψ̂ D_l) / ⟨|O_j|²⟩ with
-        D_k = F(U_k O_j) (the far-field direction of w_jk per unit s_j) and Ψ̂ = Ψ_j0 / √ŷ_j
-        (the sub-pixel shift ignored). Only the component of D_k in phase with the far field
-        changes the intensity: for a defocus-like eigen-probe it is a few per mille of ‖D_k‖²,
-        so the exit-wave Gram Σ Re(conj U_k U_l)|O_j|² would make the weights' steps hundreds of
-        times too short. K FFTs per sampled pattern (M − 1 more with incoherent modes)."""
+    def _sample_curvature(self) -> None:
+        """The Gauss–Newton curvature of the weights, measured exactly (once per chunk step) on
+        every ``sample_stride``-th pattern: H_kl = Σ Re(conj Ψ̂ D_k) Re(conj Ψ̂ D_l) / ⟨|O_j|²⟩
+        with D_k = F(U_k O_j) (the far-field direction of w_jk per unit s_j) and Ψ̂ = Ψ_j0 / √ŷ_j
+        (the sub-pixel shift and the detector mask ignored). Only the component of D_k in phase
+        with the far field changes the intensity: for a defocus-like eigen-probe it is a few per
+        mille of ‖D_k‖², so the exit-wave Gram Σ Re(conj U_k U_l)|O_j|² would make the weights'
+        steps hundreds of times too short. K FFTs per sampled pattern (M − 1 more with
+        incoherent modes)."""
         xp = self.xp
-        ob = o[rows]
+        ob = self._samples
         s = ob.shape[0]
+        if s == 0:
+            return
         k, n2 = len(self.basis), self.n * self.n
         d = fft2(self.basis[None] * ob[:, None]).reshape(s, k, n2)       # D_k per unit s_j
-        idx = slice(batch.start + rows.start, batch.start + rows.stop, rows.step)
+        idx = slice(0, s * self.sample_stride, self.sample_stride)
         amp = self._amp(slice(0, self.n_patterns))[idx]
         coeff = xp.asarray((self.weights[idx] * amp[:, None]).astype(self.rdtype))
         psi = (coeff[:, :, None] * d).sum(axis=1)                        # Ψ_j0 = Σ_k s_j w_jk D_k
@@ -432,10 +438,10 @@ class PatternProbes:
             power += xp.square(other.real) + xp.square(other.imag)
         level = power.mean(axis=1, keepdims=True)
         hat = psi / xp.sqrt(power + 1e-6 * level + 1e-30)
-        proj = (hat.real[:, None] * d.real + hat.imag[:, None] * d.imag).astype(np.float64)   # Re(conj Ψ̂ D_k)
-        curv = proj @ proj.transpose(0, 2, 1)                             # (s, K, K)
-        mean_power = xp.maximum(self.obj_power[idx], 1e-30)
-        self._curvature += to_numpy((curv / mean_power[:, None, None]).sum(axis=0))
+        proj = hat.real[:, None] * d.real + hat.imag[:, None] * d.imag  # Re(conj Ψ̂ D_k)
+        curv = to_numpy(proj @ proj.transpose(0, 2, 1)).astype(np.float64)   # (s, K, K)
+        mean_power = np.maximum(to_numpy(self.obj_power[idx]), 1e-30)
+        self._curvature += (curv / mean_power[:, None, None]).sum(axis=0)
         self._curvature_count += s
 
     def weight_curvature(self) -> np.ndarray:
@@ -524,6 +530,8 @@ class PatternProbes:
             part.arrays["opr_eigen_num"] = self.eigen_num.reshape(k1, n, n)
             part.arrays["opr_eigen_mean_num"] = self.eigen_mean_num.reshape(1, n, n)
             part.arrays["opr_eigen_moments"] = self.eigen_moments
+        if self.want_weights:
+            self._sample_curvature()
         for name in ("rhs", "obj_power", "int_num", "int_den"):
             if hasattr(self, name):
                 setattr(self, name, to_numpy(getattr(self, name)))
