@@ -13,7 +13,7 @@ switch         off means                                                  enviro
 =============  =========================================================  ======================
 batched        one 2-D FFT call per pattern instead of one per batch      DASKPTY_FFT_BATCHED=0
 plan cache     cuFFT plan cache emptied: a new plan for every call (GPU)  DASKPTY_CUFFT_PLAN_CACHE=0
-fixed grid     ragged chunks (the last one short) instead of equal ones   (chunk length choice)
+fixed grid     the last chunk half as long instead of all equal           (chunk length choice)
 in place       transforms never reuse their input's memory                DASKPTY_FFT_INPLACE=0
 fused          the NumPy-expression chains instead of fused CuPy kernels  DASKPTY_FUSED_KERNELS=0
 device state   object/probe on the host, copied to the device each round  DASKPTY_DEVICE_STATE=0
@@ -61,10 +61,10 @@ def environment(values: dict):
 
 
 def chunk_lengths(n_patterns: int, chunks: int) -> tuple[int, int]:
-    """(equal, ragged) chunk lengths for ``chunks`` chunks: ceil(N / chunks), and one a fifth
-    longer, which leaves a short last chunk (and, on the GPU, a batch shape of its own)."""
-    equal = math.ceil(n_patterns / chunks)
-    return equal, int(equal * 1.2) + 1
+    """(equal, ragged) chunk lengths, both giving ``chunks`` chunks: ceil(N / chunks), and
+    ceil(N / (chunks − ½)), whose last chunk is about half as long (on the GPU a batch shape,
+    so a cuFFT plan, of its own)."""
+    return math.ceil(n_patterns / chunks), math.ceil(n_patterns / (chunks - 0.5))
 
 
 def configurations(backend: str, only: str) -> list[tuple[str, set]]:
