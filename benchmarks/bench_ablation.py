@@ -109,6 +109,8 @@ def main(argv=None) -> int:
             with environment(env):
                 summary = measure(args, data, log=lambda line: print("    " + line, flush=True))
             rows.append((name, summary))
+            print(f"    row: {name}: {summary['seconds_per_epoch']:.4f} s/epoch, "  # (in case of a timeout)
+                  f"{rows[0][1]['seconds_per_epoch'] / summary['seconds_per_epoch']:.2f}x", flush=True)
     base = rows[0][1]["seconds_per_epoch"]
     print()
     print(f"ablation: {args.engine}, {n_patterns} x {data.intensities.shape[-1]}^2, backend {args.backend}, "

@@ -127,7 +127,9 @@ step "bench_comm gpu ${COMM_SIZE} x 128^2, 2 workers on one GPU" 180 "$PY" bench
     --workers 2 $comm_data --rounds 1,4 --epochs 4 --probe-bytes 64e6,256e6 --project --json
 
 if [ -f benchmarks/bench_ablation.py ]; then
-  step "bench_ablation gpu" 180 "$PY" benchmarks/bench_ablation.py --backend gpu
+  # Cumulative only, on a mid-size set: "all off" builds a cuFFT plan for every single-pattern call.
+  step "bench_ablation gpu 4096 x 128^2 (cumulative)" 240 "$PY" benchmarks/bench_ablation.py --backend gpu \
+      --workers 1 --n-patterns 4096 --probe-size 128 --tmpdir /tmp --epochs 3 --only cumulative
 else
   echo "=== SKIP bench_ablation: benchmarks/bench_ablation.py is not in this tree"
 fi
