@@ -493,8 +493,9 @@ def variable_probe_case(args):
                 out = {key: z[key] for key in z.files}
             # no illumination from Pty-Chi: daskpty's mask of the same scan (filled in below)
             r = correlations(out[f"opr_weights_{epochs}"]) if extra else (float("nan"), float("nan"))
+            last = float(out["segment_seconds"][-1]) / (checkpoints[-1] - ([0] + checkpoints)[-2])
             rows.append(["Pty-Chi", label + " (drifting)", {e: out[f"object_{e}"] for e in checkpoints}, *r,
-                         float(out["seconds_per_epoch"])])
+                         (float(out["seconds_per_epoch"]), last)])
     else:
         print(f"Pty-Chi virtualenv not found at {args.peer_python}; see benchmarks/README_ptychi.md")
 
@@ -521,18 +522,20 @@ def variable_probe_case(args):
             r = correlations(rec.probe_weights) if kw else (float("nan"), float("nan"))
             seconds = np.array([h["seconds"] for h in rec.history])
             rows.append(["daskpty", f"{label} ({scan})", objects, *r,
-                         float(np.median(seconds[max(1, args.opr_start):]))])
+                         (float(np.median(seconds[max(1, args.opr_start):])), None)])
 
     print(f"\nobject NRMSE vs truth (daskpty's illuminated region > 0.3 max); r(w0^2, flux): Pearson; "
           f"R(w1.., defocus): multiple correlation; s/epoch: daskpty median over epochs {max(1, args.opr_start) + 1}.. "
           f"({args.workers} worker processes, R = {args.rounds_per_epoch}), Pty-Chi mean over the run "
-          f"(batch {args.peer_batch}, {args.peer_threads} threads)")
+          f"/ over epochs {([0] + checkpoints)[-2] + 1}..{checkpoints[-1]} (batch {args.peer_batch}, "
+          f"{args.peer_threads} threads)")
     head = "".join(f"{'NRMSE@' + str(e):>11}" for e in checkpoints)
     print(f"{'code':<8} {'run':<22}{head} {'r(w0²,flux)':>12} {'R(w,defoc)':>11} {'s/epoch':>8}")
-    for code, label, objects, r_flux, r_def, spe in rows:
+    for code, label, objects, r_flux, r_def, (spe, last) in rows:
         truth = sims["constant" if "constant" in label else "drifting"].truth
         cells = "".join(f"{nrmse_vs_truth(objects[e], positions, illumination, truth):>11.4f}" for e in checkpoints)
-        print(f"{code:<8} {label:<22}{cells} {r_flux:>12.3f} {r_def:>11.3f} {spe:>8.4f}")
+        print(f"{code:<8} {label:<22}{cells} {r_flux:>12.3f} {r_def:>11.3f} {spe:>8.4f}"
+              + (f" / {last:.4f}" if last is not None else ""))
     print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
 
 

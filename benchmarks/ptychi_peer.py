@@ -293,9 +293,9 @@ def set_opr(options, arrays, settings):
     from ptychi.utils import add_additional_opr_probe_modes_to_probe, generate_initial_opr_mode_weights
 
     modes = int(settings["modes"])
+    torch.manual_seed(int(settings.get("seed", 0)))  # the random eigenmodes and weights
     probe = torch.as_tensor(arrays["probe"])
     probe = add_additional_opr_probe_modes_to_probe(probe, modes - 1)
-    torch.manual_seed(int(settings.get("seed", 0)))
     weights = generate_initial_opr_mode_weights(len(arrays["pos_y"]), modes, probe=probe)
     arrays["probe"] = probe.numpy().astype(np.complex64)
     ow = options.opr_mode_weight_options
