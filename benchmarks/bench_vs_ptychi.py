@@ -395,8 +395,8 @@ def multislice_case(args):
         p = np.prod(o, axis=0)
         return per, (_phase_nrmse(p, projected_truth, lit), float(metrics.nrmse(p, projected_truth, mask=lit)))
 
-    print(f"\nper-slice phase NRMSE [complex NRMSE] vs truth, illuminated region (> 0.3 max, entrance slice); "
-          f"'proj' = product of the slices vs the true product")
+    print("\nper-slice phase NRMSE [complex NRMSE] vs truth, illuminated region (> 0.3 max, entrance slice); "
+          "'proj' = product of the slices vs the true product")
     head = "".join(f"{'slice ' + str(i):>16}" for i in range(k)) + f"{'proj':>16}"
     print(f"{'code':<8} {'epochs':>6}{head}")
     for code in ("daskpty", "Pty-Chi"):
