@@ -84,6 +84,12 @@ def configurations(backend: str, only: str) -> list[tuple[str, set]]:
     return out
 
 
+def _median_run(summaries: list) -> dict:
+    """The run whose s/epoch is the median of a configuration's runs (the lower middle one)."""
+    ordered = sorted(summaries, key=lambda s: s["seconds_per_epoch"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -94,26 +100,32 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds-per-epoch", default="1")
     ap.add_argument("--chunks", type=int, default=8, help="chunks of the fixed grid (default 8)")
     ap.add_argument("--only", choices=("cumulative", "alone", "both"), default="both")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of every configuration, interleaved (the table shows their median)")
     args = ap.parse_args(argv)
     # What bench_epoch.measure reads besides the data and cluster arguments.
     args.persist, args.probe_modes, args.noise, args.split_every = "auto", None, "gaussian", None
     args.sample_interval, args.plan_cache, args.skip = 0.0, args.backend == "gpu", 1
-    rows = []
+    configs = configurations(args.backend, args.only)
+    runs: dict = {name: [] for name, _ in configs}
     with dataset(args) as (data, _):
         n_patterns = int(data.intensities.shape[0])
         equal, ragged = chunk_lengths(n_patterns, args.chunks)
-        for name, on in configurations(args.backend, args.only):
-            env = {ENV[s]: ("1" if s in on else "0") for s in ENV}
-            args.chunk_length = equal if "fixed grid" in on else ragged
-            print(f"--- {name}: on = {sorted(on) or 'none'}; chunk length {args.chunk_length}", flush=True)
-            with environment(env):
-                summary = measure(args, data, log=lambda line: print("    " + line, flush=True))
-            rows.append((name, summary))
-            print(f"    row: {name}: {summary['seconds_per_epoch']:.4f} s/epoch, "  # (in case of a timeout)
-                  f"{rows[0][1]['seconds_per_epoch'] / summary['seconds_per_epoch']:.2f}x", flush=True)
+        for repeat in range(max(1, args.repeat)):  # interleaved, so slow spells of the machine spread out
+            for name, on in configs:
+                env = {ENV[s]: ("1" if s in on else "0") for s in ENV}
+                args.chunk_length = equal if "fixed grid" in on else ragged
+                print(f"--- {name} (run {repeat + 1}): on = {sorted(on) or 'none'}; chunk length "
+                      f"{args.chunk_length}", flush=True)
+                with environment(env):
+                    summary = measure(args, data, log=lambda line: print("    " + line, flush=True))
+                runs[name].append(summary)
+                print(f"    row: {name}: {summary['seconds_per_epoch']:.4f} s/epoch", flush=True)  # (for a timeout)
+    rows = [(name, _median_run(runs[name])) for name, _ in configs]
     base = rows[0][1]["seconds_per_epoch"]
     print()
     print(f"ablation: {args.engine}, {n_patterns} x {data.intensities.shape[-1]}^2, backend {args.backend}, "
+          f"median of {max(1, args.repeat)} interleaved run(s), "
           f"{rows[0][1]['workers']} worker(s), {args.epochs} epochs, rounds/epoch {args.rounds_per_epoch}; "
           f"chunks of {equal} (fixed grid) or {ragged} (ragged)")
     print(f"{'configuration':<22} {'s/epoch':>9} {'speed-up':>9} {'wall s':>8} {'NRMSE':>8}")
