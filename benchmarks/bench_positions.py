@@ -59,6 +59,8 @@ def main():
     ap.add_argument("--data", default=None, help="existing simulated store (default: simulate the preset)")
     ap.add_argument("--position-errors", default="1.0,0.015,0.5", metavar="RMS,SCALE,ROT_DEG")
     ap.add_argument("--perturb-seed", type=int, default=1)
+    ap.add_argument("--start-probe", default="data", choices=("data", "mean-pattern"),
+                    help="start probe of every run: the store's guess (default) or a mean-pattern aperture")
     ap.add_argument("--epochs", type=int, default=50)
     ap.add_argument("--ad-epochs", type=int, default=None, help="default 3 x --epochs")
     ap.add_argument("--every", type=int, default=10)
@@ -86,7 +88,8 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="daskpty-bench-")
     case = Case(args.data or os.path.join(tmp, f"{args.preset}.zarr"), preset=args.preset,
-                errors=parse_errors(args.position_errors), seed=args.perturb_seed)
+                errors=parse_errors(args.position_errors), seed=args.perturb_seed,
+                start_probe=args.start_probe)
     print(case.describe())
     main_opts = PositionOptions.from_argument(refine)
     summary = {"errors": args.position_errors, "epochs": epochs, "refine": refine}

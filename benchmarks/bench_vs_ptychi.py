@@ -67,6 +67,8 @@ def main():
     ap.add_argument("--refine-alt", default=None,
                     help="position case: a second daskpty LSQML refined run with these PositionOptions (JSON)")
     ap.add_argument("--perturb-seed", type=int, default=1)
+    ap.add_argument("--start-probe", default="data", choices=("data", "mean-pattern"),
+                    help="start probe of every run: the store's guess (default) or a mean-pattern aperture")
     ap.add_argument("--skip-references", action="store_true",
                     help="position case: leave out the Pty-Chi true/nominal reference runs")
     ap.add_argument("--multislice", type=int, default=None, metavar="K",
@@ -202,7 +204,8 @@ def position_case(args):
     start = PositionOptions.from_argument(refine).start_epoch
     tmp = tempfile.mkdtemp(prefix="daskpty-bench-")
     case = Case(args.data or os.path.join(tmp, f"{args.preset}.zarr"), preset=args.preset,
-                errors=parse_errors(args.position_errors), seed=args.perturb_seed)
+                errors=parse_errors(args.position_errors), seed=args.perturb_seed,
+                start_probe=args.start_probe)
     print(case.describe())
     have_peer = os.path.exists(args.peer_python)
     if not have_peer:
