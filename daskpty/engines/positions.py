@@ -31,12 +31,11 @@ class PositionOptions:
     """Settings of position refinement (both engines).
 
     start_epoch: first epoch whose chunk steps move positions (epochs count from 0). By default
-        20, once the object has formed: updates from a blurred object random-walk and the object
-        follows them (benchmarks/bench_positions.py, 576 × 64², 1 px + 1.5 % + 0.5° errors:
-        starting at 5 made the position error grow from 1.91 to 3.3 px in 50 epochs; starting at
-        20 with small steps brought it to 1.16 px). Fast-converging scans can start earlier.
-    max_step: largest move of one pattern per epoch, pixels per axis (default 0.1: small steps
-        keep the object and the positions from chasing each other).
+        10, once the object has roughly formed: updates from a blurred object over-step
+        (benchmarks/bench_positions.py, 576 × 64² with 1 px random errors, started from the
+        store's probe guess, 50 epochs: 0.60 px left starting at 20 with 0.1 px steps, 0.54 px
+        starting at 10 with 0.2 px steps).
+    max_step: largest move of one pattern per epoch, pixels per axis (default 0.2).
     momentum: LSQML heavy-ball memory of the position update (0 disables).
     gain: LSQML fraction of the computed shift applied per epoch (0 < gain ≤ 2).
     regularization: LSQML Tikhonov term of the shift's denominator, relative to its chunk mean:
@@ -54,15 +53,16 @@ class PositionOptions:
         Measured on a 16 × 16 scan with 1 px + 1.8 % + 0.7° errors, 50 epochs: residual x-scale
         error 0.67 % with gain 1, 0.37 % with gain 3 (y scale ~1.4 % with either).
     affine_blend: fraction of the way to the affine map each epoch (0 … 1; the classical affine
-        constraint; default 0.1, the best of 0 / 0.02 / 0.1 on the benchmark above). It also
-        pulls the random part of the errors towards the map.
+        constraint). Default 0: it pulls the random part of the errors back towards the map of
+        the nominal positions (same benchmark: 0.94 px left with 0.1, 0.60 px with 0). Raise it
+        when the scan is known to be an affine map of the nominal one plus little noise.
     remove_drift: also remove the mean displacement (the fitted map keeps the nominal centroid).
     max_displacement: refinement stops with :class:`PositionsDiverged` when a pattern drifts
         farther than this from its nominal position, pixels (default: a quarter of the probe size).
     """
 
-    start_epoch: int = 20
-    max_step: float = 0.1
+    start_epoch: int = 10
+    max_step: float = 0.2
     momentum: float = 0.0
     gain: float = 1.0
     regularization: float = 1e-3
@@ -70,7 +70,7 @@ class PositionOptions:
     lr: float = 0.1
     affine: bool = True
     affine_gain: float = 3.0
-    affine_blend: float = 0.1
+    affine_blend: float = 0.0
     remove_drift: bool = False
     max_displacement: float | None = None
 
