@@ -36,7 +36,10 @@ class PositionOptions:
         store's probe guess, 50 epochs: 0.60 px left starting at 20 with 0.1 px steps, 0.54 px
         starting at 10 with 0.2 px steps).
     max_step: largest move of one pattern per epoch, pixels per axis (default 0.2).
-    momentum: LSQML heavy-ball memory of the position update (0 disables).
+    momentum: LSQML heavy-ball memory of the position update (0 disables; default 0.8: the
+        one-step LSQML shift under-steps about 5× at 1 px errors, and momentum lets consistent
+        shifts add up — 1 px random case, 50 epochs: 0.54 px left with 0, 0.41 with 0.5, 0.28
+        with 0.8; 1 px + 1.5 % + 0.5°: 1.22, 1.07, 0.88 px).
     gain: LSQML fraction of the computed shift applied per epoch (0 < gain ≤ 2).
     regularization: LSQML Tikhonov term of the shift's denominator, relative to its chunk mean:
         patterns whose object patch has weak gradients (flat or still blurred) move less.
@@ -63,7 +66,7 @@ class PositionOptions:
 
     start_epoch: int = 10
     max_step: float = 0.2
-    momentum: float = 0.0
+    momentum: float = 0.8
     gain: float = 1.0
     regularization: float = 1e-3
     optimizer: str = "adam"
