@@ -247,6 +247,29 @@ def test_stand_in_refuses_host_arrays_like_cupy(fake_cupy):
     fake_cupy.update(fft=1, scatter_add=1)  # (this test calls neither)
 
 
+def _cpu_and_both_state_layouts(data, calls: dict, counter: str, **kwargs):
+    """Reconstruct ``data`` on two in-process workers on the CPU, then on the stand-in device
+    with device-resident state and with the state on the host. Returns the CPU result, the two
+    device results and the uploads ``calls[counter]`` counted during each ({resident: ...})."""
+    import daskpty
+    from daskpty.execution import device_state
+    from distributed import Client, LocalCluster
+
+    results, uploads = {}, {}
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+        cpu = daskpty.reconstruct(data, device="cpu", client=client, **kwargs)
+        for resident in (True, False):
+            device_state.set_device_state(resident)
+            try:
+                before = calls.get(counter, 0)
+                results[resident] = daskpty.reconstruct(data, device="auto", client=client, **kwargs)
+                uploads[resident] = calls.get(counter, 0) - before
+            finally:
+                device_state.set_device_state(True)
+    return cpu, results, uploads
+
+
 @pytest.mark.parametrize("engine", ["lsqml", "ad"])
 def test_state_stays_on_device_between_rounds(fake_cupy, engine):
     """Device-resident state: each worker uploads its copy of the object once; the chunk steps,
@@ -254,28 +277,12 @@ def test_state_stays_on_device_between_rounds(fake_cupy, engine):
     after epoch, and the client receives NumPy arrays. With the state kept on the host
     (DASKPTY_DEVICE_STATE=0) every chunk step uploads its object box instead. Both give the CPU
     path's result."""
-    import daskpty
-    from daskpty.execution import device_state
-    from distributed import Client, LocalCluster
-
     ds = make_dataset(grid=8, seed=5)
     start = np.ones_like(ds.truth.object)
     epochs, rounds, chunks = 3, 2, 4
     kwargs = {"engine": engine, "epochs": epochs, "object": start, "chunk_length": 16,
               "rounds_per_epoch": rounds}
-    uploads = {}
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
-                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
-        cpu = daskpty.reconstruct(ds, device="cpu", client=client, **kwargs)
-        results = {}
-        for resident in (True, False):
-            device_state.set_device_state(resident)
-            try:
-                before = fake_cupy.get("object_uploads", 0)
-                results[resident] = daskpty.reconstruct(ds, device="auto", client=client, **kwargs)
-                uploads[resident] = fake_cupy.get("object_uploads", 0) - before
-            finally:
-                device_state.set_device_state(True)
+    cpu, results, uploads = _cpu_and_both_state_layouts(ds, fake_cupy, "object_uploads", **kwargs)
     for rec in results.values():
         assert type(rec.object) is np.ndarray and type(rec.probe) is np.ndarray  # left the device
         assert _relative(rec.object, cpu.object) < 1e-4
@@ -291,9 +298,7 @@ def test_multislice_state_stays_on_device(fake_cupy, engine):
     """The multislice engines' (K, H, W) state is device-resident too: same result as the CPU and
     as the host-state layout, with far fewer uploads of the slices."""
     import daskpty
-    from daskpty.execution import device_state
     from daskpty.simulate_multislice import simulate_multislice
-    from distributed import Client, LocalCluster
 
     ds = simulate_multislice(n_slices=2, noise=False, seed=2)
     g = ds.geometry
@@ -301,18 +306,7 @@ def test_multislice_state_stays_on_device(fake_cupy, engine):
                                object_pixel_size_m=g.pixel_size_m)
     kw = dict(engine=engine, epochs=3, rounds_per_epoch=2, chunk_length=25, slices=2, check_data=False,
               slice_spacing_m=2e-9)
-    uploads, results = {}, {}
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
-                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
-        cpu = daskpty.reconstruct(data, device="cpu", client=client, **kw)
-        for resident in (True, False):
-            device_state.set_device_state(resident)
-            try:
-                before = fake_cupy.get("stack_uploads", 0)
-                results[resident] = daskpty.reconstruct(data, device="auto", client=client, **kw)
-                uploads[resident] = fake_cupy.get("stack_uploads", 0) - before
-            finally:
-                device_state.set_device_state(True)
+    cpu, results, uploads = _cpu_and_both_state_layouts(data, fake_cupy, "stack_uploads", **kw)
     for rec in results.values():
         assert type(rec.object) is np.ndarray and rec.object.shape == cpu.object.shape
         assert _relative(rec.object, cpu.object) < 1e-4

@@ -4,6 +4,8 @@ import pytest
 
 from daskpty.execution.gpu import parse_nvidia_smi_list, worker_memory_settings
 
+from gpu_device import cupy_or_skip as _cupy
+
 NVIDIA_SMI_MIG = """\
 GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-5f3c0a1e-1111-2222-3333-444455556666)
   MIG 3g.20gb     Device  0: (UUID: MIG-aaaaaaaa-0000-1111-2222-333333333333)
@@ -27,14 +29,6 @@ def test_mig_memory_limits_are_absolute():
     assert worker_memory_settings(gpu, 0.8) == {"device_memory_limit": 0.8}
 
 
-def _cupy():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception:
-        pytest.skip("no CUDA device")
-    return cupy
 
 
 @pytest.mark.gpu

@@ -15,6 +15,8 @@ from scipy.optimize import minimize_scalar
 
 from daskpty.physics import kernels
 
+from gpu_device import cupy_or_skip as _cupy
+
 SHAPES = [(3, 1, 8, 8), (4, 2, 16, 16), (2, 3, 12, 10)]  # (B, M, ny, nx), modes > 1 included
 
 
@@ -504,14 +506,6 @@ def test_cuda_sources_compile_with_nvrtc(monkeypatch):
 # GPU: the fused CuPy path against the NumPy reference
 
 
-def _cupy():
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception:
-        pytest.skip("no CUDA device")
-    return cupy
 
 
 def _on_gpu(cupy, *arrays):
