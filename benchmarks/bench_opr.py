@@ -38,7 +38,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=256)
     parser.add_argument("--opr-modes", type=int, default=2)
-    parser.add_argument("--start-epoch", type=int, default=10)
+    parser.add_argument("--start-epoch", type=int, default=15)
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--chunk-only", action="store_true", help=argparse.SUPPRESS)

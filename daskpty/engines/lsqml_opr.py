@@ -30,6 +30,7 @@ from .probe_model import (
     check_finite,
     initial_eigen_probes,
     orthonormalize,
+    smooth_eigen_weights,
     solve_weight_steps,
     step_background,
 )
@@ -43,8 +44,9 @@ def model_local(local: dict | None, transform) -> dict:
     return out
 
 
-def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: int) -> dict:
-    """The patterns' weights and intensity factors after the step's least-squares updates."""
+def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: int, positions=None) -> dict:
+    """The patterns' weights and intensity factors after the step's least-squares updates
+    (the eigen-probe weights then smoothed over ``positions`` when ``model.weight_smoothing``)."""
     new = {}
     amp = variable._amp(slice(0, variable.n_patterns))
     if variable.weights is not None:
@@ -55,6 +57,8 @@ def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: in
                 gram = variable.weight_curvature()[:, free, free] * (amp * amp)[:, None, None]
                 rhs = variable.rhs[:, free] * amp[:, None]
                 w[:, free] += model.weight_step * solve_weight_steps(gram, rhs, trust=WEIGHT_TRUST / model.weight_step)
+                if model.weight_smoothing and positions is not None:
+                    w = smooth_eigen_weights(w, positions, model.weight_smoothing)
         new["opr_weights"] = w
     if variable.amplitude is not None:
         s = variable.amplitude.copy()
@@ -82,7 +86,8 @@ def variable_chunk_step(obj, probe, intensities, nominal, local: dict | None, *,
         part = lsqml.chunk_step(obj, probe, intensities, nominal, options=options, update_probe=update_probe,
                                 valid=valid, variable=variable)
     if mlocal and part.scalars:
-        part.local = {**part.local, **new_model_local(variable, model, epoch)}
+        where = part.local.get("positions", local.get("positions", nominal)) if local else nominal
+        part.local = {**part.local, **new_model_local(variable, model, epoch, where)}
     return part
 
 

@@ -46,6 +46,11 @@ CURVATURE_SAMPLES = 4
 #: the Gauss–Newton steps, whose linear model of the far field holds only for small changes.
 WEIGHT_TRUST = 0.05
 
+#: The weights' default Levenberg–Marquardt damping per engine (``curvature_damping=None``). AD's
+#: preconditioned gradient steps follow the object gently and take the nearly exact curvature;
+#: LSQML's least-squares steps overshoot below ~0.02 (docs/benchmarks.md, OPR).
+CURVATURE_DAMPING = {"lsqml": 0.02, "ad": 0.002}
+
 
 class ProbeModelDiverged(ValueError):
     """A per-pattern probe weight or intensity factor became non-finite (or absurdly large)."""
@@ -69,7 +74,12 @@ class ProbeModelOptions:
     max_weight: |weight| (relative to the mean probe) or intensity factor beyond which the run
         stops with :class:`ProbeModelDiverged`.
     curvature_damping: the weights' Levenberg–Marquardt damping, relative to the exit-wave
-        curvature ‖U_k O_j‖² (see :meth:`PatternProbes.weight_curvature`).
+        curvature ‖U_k O_j‖² (see :meth:`PatternProbes.weight_curvature`); None: the engine's
+        own (:data:`CURVATURE_DAMPING`: LSQML 0.02, AD 0.002, measured in docs/benchmarks.md).
+    weight_smoothing: σ in object pixels of a Gaussian smoothing of the eigen-probe weights
+        (k ≥ 1) over neighbouring scan positions after each step (0: off). The probe's shape
+        drifts slowly, so neighbours share it; the mean probe's weight (flux) is never smoothed.
+        Within a chunk only (each chunk keeps its own weights).
     """
 
     opr_modes: int | None = 0
@@ -80,7 +90,8 @@ class ProbeModelOptions:
     eigen_step: float = 0.5
     background_step: float = 0.5
     max_weight: float = 100.0
-    curvature_damping: float = 0.02
+    curvature_damping: float | None = None
+    weight_smoothing: float = 0.0
 
     def __post_init__(self):
         def check(ok, message):
@@ -100,8 +111,10 @@ class ProbeModelOptions:
         for name in ("weight_step", "eigen_step", "background_step"):
             v = getattr(self, name)
             check(_number(v) and 0 < v <= 1, f"{name} must lie in (0, 1], got {v!r}")
-        check(_number(self.curvature_damping) and 0 <= self.curvature_damping <= 1,
+        check(self.curvature_damping is None or _number(self.curvature_damping) and 0 <= self.curvature_damping <= 1,
               f"curvature_damping must lie in [0, 1], got {self.curvature_damping!r}")
+        check(_number(self.weight_smoothing) and self.weight_smoothing >= 0,
+              f"weight_smoothing must be a number of pixels >= 0, got {self.weight_smoothing!r}")
         check(_number(self.max_weight) and self.max_weight > 1,
               f"max_weight must be a number > 1, got {self.max_weight!r}")
 
@@ -176,6 +189,28 @@ def initial_local(n_patterns: int, options: ProbeModelOptions) -> dict:
     if options.fit_intensity:
         local["intensity_scale"] = np.ones((n_patterns, 1))
     return local
+
+
+def smooth_eigen_weights(weights, positions, sigma: float) -> np.ndarray:
+    """``weights`` (B, K) with columns 1 … K−1 replaced by their Gaussian average (σ = ``sigma``
+    pixels, cut at 3σ) over the patterns at ``positions`` (B, 2); column 0 (the mean probe's
+    weight, the flux) as given. A new array; ``sigma`` 0 returns the weights unchanged."""
+    weights = np.asarray(weights, dtype=np.float64)
+    if not sigma or weights.shape[1] < 2 or len(weights) < 2:
+        return weights
+    from scipy.spatial import cKDTree
+
+    pos = np.asarray(positions, dtype=np.float64)
+    tree = cKDTree(pos)
+    pairs = tree.sparse_distance_matrix(tree, 3.0 * sigma, output_type="coo_matrix")
+    kernel = pairs.copy()
+    kernel.data = np.exp(-0.5 * (pairs.data / sigma) ** 2)
+    kernel.setdiag(1.0)  # the pattern itself (distance 0 is not stored)
+    kernel = kernel.tocsr()
+    norm = np.asarray(kernel.sum(axis=1)).ravel()
+    out = weights.copy()
+    out[:, 1:] = (kernel @ weights[:, 1:]) / norm[:, None]
+    return out
 
 
 def effective_weights(weights, transform) -> np.ndarray:
@@ -444,7 +479,7 @@ class PatternProbes:
         self._curvature += (curv / mean_power[:, None, None]).sum(axis=0)
         self._curvature_count += s
 
-    def weight_curvature(self) -> np.ndarray:
+    def weight_curvature(self, engine: str = "lsqml") -> np.ndarray:
         """The weights' curvature matrices per unit s_j² (B, K, K): the sampled Gauss–Newton
         curvature per unit ⟨|O|²⟩, plus ``curvature_damping`` times the exit-wave one
         (diag ‖U_k‖², the whole change of the exit wave), times each pattern's ⟨|O_j|²⟩. The
@@ -452,6 +487,8 @@ class PatternProbes:
         quadrature: its intensity changes at second order, which the Gauss–Newton curvature
         leaves out, so an undamped step overshoots."""
         damping = self.options.curvature_damping
+        if damping is None:
+            damping = CURVATURE_DAMPING[engine]
         unit = self._curvature / max(self._curvature_count, 1)
         norms = to_numpy(self.xp.sum(self.xp.abs(self.basis.reshape(len(self.basis), -1)) ** 2, axis=1))
         unit = unit + damping * np.diag(np.asarray(norms, np.float64))

@@ -21,7 +21,7 @@ import numpy as np
 
 from ...physics import ifft2
 from ..probe_model import (PROBE_MODEL_KEYS, WEIGHT_TRUST, PatternProbes, ProbeModelOptions, centred_eigen_terms,
-                           check_finite, solve_weight_steps)
+                           check_finite, smooth_eigen_weights, solve_weight_steps)
 from .gradient import chunk_gradient, refining_chunk_gradient
 
 
@@ -71,9 +71,12 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
             if "opr_weights" in grads:
                 free = slice(0, w.shape[1]) if model.fit_mean_weight else slice(1, w.shape[1])
                 if free.stop > free.start:
-                    gram = variable.weight_curvature()[:, free, free] * (amp * amp)[:, None, None]
+                    gram = variable.weight_curvature("ad")[:, free, free] * (amp * amp)[:, None, None]
                     w[:, free] -= model.weight_step * solve_weight_steps(
                         gram, kappa * grads["opr_weights"][:, free], trust=WEIGHT_TRUST / model.weight_step)
+                    if model.weight_smoothing:
+                        where = part.local.get("positions", (local or {}).get("positions", nominal))
+                        w = smooth_eigen_weights(w, where, model.weight_smoothing)
             new["opr_weights"] = w
         if variable.amplitude is not None:
             c = amp * amp
