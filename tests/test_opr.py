@@ -126,16 +126,18 @@ def test_opr_recovers_the_object_and_the_flux(runs, engine):
     assert r_flux > 0.9
 
 
-def test_ad_opr_is_within_1_2x_of_the_constant_probe_scan(client):
-    """The issue's target for AD: the drifting, flickering scan with OPR K = 2 (weights from
-    epoch 15, the AD default damping) within 1.2× the object NRMSE of the same scan with one
-    constant probe; LSQML does not reach it yet (docs/benchmarks.md, OPR)."""
+@pytest.mark.parametrize("engine, bound", [("ad", 1.2), ("lsqml", 1.6)])
+def test_opr_against_the_constant_probe_scan(client, engine, bound):
+    """The drifting, flickering scan with OPR K = 2 (weights from epoch 15, the engines' default
+    damping and eigen-probe steps) against the same scan with one constant probe: AD within the
+    issue's 1.2× (measured 1.14×); LSQML does not reach it yet (1.49×: its intensity factors
+    trade with smooth object amplitude, docs/benchmarks.md, OPR), 1.6× guards what it has."""
     constant, varying = simulate_variable_probe(constant=True), simulate_variable_probe()
-    e_const = _nrmse(_run(constant, client, engine="ad", epochs=40), constant)
-    e_opr = _nrmse(_run(varying, client, engine="ad", epochs=40, opr_modes=2, probe_model={"start_epoch": 15}),
+    e_const = _nrmse(_run(constant, client, engine=engine, epochs=40), constant)
+    e_opr = _nrmse(_run(varying, client, engine=engine, epochs=40, opr_modes=2, probe_model={"start_epoch": 15}),
                    varying)
-    print(f"AD: NRMSE constant probe {e_const:.4f}, drifting with OPR {e_opr:.4f} ({e_opr / e_const:.2f}x)")
-    assert e_opr < 1.2 * e_const
+    print(f"{engine}: NRMSE constant probe {e_const:.4f}, drifting with OPR {e_opr:.4f} ({e_opr / e_const:.2f}x)")
+    assert e_opr < bound * e_const
 
 
 def test_weight_smoothing_keeps_the_flux_and_a_linear_drift():
@@ -154,10 +156,14 @@ def test_weight_smoothing_keeps_the_flux_and_a_linear_drift():
     np.testing.assert_array_equal(pm.smooth_eigen_weights(w, pos, 0.0), w)
 
 
-def test_default_curvature_damping_depends_on_the_engine():
-    model = pm.ProbeModelOptions(opr_modes=2)
+def test_settings_left_none_take_the_engines_defaults():
+    model = pm.ProbeModelOptions(opr_modes=2, eigen_step=0.3)
     assert model.curvature_damping is None
-    assert pm.CURVATURE_DAMPING["ad"] < pm.CURVATURE_DAMPING["lsqml"]
+    lsqml, ad = model.for_engine("lsqml"), model.for_engine("ad")
+    assert (lsqml.curvature_damping, ad.curvature_damping) == (pm.ENGINE_DEFAULTS["lsqml"]["curvature_damping"],
+                                                               pm.ENGINE_DEFAULTS["ad"]["curvature_damping"])
+    assert lsqml.eigen_step == ad.eigen_step == 0.3      # a given setting is kept
+    assert pm.ProbeModelOptions(opr_modes=2).for_engine("lsqml").eigen_step == pm.ENGINE_DEFAULTS["lsqml"]["eigen_step"]
 
 
 @pytest.mark.parametrize("engine", ["lsqml", "ad"])

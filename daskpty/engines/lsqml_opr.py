@@ -75,6 +75,7 @@ def variable_chunk_step(obj, probe, intensities, nominal, local: dict | None, *,
                         eigen, transform, background, epoch: int, update_probe: bool, valid=None,
                         positions=None, affine=None):
     """One LSQML chunk step with the varying probe (and refined positions when ``positions``)."""
+    model = model.for_engine("lsqml")
     mlocal = model_local(local, transform)
     variable = PatternProbes(model, probe, eigen, mlocal, intensities, active=model.active(epoch),
                              background=background)
@@ -93,6 +94,7 @@ def variable_chunk_step(obj, probe, intensities, nominal, local: dict | None, *,
 
 def apply(state, total, model: ProbeModelOptions, delta: float = 0.1, valid=None) -> None:
     """The probe model's share of ``lsqml.apply``: eigen-probe and background updates (new arrays)."""
+    model = model.for_engine("lsqml")
     arrays = total.arrays
     if "opr_eigen_num" in arrays and state.eigen_probes is not None:
         num, den = centred_eigen_terms(arrays, total.scalars.get("n", 1.0))

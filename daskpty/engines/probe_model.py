@@ -23,6 +23,7 @@ Pure functions on NumPy/CuPy arrays; no dask.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,10 +47,15 @@ CURVATURE_SAMPLES = 4
 #: the Gauss–Newton steps, whose linear model of the far field holds only for small changes.
 WEIGHT_TRUST = 0.05
 
-#: The weights' default Levenberg–Marquardt damping per engine (``curvature_damping=None``). AD's
-#: preconditioned gradient steps follow the object gently and take the nearly exact curvature;
-#: LSQML's least-squares steps overshoot below ~0.02 (docs/benchmarks.md, OPR).
-CURVATURE_DAMPING = {"lsqml": 0.02, "ad": 0.002}
+#: Each engine's defaults of the settings left None (:meth:`ProbeModelOptions.for_engine`),
+#: measured on the drifting, flickering scan of benchmarks/bench_opr.py (docs/benchmarks.md,
+#: OPR). AD takes the nearly exact weight curvature (damping 0.002: 1.43× → 1.14× the
+#: constant-probe NRMSE) and full eigen-probe steps. LSQML's eigen-probe least-squares step
+#: regresses the residual, object errors included, on still-small weights, and overshoots: a
+#: step of 0.02 instead of 0.5 takes it from 1.88× to 1.49× (1.75× → 1.16× on a second seed);
+#: its weights need the stronger damping.
+ENGINE_DEFAULTS = {"lsqml": {"curvature_damping": 0.02, "eigen_step": 0.02},
+                   "ad": {"curvature_damping": 0.002, "eigen_step": 0.5}}
 
 
 class ProbeModelDiverged(ValueError):
@@ -69,13 +75,14 @@ class ProbeModelOptions:
         (epochs count from 0; the object should have formed first).
     weight_step: damping of the per-pattern least-squares steps of weights and intensity
         factors (LSQML) or their preconditioned gradient steps (AD), 0 < step ≤ 1.
-    eigen_step: damping of the eigen-probe updates, 0 < step ≤ 1.
+    eigen_step: damping of the eigen-probe updates, 0 < step ≤ 1 (None: the engine's own,
+        :data:`ENGINE_DEFAULTS`: LSQML 0.02, AD 0.5).
     background_step: damping of the background update, 0 < step ≤ 1.
     max_weight: |weight| (relative to the mean probe) or intensity factor beyond which the run
         stops with :class:`ProbeModelDiverged`.
     curvature_damping: the weights' Levenberg–Marquardt damping, relative to the exit-wave
         curvature ‖U_k O_j‖² (see :meth:`PatternProbes.weight_curvature`); None: the engine's
-        own (:data:`CURVATURE_DAMPING`: LSQML 0.02, AD 0.002, measured in docs/benchmarks.md).
+        own (:data:`ENGINE_DEFAULTS`: LSQML 0.02, AD 0.002).
     weight_smoothing: σ in object pixels of a Gaussian smoothing of the eigen-probe weights
         (k ≥ 1) over neighbouring scan positions after each step (0: off). The probe's shape
         drifts slowly, so neighbours share it; the mean probe's weight (flux) is never smoothed.
@@ -87,7 +94,7 @@ class ProbeModelOptions:
     background: str | None = None
     start_epoch: int = 2
     weight_step: float = 0.5
-    eigen_step: float = 0.5
+    eigen_step: float | None = None
     background_step: float = 0.5
     max_weight: float = 100.0
     curvature_damping: float | None = None
@@ -110,13 +117,19 @@ class ProbeModelOptions:
               f"start_epoch must be an integer >= 0, got {self.start_epoch!r}")
         for name in ("weight_step", "eigen_step", "background_step"):
             v = getattr(self, name)
-            check(_number(v) and 0 < v <= 1, f"{name} must lie in (0, 1], got {v!r}")
+            check(v is None and name == "eigen_step" or _number(v) and 0 < v <= 1,
+                  f"{name} must lie in (0, 1], got {v!r}")
         check(self.curvature_damping is None or _number(self.curvature_damping) and 0 <= self.curvature_damping <= 1,
               f"curvature_damping must lie in [0, 1], got {self.curvature_damping!r}")
         check(_number(self.weight_smoothing) and self.weight_smoothing >= 0,
               f"weight_smoothing must be a number of pixels >= 0, got {self.weight_smoothing!r}")
         check(_number(self.max_weight) and self.max_weight > 1,
               f"max_weight must be a number > 1, got {self.max_weight!r}")
+
+    def for_engine(self, engine: str) -> "ProbeModelOptions":
+        """These options with every setting left None set to ``engine``'s default."""
+        unset = {k: v for k, v in ENGINE_DEFAULTS[engine].items() if getattr(self, k) is None}
+        return dataclasses.replace(self, **unset) if unset else self
 
     @classmethod
     def from_arguments(cls, opr_modes=None, fit_intensity=False, background=None,
@@ -479,7 +492,7 @@ class PatternProbes:
         self._curvature += (curv / mean_power[:, None, None]).sum(axis=0)
         self._curvature_count += s
 
-    def weight_curvature(self, engine: str = "lsqml") -> np.ndarray:
+    def weight_curvature(self) -> np.ndarray:
         """The weights' curvature matrices per unit s_j² (B, K, K): the sampled Gauss–Newton
         curvature per unit ⟨|O|²⟩, plus ``curvature_damping`` times the exit-wave one
         (diag ‖U_k‖², the whole change of the exit wave), times each pattern's ⟨|O_j|²⟩. The
@@ -487,8 +500,6 @@ class PatternProbes:
         quadrature: its intensity changes at second order, which the Gauss–Newton curvature
         leaves out, so an undamped step overshoots."""
         damping = self.options.curvature_damping
-        if damping is None:
-            damping = CURVATURE_DAMPING[engine]
         unit = self._curvature / max(self._curvature_count, 1)
         norms = to_numpy(self.xp.sum(self.xp.abs(self.basis.reshape(len(self.basis), -1)) ** 2, axis=1))
         unit = unit + damping * np.diag(np.asarray(norms, np.float64))

@@ -46,6 +46,7 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
                             want_probe: bool = True, positions=None, affine=None):
     """One AD chunk gradient with the varying probe; the chunk's weights and intensity factors
     take their step here (``part.local``), the global gradients ride ``part.arrays``."""
+    model = model.for_engine("ad")
     mlocal = {k: local[k] for k in PROBE_MODEL_KEYS if local and k in local}
     if "opr_weights" in mlocal and transform is not None:
         mlocal["opr_weights"] = np.asarray(mlocal["opr_weights"], np.float64) @ np.asarray(transform, np.float64)
@@ -71,7 +72,7 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
             if "opr_weights" in grads:
                 free = slice(0, w.shape[1]) if model.fit_mean_weight else slice(1, w.shape[1])
                 if free.stop > free.start:
-                    gram = variable.weight_curvature("ad")[:, free, free] * (amp * amp)[:, None, None]
+                    gram = variable.weight_curvature()[:, free, free] * (amp * amp)[:, None, None]
                     w[:, free] -= model.weight_step * solve_weight_steps(
                         gram, kappa * grads["opr_weights"][:, free], trust=WEIGHT_TRUST / model.weight_step)
                     if model.weight_smoothing:
@@ -93,6 +94,7 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
 
 def apply(state, total, model: ProbeModelOptions, loss: str, delta: float = 0.1) -> None:
     """The probe model's share of ``ad.apply``: eigen-probe and background steps (new arrays)."""
+    model = model.for_engine("ad")
     arrays = total.arrays
     n = max(total.scalars.get("n", 1.0), 1.0)
     pixels = None
