@@ -110,6 +110,83 @@ def test_refinement_recovers_positions(scan, client, engine, epochs):
     assert "affine_scale_x" in refined.history[-1]
 
 
+def test_window_deformation_recovers_a_known_deformation():
+    """The windows' normal equations (lsqml.WindowDeformation) on exit-wave residuals made by
+    sampling a smooth object at u + L u: the solved L is the L used (to first order)."""
+    from scipy.ndimage import gaussian_filter, map_coordinates
+
+    from daskpty.engines.positions import central_gradients, solve_window_deformation
+
+    rng = np.random.default_rng(4)
+    n, size = 32, 128
+    field = gaussian_filter(rng.normal(size=(2, size, size)), (0, 2.5, 2.5))
+    obj = (np.exp(0.5j * field[0] / field[0].std()) * (1 + 0.1 * field[1] / field[1].std())).astype(np.complex64)
+    yy, xx = np.meshgrid(np.arange(n) - (n - 1) / 2, np.arange(n) - (n - 1) / 2, indexing="ij")
+    probe = np.exp(-(yy ** 2 + xx ** 2) / (2 * 7.0 ** 2)).astype(np.complex64)
+    true_l = np.array([[0.004, -0.003], [0.002, 0.005]])
+    corners = np.stack(np.meshgrid(np.arange(20, 80, 6), np.arange(20, 80, 6), indexing="ij"), -1).reshape(-1, 2)
+    dy, dx = central_gradients(obj, np)
+    deform = lsqml.WindowDeformation(n, len(corners), np)
+
+    def sample(a, cy, cx):
+        return map_coordinates(a.real, [cy, cx], order=3) + 1j * map_coordinates(a.imag, [cy, cx], order=3)
+
+    g, w, grads = [], [], ([], [])
+    for c in corners:
+        centre = c + (n - 1) / 2
+        uy, ux = true_l[0, 0] * yy + true_l[0, 1] * xx, true_l[1, 0] * yy + true_l[1, 1] * xx
+        moved = sample(obj, centre[0] + yy + uy, centre[1] + xx + ux)
+        here = obj[c[0]:c[0] + n, c[1]:c[1] + n]
+        chi = probe * (moved - here)
+        g.append(np.conj(probe) * chi)
+        w.append(np.abs(probe) ** 2)
+        grads[0].append(dy[c[0]:c[0] + n, c[1]:c[1] + n])
+        grads[1].append(dx[c[0]:c[0] + n, c[1]:c[1] + n])
+    deform.add([np.asarray(v, np.complex64) for v in grads], np.asarray(g, np.complex64), np.asarray(w, np.float32))
+    sums = deform.sums(corners + n / 2)
+    got = solve_window_deformation(sums["window_num"], sums["window_gram"])
+    np.testing.assert_allclose(got, true_l, rtol=0, atol=0.1 * np.abs(true_l).max())
+    assert sums["window_positions"][2] == len(corners)
+
+
+@pytest.fixture(scope="module")
+def wide_scan():
+    """A wider scan (24 × 24 positions, 5 px apart): there a 1.5 % scale error moves the edge
+    patterns by ~0.9 px, beside 1 px of random error (on the 12 × 12 scan by 0.3 px only)."""
+    ds = make_dataset(n=32, grid=24, step=5.0, photons=1e6, seed=2)
+    return ds, perturb(ds.truth.positions, seed=3)
+
+
+def test_window_correction_removes_the_scans_rotation_and_scale(wide_scan, client):
+    """LSQML on a scan with 1 px random, 1.5 % scale and 0.5° rotation errors: the per-pattern
+    shifts leave most of the global part; the window correction (window_gain, default 0.5)
+    removes more of it."""
+    from daskpty.engines.positions import affine_parameters
+
+    ds, nominal = wide_scan
+    truth = ds.truth.positions
+    off = _run(ds, nominal, client, epochs=40, refine_positions={"window_gain": 0})
+    on = _run(ds, nominal, client, epochs=40, refine_positions={})
+    start = dict(epochs=40, probe=ds.truth.probe)   # window_scale needs a probe of the right size
+    off_p = _run(ds, nominal, client, refine_positions={"window_gain": 0}, **start)
+    scaled = _run(ds, nominal, client, refine_positions={"window_scale": True}, **start)
+
+    def global_error(rec):
+        design = np.c_[truth, np.ones(len(truth))]
+        a = np.linalg.lstsq(design, rec.positions - rec.origin, rcond=None)[0]
+        p = affine_parameters(a)
+        return abs(p["affine_scale_y"] - 1) + abs(p["affine_scale_x"] - 1), abs(p["affine_rotation_deg"])
+
+    (s_off, r_off), (s_on, r_on), (s_offp, _), (s_sc, _) = map(global_error, (off, on, off_p, scaled))
+    e_off, e_on, e_offp, e_sc = (position_error(r.positions - r.origin, truth) for r in (off, on, off_p, scaled))
+    print(f"window correction off / on: rotation {r_off:.3f} / {r_on:.3f} deg, position error {e_off:.3f} / "
+          f"{e_on:.3f} px; from the true probe, off / window_scale: scale error {s_offp:.4f} / {s_sc:.4f}, "
+          f"position error {e_offp:.3f} / {e_sc:.3f} px")
+    assert r_on < 0.5 * r_off and e_on < e_off
+    assert s_sc < 0.7 * s_offp and e_sc < e_offp
+    assert "affine_window_rotation_deg" in on.history[-1]
+
+
 @pytest.mark.parametrize("engine", ["lsqml", "ad"])
 def test_two_workers_equal_one_and_rounds_from_the_client(scan, client, engine):
     """Bit for bit up to float32 rounding: 1 worker, 2 workers, and round by round from the
@@ -136,6 +213,7 @@ def test_resume_with_refinement_is_bit_identical(scan, client, tmp_path):
     _run(ds, nominal, client, epochs=3, checkpoint=tmp_path / "c.zarr", **kw)
     stored = daskpty.Reconstruction.from_zarr(tmp_path / "c.zarr")
     assert "position_velocity" in stored.engine_state and stored.nominal_positions is not None
+    assert "window_map" in stored.engine_state        # the window correction pending for epoch 4
     resumed = _run(ds, nominal, client, epochs=6, resume=tmp_path / "c.zarr", **kw)
     np.testing.assert_array_equal(resumed.positions, straight.positions)
     np.testing.assert_array_equal(resumed.object, straight.object)

@@ -59,6 +59,20 @@ class PositionOptions:
         constraint). Default 0: it pulls the random part of the errors back towards the map of
         the nominal positions (same benchmark: 0.94 px left with 0.1, 0.60 px with 0). Raise it
         when the scan is known to be an affine map of the nominal one plus little noise.
+    window_gain: LSQML: fraction of the scan's global rotation, as seen inside the windows,
+        corrected after each epoch (0 disables). A global rotation (or scale) error of the
+        positions makes the object turn (or stretch) with them, which the per-pattern shifts
+        cannot see; inside every window the data still see it, as one linear deformation L of
+        the window's content (:class:`~daskpty.engines.lsqml.WindowDeformation`, tiny additive
+        sums). The positions then move by (I + g L)⁻¹ about their centroid and the object is
+        resampled with them (:func:`window_correction`). 576 × 64², 1 px + 1.5 % + 0.5° errors,
+        50 epochs: 0.88 → 0.74 px (rotation 0.22° → 0.04° left), NRMSE 1.97 → 1.34× the
+        true-position run; 1 px-only scans unharmed. Above 1 it runs away.
+    window_scale: also correct the symmetric part of L (scale and shear). The probe's size
+        decides what scale the windows ask for, so only with a probe of the right size (from
+        the optics or the store, not guessed from the mean pattern, which made it rescale a
+        scan by 2 % the wrong way): same case 0.88 → 0.51 px, NRMSE 1.24×; −1.5 % scale
+        error: 0.59 → 0.30 px.
     remove_drift: also remove the mean displacement (the fitted map keeps the nominal centroid).
     max_displacement: refinement stops with :class:`PositionsDiverged` when a pattern drifts
         farther than this from its nominal position, pixels (default: a quarter of the probe size).
@@ -74,6 +88,8 @@ class PositionOptions:
     affine: bool = True
     affine_gain: float = 3.0
     affine_blend: float = 0.0
+    window_gain: float = 0.5
+    window_scale: bool = False
     remove_drift: bool = False
     max_displacement: float | None = None
 
@@ -97,6 +113,10 @@ class PositionOptions:
               f"affine_gain must lie in [1, 20], got {self.affine_gain!r}")
         check(_number(self.affine_blend) and 0 <= self.affine_blend <= 1,
               f"affine_blend must lie in [0, 1], got {self.affine_blend!r}")
+        check(_number(self.window_gain) and 0 <= self.window_gain <= 1,
+              f"window_gain must lie in [0, 1], got {self.window_gain!r}")
+        check(isinstance(self.window_scale, (bool, np.bool_)),
+              f"window_scale must be True or False, got {self.window_scale!r}")
         check(self.max_displacement is None or (_number(self.max_displacement) and self.max_displacement > 0),
               f"max_displacement must be positive or None, got {self.max_displacement!r}")
 
@@ -286,12 +306,18 @@ def affine_parameters(affine) -> dict:
 
 def positions_for_step(local: dict, nominal, affine, options: PositionOptions, epoch: int, n: int,
                        object_shape) -> np.ndarray:
-    """The positions a chunk step uses: the refined ones, moved by the last epoch's affine map
-    (``affine``: ``(fit, boost)`` or None) once refinement is active."""
+    """The positions a chunk step uses: the refined ones, moved by the last epoch's window
+    correction and affine map (``affine``: ``(fit, boost[, window])`` or None, any of them
+    None) once refinement is active."""
     refined = local["positions"]
-    if options.active(epoch) and affine is not None and options.affine:
-        refined = keep_inside(move_to_affine(refined, nominal, *affine, options.affine_blend), n, object_shape)
-    return refined
+    if not options.active(epoch) or affine is None:
+        return refined
+    fit, boost, window = (tuple(affine) + (None,))[:3]
+    if window is not None:                 # the scan's correction from the window deformation
+        refined = _design(refined) @ window
+    if fit is not None and options.affine:
+        refined = move_to_affine(refined, nominal, fit, boost, options.affine_blend)
+    return keep_inside(refined, n, object_shape)
 
 
 def finish_step(part, new: dict, used, nominal, options: PositionOptions, epoch: int, n: int, object_shape):
@@ -325,3 +351,66 @@ def fit_affine(state, options: PositionOptions) -> None:
             state.affine_boost = affine_boost(state.affine, state.affine_boost, fitted, options.affine_gain)
             state.affine = fitted
     state.affine_sums = None
+
+
+# --- the scan's global deformation, seen inside the windows (LSQML) --------------------------
+
+WINDOW_KEYS = ("window_num", "window_gram", "window_positions")
+
+
+def window_correction(deformation, centre, gain: float):
+    """From the windows' deformation L (2, 2): the map of the positions W (3, 2),
+    r ← c + (I + g L)⁻¹ (r − c) as [r, 1] · W, and the object's resampling (matrix, offset),
+    O(x) ← O(c + (I + g L)(x − c)). Together they leave every window where it was on the object
+    and give its content the deformation the data asked for: O_new(r_new + u) = O(r + (I + g L) u)."""
+    m = np.eye(2) + gain * np.asarray(deformation, np.float64)
+    inv = np.linalg.inv(m)
+    c = np.asarray(centre, np.float64)
+    window = np.vstack([inv.T, c - c @ inv.T])
+    return window, m, c - m @ c
+
+
+def solve_window_deformation(num, gram, tikhonov: float = 1e-6) -> np.ndarray | None:
+    """L (2, 2), rows the object axis (y, x) and columns the window offset's, from the summed
+    normal equations of :class:`~daskpty.engines.lsqml.WindowDeformation`; None if singular."""
+    gram = np.asarray(gram, np.float64)
+    trace = float(np.trace(gram))
+    if not np.isfinite(trace) or trace <= 0:
+        return None
+    return np.linalg.solve(gram + tikhonov * trace / 4 * np.eye(4), np.asarray(num, np.float64)).reshape(2, 2)
+
+
+def window_parameters(deformation) -> dict:
+    """History entries of the windows' deformation L: ``affine_window_scale`` (tr L / 2, the
+    isotropic stretch the data asked for) and ``affine_window_rotation_deg`` ((L_xy − L_yx)/2)."""
+    if deformation is None:
+        return {}
+    L = np.asarray(deformation, np.float64)
+    return {"affine_window_scale": float(np.trace(L) / 2),
+            "affine_window_rotation_deg": float(np.degrees((L[1, 0] - L[0, 1]) / 2))}
+
+
+def accumulate_window(state, total) -> None:
+    """``apply``: add a round's window-deformation sums to the epoch's (a new dict)."""
+    if "window_num" in total.arrays:
+        sums = state.window_sums or {}
+        state.window_sums = {k: sums.get(k, 0.0) + np.asarray(total.arrays[k], np.float64) for k in WINDOW_KEYS}
+
+
+def fit_window(state, options: PositionOptions):
+    """End of an epoch: the windows' deformation L of the epoch (``state.window_deformation``,
+    for the history) and, with ``window_gain``, the next epoch's map of the positions
+    (``state.window_map``); returns the object's resampling ``(matrix, offset)`` or None."""
+    sums, state.window_sums, state.window_map = state.window_sums, None, None
+    if sums is None:
+        return None
+    state.window_deformation = solve_window_deformation(sums["window_num"], sums["window_gram"])
+    count = sums["window_positions"][2]
+    if state.window_deformation is None or not options.window_gain or count < 3:
+        return None
+    centre = sums["window_positions"][:2] / count
+    L = state.window_deformation
+    if not options.window_scale:          # the rotation only: the antisymmetric part of L
+        L = (L - L.T) / 2
+    state.window_map, matrix, offset = window_correction(L, centre, options.window_gain)
+    return matrix, offset

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engines import lsqml
-from ..engines.positions import PositionOptions, affine_parameters, fit_affine, initial_local
+from ..engines.positions import PositionOptions, affine_parameters, fit_affine, fit_window, initial_local, window_parameters
 from .device_state import fetch_host_state
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
@@ -88,11 +88,13 @@ class LSQMLAdapter:
     def payload(self, state: lsqml.LSQMLState) -> LSQMLPayload:
         return LSQMLPayload(state.object, state.probe, self.options, state.update_probe(self.options), self.valid,
                             self.positions, state.epoch,
-                            None if state.affine is None else (state.affine, state.affine_boost))
+                            None if state.affine is None and state.window_map is None
+                            else (state.affine, state.affine_boost, state.window_map))
 
     def epoch_scalars(self, state) -> dict:
         """The fitted affine map's parameters, for the epoch's history entry."""
-        return {} if state.affine is None else affine_parameters(state.affine)
+        out = {} if state.affine is None else affine_parameters(state.affine)
+        return {**out, **window_parameters(state.window_deformation)}
 
     def apply(self, state, total):
         return lsqml.apply(state, total, self.options)
@@ -107,6 +109,9 @@ class LSQMLAdapter:
 
     def end_epoch(self, state):
         if self.positions is not None:
+            warp = fit_window(state, self.positions)
+            if warp is not None:
+                lsqml.resample_object_state(state, *warp)
             fit_affine(state, self.positions)
         return lsqml.end_epoch(state, self.options)
 
@@ -114,12 +119,13 @@ class LSQMLAdapter:
         """A state from an object, a probe and (when resuming) the saved engine arrays."""
         engine_state = engine_state or {}
         return lsqml.LSQMLState(object=obj, probe=probe, epoch=epoch, velocity=engine_state.get("velocity"),
-                                affine=engine_state.get("affine"), affine_boost=engine_state.get("affine_boost"))
+                                affine=engine_state.get("affine"), affine_boost=engine_state.get("affine_boost"),
+                                window_map=engine_state.get("window_map"))
 
     def engine_state(self, state) -> dict:
         """Arrays beyond object and probe needed to continue exactly (for checkpoints)."""
         out = {} if state.velocity is None else {"velocity": state.velocity}
-        for name in ("affine", "affine_boost"):
+        for name in ("affine", "affine_boost", "window_map"):
             if getattr(state, name) is not None:
                 out[name] = getattr(state, name)
         return out
