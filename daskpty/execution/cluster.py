@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 
 from distributed import Client, LocalCluster
 
@@ -92,11 +93,28 @@ def start_local_cluster(n_workers: int | None = None, threads_per_worker: int = 
         return LocalCUDACluster(n_workers=n_workers, dashboard_address=address, **kwargs)
     if n_workers is None:
         n_workers = max(1, (os.cpu_count() or 1) // threads_per_worker)
+    if processes and not main_module_importable():
+        warnings.warn("daskpty: this script has no file that worker processes could import "
+                      "(python - <<EOF); the local cluster runs its workers as threads "
+                      "in this process instead. Save the script to a file for worker processes.",
+                      RuntimeWarning, stacklevel=2)
+        processes = False
     if processes:
         kwargs.setdefault("host", "127.0.0.1")
     return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
                         processes=processes, memory_limit=memory_limit,
                         dashboard_address=address, **kwargs)
+
+
+def main_module_importable() -> bool:
+    """Whether worker processes can start: multiprocessing's spawn re-imports ``__main__`` from
+    its ``__file__``, and a script read from standard input (``python - <<EOF``) has the file
+    ``"<stdin>"``, which does not exist (the workers fail with "Nanny failed to start").
+    Without a ``__file__`` (``python -c``, interactive sessions, notebooks) spawn skips it."""
+    import sys
+
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    return path is None or os.path.exists(path)
 
 
 def _abandon(clusters) -> None:

@@ -1,0 +1,29 @@
+"""The embedded default cluster: worker processes unless the script cannot be re-imported."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from daskpty.execution.cluster import main_module_importable, start_local_cluster
+
+
+def test_a_script_from_stdin_gets_thread_workers_with_a_warning(monkeypatch):
+    """``python - <<EOF`` scripts have ``__file__ == "<stdin>"``: spawned worker processes would
+    fail to re-import it ("Nanny failed to start"), so the cluster runs thread workers."""
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", "<stdin>", raising=False)
+    assert not main_module_importable()
+    with pytest.warns(RuntimeWarning, match="no file that worker processes could import"):
+        cluster = start_local_cluster(n_workers=1, gpu=False, dashboard=False)
+    with cluster:
+        kinds = {type(w).__name__ for w in cluster.workers.values()}
+    assert kinds == {"Worker"}          # in-process workers, not Nannies
+
+
+def test_scripts_with_a_file_or_none_keep_worker_processes(monkeypatch, tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text("")
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
+    assert main_module_importable()
+    monkeypatch.delattr(sys.modules["__main__"], "__file__", raising=False)
+    assert main_module_importable()     # python -c, notebooks: spawn does not re-import
