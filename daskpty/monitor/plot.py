@@ -284,6 +284,9 @@ def plot_positions(ax, rec, *, max_arrows: int = 4000):
     if "affine_scale_x" in last:
         title += (f"\naffine: scale {last['affine_scale_y']:.4f}/{last['affine_scale_x']:.4f}, "
                   f"rotation {last['affine_rotation_deg']:.2f}°")
+    if "affine_window_scale" in last:  # what the windows still ask for (LSQML window correction)
+        title += (f"; windows ask {100 * last['affine_window_scale']:+.2f} %, "
+                  f"{last['affine_window_rotation_deg']:+.3f}°")
     ax.set_title(title, fontsize=9)
     return distance
 
