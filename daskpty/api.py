@@ -134,6 +134,18 @@ def _probe_modes_hint(probe, probe_modes, resumed) -> int:
 
 
 @holding_lock_of("checkpoint")  # one writer per store (daskpty.io.lock)
+def _warn_late_start(epochs: int, positions, model) -> None:
+    """One warning when position refinement or the probe model would start after the run ends."""
+    import warnings
+
+    for what, options, key in (("position refinement", positions, "refine_positions"),
+                               ("the varying-probe fit", model, "probe_model")):
+        if options is not None and epochs and options.start_epoch >= epochs:
+            warnings.warn(f"daskpty: {what} starts at epoch {options.start_epoch} but the run has {epochs} "
+                          f"epochs, so it never runs; pass more epochs or {key}={{'start_epoch': ...}}",
+                          UserWarning, stacklevel=3)
+
+
 def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, object=None,
                 refine_positions=False, opr_modes: int | None = None, fit_intensity: bool = False,
                 background: str | None = None, probe_model=None, probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
@@ -275,6 +287,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     adapter.positions = PositionOptions.from_argument(refine_positions)
     sample = SampleOptions.from_arguments(sample, slices, slice_spacing_m)
     model = ProbeModelOptions.from_arguments(opr_modes, fit_intensity, background, probe_model)
+    _warn_late_start(epochs, adapter.positions, model)
     if model is not None:
         from .execution.variable_probe import with_probe_model
 

@@ -156,6 +156,14 @@ def test_weight_smoothing_keeps_the_flux_and_a_linear_drift():
     np.testing.assert_array_equal(pm.smooth_eigen_weights(w, pos, 0.0), w)
 
 
+def test_a_fit_that_would_start_after_the_run_warns(client):
+    ds = simulate_variable_probe(grid=6)
+    with pytest.warns(UserWarning, match="varying-probe fit starts at epoch 15 but the run has 3 epochs"):
+        _run(ds, client, epochs=3, opr_modes=2)
+    with pytest.warns(UserWarning, match="position refinement starts at epoch 10"):
+        _run(ds, client, epochs=3, refine_positions=True)
+
+
 def test_settings_left_none_take_the_engines_defaults():
     model = pm.ProbeModelOptions(opr_modes=2, eigen_step=0.3)
     assert model.curvature_damping is None
@@ -239,8 +247,11 @@ def test_cli_fits_opr_and_show_draws_the_weights(tmp_path):
     daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(tmp_path / "s.zarr")
     out = tmp_path / "r.zarr"
     assert main(["reconstruct", str(tmp_path / "s.zarr"), "-o", str(out), "--epochs", "4", "--workers", "1",
-                 "--quiet", "--opr-modes", "2", "--fit-intensity", "--background", "constant"]) == 0
+                 "--quiet", "--opr-modes", "2", "--fit-intensity", "--background", "constant",
+                 "--probe-model", "start_epoch=1,weight_smoothing=4"]) == 0
     rec = daskpty.Reconstruction.from_zarr(out)
+    assert rec.options["probe_model"]["start_epoch"] == 1 and rec.options["probe_model"]["weight_smoothing"] == 4
+    assert np.abs(rec.probe_weights[:, 1]).max() > 0        # fitted from epoch 1
     assert rec.probe_weights.shape == (64, 2) and rec.intensity_scale.shape == (64,)
     assert rec.options["probe_model"]["opr_modes"] == 2 and rec.background.shape == (1, 1)
     assert panel_names(opr_figure(rec)) == ["probe U0", "probe U1", "weights U0", "weights U1"]
@@ -248,6 +259,8 @@ def test_cli_fits_opr_and_show_draws_the_weights(tmp_path):
     assert (tmp_path / "r-opr.png").stat().st_size > 10_000
     assert main(["reconstruct", str(tmp_path / "s.zarr"), "-o", str(tmp_path / "x.zarr"),
                  "--opr-modes", "9"]) == 2   # 64 patterns: at most 6 modes
+    assert main(["reconstruct", str(tmp_path / "s.zarr"), "-o", str(tmp_path / "y.zarr"),
+                 "--opr-modes", "2", "--probe-model", "smooth=3"]) == 2
     assert not (tmp_path / "x.zarr").exists()
 
 

@@ -44,6 +44,9 @@ def add_parser(subparsers):
     p.add_argument("--fit-intensity", action="store_true", help="fit a per-pattern intensity factor")
     p.add_argument("--background", default=None, choices=["constant", "pixel"],
                    help="fit a background added to the model intensity")
+    p.add_argument("--probe-model", default=None, metavar="KEY=VALUE,...",
+                   help="settings of the varying probe, e.g. start_epoch=10,weight_smoothing=8 "
+                        "(see daskpty.engines.probe_model.ProbeModelOptions)")
     p.add_argument("--workers", type=int, default=None, help="local worker processes (default: one per core)")
     p.add_argument("--scheduler", default=None, help="address of a running dask scheduler")
     p.add_argument("--protocol", default=None, choices=["tcp", "ucx"],
@@ -145,6 +148,7 @@ def run(args) -> int:
                                   refine_positions=_position_settings(args.refine_positions),
                                   opr_modes=args.opr_modes, fit_intensity=args.fit_intensity,
                                   background=args.background,
+                                  probe_model=_probe_model_settings(args.probe_model),
                                   slices=args.slices, slice_spacing_m=args.slice_spacing, probe=args.probe,
                                   **ad_args)
     except KeyboardInterrupt:
@@ -167,16 +171,36 @@ def run(args) -> int:
     return 0
 
 
+def _key_values(text, flag: str) -> dict:
+    """``KEY=VALUE,...`` → a dict of settings (values parsed by :func:`_setting_value`)."""
+    settings = {}
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"{flag}: expected KEY=VALUE items, got {item!r}")
+        settings[key.strip()] = _setting_value(value.strip())
+    return settings
+
+
+def _probe_model_settings(text):
+    """``--probe-model KEY=VALUE,...`` → the ``probe_model`` argument (None when not given)."""
+    settings = _key_values(text, "--probe-model")
+    if not settings:
+        return None
+    from daskpty.engines.probe_model import ProbeModelOptions
+
+    unknown = sorted(set(settings) - set(ProbeModelOptions.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"--probe-model: unknown option(s) {unknown}; valid: "
+                         f"{sorted(ProbeModelOptions.__dataclass_fields__)}")
+    return settings
+
+
 def _position_settings(text):
     """``--refine-positions [KEY=VALUE,...]`` → the ``refine_positions`` argument."""
     if text is None:
         return False
-    settings = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"--refine-positions: expected KEY=VALUE items, got {item!r}")
-        settings[key.strip()] = _setting_value(value.strip())
+    settings = _key_values(text, "--refine-positions")
     from daskpty.engines.positions import PositionOptions
 
     try:
