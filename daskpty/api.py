@@ -133,7 +133,6 @@ def _probe_modes_hint(probe, probe_modes, resumed) -> int:
     return 1
 
 
-@holding_lock_of("checkpoint")  # one writer per store (daskpty.io.lock)
 def _warn_late_start(epochs: int, positions, model) -> None:
     """One warning when position refinement or the probe model would start after the run ends."""
     import warnings
@@ -143,9 +142,10 @@ def _warn_late_start(epochs: int, positions, model) -> None:
         if options is not None and epochs and options.start_epoch >= epochs:
             warnings.warn(f"daskpty: {what} starts at epoch {options.start_epoch} but the run has {epochs} "
                           f"epochs, so it never runs; pass more epochs or {key}={{'start_epoch': ...}}",
-                          UserWarning, stacklevel=3)
+                          UserWarning, stacklevel=4)  # past reconstruct and its lock wrapper
 
 
+@holding_lock_of("checkpoint")  # one writer per store (daskpty.io.lock)
 def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, object=None,
                 refine_positions=False, opr_modes: int | None = None, fit_intensity: bool = False,
                 background: str | None = None, probe_model=None, probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
