@@ -126,7 +126,7 @@ def test_window_deformation_recovers_a_known_deformation():
     true_l = np.array([[0.004, -0.003], [0.002, 0.005]])
     corners = np.stack(np.meshgrid(np.arange(20, 80, 6), np.arange(20, 80, 6), indexing="ij"), -1).reshape(-1, 2)
     dy, dx = central_gradients(obj, np)
-    deform = lsqml.WindowDeformation(n, len(corners), np)
+    deform = lsqml.WindowDeformation(n, np)
 
     def sample(a, cy, cx):
         return map_coordinates(a.real, [cy, cx], order=3) + 1j * map_coordinates(a.imag, [cy, cx], order=3)

@@ -127,19 +127,15 @@ class WindowDeformation:
     turned object that the per-pattern shifts cannot see; inside each window the data still
     see it, as this L."""
 
-    def __init__(self, n: int, step: int, xp, stride: int = WINDOW_STRIDE):
+    def __init__(self, n: int, xp, stride: int = WINDOW_STRIDE):
         self.xp = xp
         self.stride = max(1, int(stride))
         c = np.arange(n) - (n - 1) / 2.0
         uy, ux = np.meshgrid(c, c, indexing="ij")
         self.weights = np.stack([uy.ravel(), ux.ravel()], 1)                       # (n², 2): u_b
         self.weights2 = np.stack([uy.ravel() ** 2, (uy * ux).ravel(), ux.ravel() ** 2], 1)  # u_b u_d
-        self.patches = xp.empty((2, step, n, n), np.complex64)
         self.first = xp.zeros((2, n * n))      # Σ_j Re(conj ∂_a O_j g_j), a = y, x
         self.second = xp.zeros((3, n * n))     # Σ_j Re(conj ∂_a O_j ∂_c O_j) w_j, (a, c) = yy, yx, xx
-
-    def buffer(self, axis: int, b: int):
-        return self.patches[axis, :b]
 
     def add(self, d, g, w, start: int = 0) -> None:
         """One sub-batch starting at pattern ``start`` of the chunk: ``d`` the windows of
@@ -259,8 +255,8 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     Re Σ_k conj(S_f P_k ∂_a O_j) χ_jk and Σ_k |S_f P_k ∂_a O_j|², formed in pass 1 as
     Re⟨∂_a O_j, g_j⟩ and ⟨|∂_a O_j|², Σ_k |S_f P_k|²⟩ (∂_a O by central differences on the
     box): two gathers and four dot products per pattern, no FFT. With them the window
-    deformation's sums (:class:`WindowDeformation`, every ``window_stride``-th pattern) in
-    ``arrays``.
+    deformation's sums (:class:`WindowDeformation`, every ``window_stride``-th pattern; 0: none)
+    in ``arrays``.
 
     ``variable``: a :class:`~daskpty.engines.probe_model.PatternProbes` when the probe varies from
     pattern to pattern (OPR weights, intensity factors, background; None: one probe for all, this
@@ -316,7 +312,8 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         box_dy, box_dx = central_gradients(obj_box, xp)
         shift_num = xp.empty((n_patterns, 2))
         shift_den = xp.empty((n_patterns, 2))
-        deform = WindowDeformation(n, step, xp, window_stride)
+        d_patch = xp.empty((2, step, n, n), np.complex64)      # ∂_y O, ∂_x O windows of a sub-batch
+        deform = WindowDeformation(n, xp, window_stride) if window_stride else None
 
     # Pass 1.
     for batch in blocks:
@@ -342,13 +339,14 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         if position_terms:
             grads = []
             for axis, box_d in enumerate((box_dy, box_dx)):
-                d = index.extract(box_d, batch, out=deform.buffer(axis, b))
+                d = index.extract(box_d, batch, out=d_patch[axis, :b])
                 grads.append(d)
                 shift_num[batch, axis] = real_dots(d, g)
                 d2 = xp.square(d.real)
                 d2 += xp.square(d.imag)
                 shift_den[batch, axis] = real_dots(d2, w)
-            deform.add(grads, g, w, batch.start)
+            if deform is not None:
+                deform.add(grads, g, w, batch.start)
         if variable is not None:
             variable.pattern_terms(batch, o, g, w)
         index.scatter_add(obj_num, g, batch)
@@ -422,7 +420,8 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         parts.arrays["probe"] = (np.float32(alpha_p) * probe_sum).astype(np.complex64, copy=False)
     if position_terms:
         parts.local["shift_terms"] = (to_numpy(shift_num), to_numpy(shift_den))
-        parts.arrays.update(deform.sums(positions))
+        if deform is not None:
+            parts.arrays.update(deform.sums(positions))
     if variable is not None:
         variable.finish(parts, measured, model)
     return parts if is_cupy(obj) else parts.to_numpy()  # partials stay where the state lives
@@ -445,7 +444,7 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     active = positions.active(epoch)
     part = chunk_step(obj, probe, intensities, refined, options=options, update_probe=update_probe,
                       valid=valid, position_terms=active, variable=variable,
-                      window_stride=1 if positions.window_scale else WINDOW_STRIDE)
+                      window_stride=0 if not positions.window_gain else 1 if positions.window_scale else WINDOW_STRIDE)
     if not active or not part.scalars:
         part.local = {}
         return part

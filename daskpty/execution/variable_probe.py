@@ -137,7 +137,6 @@ def with_probe_model(adapter, model: pm.ProbeModelOptions | None):
     (``adapter`` itself when ``model`` is None: the probe does not vary)."""
     if model is None:
         return adapter
-    model = model.for_engine(adapter.name)   # the settings left None take the engine's defaults
     if adapter.name == "ad":
         from .ad_variable import VariableADAdapter
 
