@@ -8,6 +8,10 @@ Usage:
 
 Every run starts from the same object (ones) and daskpty's data-derived probe. Prints
 
+* the chunk step alone with and without refinement (one process, one BLAS thread, 25 rounds of
+  calls in shuffled order on ``--chunk`` patterns of ``--n``², the median ratio within a round; LSQML with the default window
+  correction and with ``window_scale``, AD with its position gradients): the engines' own extra
+  cost, free of the scheduler's and of a shared machine's noise (``--skip-chunk-cost``);
 * s/epoch of LSQML with fixed (nominal) positions and with refinement, alternated back to back
   ``--timing-repeats`` times (median over the epochs from the refinement's start epoch on; the
   epochs before it do not refine) and the refinement's extra cost (target ≤ 25 %);
@@ -73,7 +77,20 @@ def main():
     ap.add_argument("--rounds-per-epoch", default=3, type=lambda v: v if v == "auto" else int(v))
     ap.add_argument("--noise", default="gaussian")
     ap.add_argument("--no-ad", action="store_true")
+    ap.add_argument("--n", type=int, default=64, help="probe size of the chunk-step timing")
+    ap.add_argument("--chunk", type=int, default=256, help="patterns of the chunk-step timing")
+    ap.add_argument("--skip-chunk-cost", action="store_true")
+    ap.add_argument("--chunk-cost-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.chunk_cost_only:
+        chunk_cost(args.n, args.chunk)
+        return
+    if not args.skip_chunk_cost:  # a subprocess, so that one BLAS thread holds whatever numpy loads
+        import subprocess
+
+        one = {name: "1" for name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        subprocess.run([sys.executable, __file__, "--chunk-cost-only", "--n", str(args.n), "--chunk", str(args.chunk)],
+                       env={**os.environ, **one}, check=True)
     epochs = args.epochs
     ad_epochs = args.ad_epochs or 3 * epochs
     refine = json.loads(args.refine)
@@ -189,6 +206,55 @@ def main():
             print(f"AD s/epoch refined {median_seconds(ad_ref_run['seconds'], ad_start):.4f}")
             summary.update(ad_true=ad_true[ad_epochs], ad_refined=ad_ref[ad_epochs])
     print(json.dumps(summary, default=float))
+
+
+def chunk_cost(n: int, patterns: int, calls: int = 25) -> None:
+    """The chunk step with and without position refinement in this process (run with one BLAS
+    thread): LSQML's shift terms and window sums (default, and ``window_scale``), AD's position
+    gradients, on a refining epoch: ``calls`` rounds of one call each in shuffled order, and the
+    median over rounds of each ratio within a round (robust to a machine whose speed drifts)."""
+    import time
+
+    from daskpty.engines import lsqml
+    from daskpty.engines.ad import ADOptions
+    from daskpty.engines.ad.gradient import chunk_gradient
+    from daskpty.engines.positions import PositionOptions, initial_local
+    from daskpty.simulate_variable_probe import simulate_variable_probe
+
+    grid = int(np.ceil(np.sqrt(patterns)))
+    ds = simulate_variable_probe(n=n, grid=grid, step=n / 8, photons=1e7, constant=True)
+    y = np.fft.ifftshift(ds.intensities[:patterns], axes=(-2, -1))
+    pos, obj, probe = ds.positions[:patterns], ds.truth.object, ds.truth.probe
+    lo, ao = lsqml.LSQMLOptions(), ADOptions()
+    refine = PositionOptions(start_epoch=0)
+    scaled = PositionOptions(start_epoch=0, window_scale=True)
+    local = initial_local(pos, refine)
+    steps = {
+        "lsqml": lambda: lsqml.chunk_step(obj, probe, y, pos, options=lo),
+        "lsqml refined": lambda: lsqml.refining_chunk_step(obj, probe, y, pos, local, options=lo, positions=refine,
+                                                           epoch=1),
+        "lsqml refined, window_scale": lambda: lsqml.refining_chunk_step(obj, probe, y, pos, local, options=lo,
+                                                                         positions=scaled, epoch=1),
+        "ad": lambda: chunk_gradient(obj, probe, y, pos, options=ao),
+        "ad refined": lambda: chunk_gradient(obj, probe, y, pos, options=ao, want_positions=True),
+    }
+    times = {name: [] for name in steps}
+    for f in steps.values():
+        f()
+    order = np.random.default_rng(0)
+    for _ in range(calls):  # in a new order every time: what ran before a call changes its time
+        for name in order.permutation(list(steps)):
+            start = time.perf_counter()
+            steps[name]()
+            times[name].append(time.perf_counter() - start)
+    t = {name: np.asarray(v) for name, v in times.items()}
+    print(f"chunk step, {len(y)} patterns of {n}², one thread, {calls} rounds of calls in shuffled order; "
+          f"extra = median over rounds of the ratio within a round (target <= {100 * TARGET_COST:.0f}%):")
+    for name, base in (("lsqml refined", "lsqml"), ("lsqml refined, window_scale", "lsqml"), ("ad refined", "ad")):
+        ratio = t[name] / t[base]
+        print(f"  {name:<28} {1e3 * t[name].min():7.1f} ms against {1e3 * t[base].min():7.1f} ms (fastest); "
+              f"extra {100 * (np.median(ratio) - 1):+.0f} % (quartiles {100 * (np.quantile(ratio, 0.25) - 1):+.0f} … "
+              f"{100 * (np.quantile(ratio, 0.75) - 1):+.0f} %)", flush=True)
 
 
 if __name__ == "__main__":
