@@ -13,6 +13,7 @@ from .execution.cluster import client_context
 from .execution.data import auto_rounds, choose_chunk_length, prepare_data, should_persist, workers_have_gpus
 from .execution.driver import LSQMLAdapter, run_epochs, with_local
 from .execution.local_state import PatternLayout
+from .execution.options import ExecutionOptions
 from .execution.watchdog import ReconstructionStalled
 from .io.identity import DataChanged, DataWatch
 from .engines.positions import PositionOptions, PositionsDiverged
@@ -87,6 +88,21 @@ def _check_positions(positions, n: int = 0):
     check_positions_bulk(positions, n)  # one position at 1e9 would ask for a 1e9-pixel object
 
 
+def _checked_data(data):
+    """The opened data set, its intensities and its positions (float64), or one clear error."""
+    data = _load(data)
+    intensities = data.intensities
+    check_intensity_layout(tuple(intensities.shape), np.dtype(intensities.dtype))
+    positions = np.asarray(data.positions, dtype=np.float64)
+    _check_positions(positions, intensities.shape[-1])
+    if len(positions) == 0 or intensities.shape[0] == 0:
+        raise ValueError("the data set is empty; there is nothing to reconstruct")
+    if intensities.shape[0] != len(positions):
+        raise ValueError(f"{intensities.shape[0]} patterns but {len(positions)} positions; "
+                         "they must match one to one")
+    return data, intensities, positions
+
+
 def _resume_from(path, positions, n):
     rec = Reconstruction.from_zarr(path)
     nominal = rec.positions if rec.nominal_positions is None else rec.nominal_positions
@@ -143,6 +159,105 @@ def _warn_late_start(epochs: int, positions, model) -> None:
             warnings.warn(f"daskpty: {what} starts at epoch {options.start_epoch} but the run has {epochs} "
                           f"epochs, so it never runs; pass more epochs or {key}={{'start_epoch': ...}}",
                           UserWarning, stacklevel=4)  # past reconstruct and its lock wrapper
+
+
+def _initial_object(given, resumed, thick, positions, n: int):
+    """The object to start from and where position (0, 0) lies in it: the resumed store's, the
+    caller's (positions then in its pixel frame) or ones covering every window plus a margin."""
+    if resumed is not None:
+        thick.check_resumed(resumed.object)
+        return resumed.object, resumed.origin
+    if given is not None:
+        obj = np.array(given, dtype=np.complex64)
+        if obj.ndim != 2 and not (obj.ndim == 3 and obj.shape[0] == thick.n_slices > 1):
+            raise ValueError(f"object must be a 2-D array (or (slices, H, W)), got shape {obj.shape}")
+        obj = thick.object_like(obj) if obj.ndim == 2 else obj
+        check_initial_object(obj)
+        check_object_size(obj.shape, positions, n, given=True)
+        return obj, np.zeros(2)
+    shape, origin = object_frame(positions, n)
+    check_object_size(shape, positions, n, given=False)
+    return thick.object_like(np.ones(shape, dtype=np.complex64)), origin
+
+
+def _run_options(engine, epochs, seed, execution, options, positions, model, sample) -> dict:
+    """The settings stored with the result (and read back by resume); the execution settings
+    that depend on the cluster are filled in once they are resolved."""
+    run = dict(engine=engine, epochs=epochs, rounds_per_epoch=execution.rounds_per_epoch, seed=seed,
+               chunk_length=execution.chunk_length, split_every=execution.split_every, sort=execution.sort,
+               **dataclasses.asdict(options))
+    if positions is not None:
+        run["refine_positions"] = dataclasses.asdict(positions)
+    if model is not None:
+        run["probe_model"] = dataclasses.asdict(model)
+    if sample is not None:
+        run["sample"] = sample.run_options()
+    return run
+
+
+def _result_maker(layout, adapter, thick, frame_positions, origin, run_options):
+    """``make_result(state, history)``: the :class:`Reconstruction` of a state (for checkpoints
+    and the end), per-pattern state gathered from the chunks' layout."""
+    def make_result(state, history):
+        refined, pattern_state = layout.result_arrays(state)
+        engine_state = {**adapter.engine_state(state), **pattern_state}
+        weights = engine_state.get("pattern_opr_weights")
+        return Reconstruction(object=thick.public(state.object), probe=state.probe,
+                              positions=frame_positions if refined is None else refined,
+                              origin=origin, illumination=thick.public(state.illumination), history=history,
+                              options=run_options, epoch=state.epoch,
+                              engine_state=engine_state,
+                              nominal_positions=None if refined is None else frame_positions,
+                              probe_weights=None if weights is None else
+                              effective_weights(weights, engine_state.get("opr_weight_transform")))
+
+    return make_result
+
+
+def _callbacks(checkpointer, callback, data_path, progress_epochs, n_patterns) -> list:
+    """Per-epoch callbacks in their order: the data watch first (no checkpoint of an epoch that
+    read changed data), the checkpointer, progress (``progress_epochs`` None: none), the caller's."""
+    callbacks = [checkpointer]
+    if progress_epochs is not None:
+        from .monitor.progress import ProgressPrinter
+
+        callbacks.append(ProgressPrinter(progress_epochs, n_patterns))
+    if callback is not None:
+        callbacks.append(callback)
+    if data_path:  # the store must not change under the run
+        callbacks.insert(0, DataWatch(data_path))
+    return callbacks
+
+
+def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, object_shape, modes_hint,
+                                thick) -> ExecutionOptions:
+    """``persist="auto"``: a worker's share of the data plus one step and the state under the
+    spill target; ``rounds_per_epoch="auto"``: :func:`~daskpty.execution.data.auto_rounds`."""
+    persist, rounds = execution.persist, execution.rounds_per_epoch
+    if persist == "auto":
+        length = execution.chunk_length or choose_chunk_length(client, n_patterns, n, modes_hint,
+                                                                thick.working_factor)
+        working = step_bytes(length, n, modes_hint, thick.working_factor) + state_bytes(object_shape)
+        persist = should_persist(client, data_bytes, working_bytes=working)
+    if rounds == "auto":
+        rounds = auto_rounds(n_patterns, n, modes_hint, bool(persist), working_factor=thick.working_factor)
+    return execution.replace(persist=bool(persist), rounds_per_epoch=rounds)
+
+
+def _resolve_device_and_chunks(client, execution, n_patterns, n, modes, object_shape, thick) -> ExecutionOptions:
+    """``device="auto"``: gpu when every worker sees one; the chunk length from the probe size and
+    the workers' memory (shorter on small workers rather than a refusal); a step that cannot fit
+    is refused here rather than stalling a worker."""
+    device, length = execution.device, execution.chunk_length
+    if device == "auto":
+        device = "gpu" if workers_have_gpus(client) else "cpu"
+    if length is None:
+        length = choose_chunk_length(client, n_patterns, n, modes, thick.working_factor)
+        fitting = largest_fitting_chunk(client, n, modes, object_shape, thick.working_factor)
+        if fitting:
+            length = min(length, fitting)
+    check_step_fits(client, length, n, modes, object_shape, thick.working_factor)
+    return execution.replace(device=device, chunk_length=int(length))
 
 
 @holding_lock_of("checkpoint")  # one writer per store (daskpty.io.lock)
@@ -267,19 +382,10 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if not isinstance(epochs, (int, np.integer)) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
-    if rounds_per_epoch != "auto" and (not isinstance(rounds_per_epoch, (int, np.integer))
-                                       or rounds_per_epoch < 1):
-        raise ValueError(f"rounds_per_epoch must be an integer >= 1 or 'auto', got {rounds_per_epoch!r}")
-    if n_workers is not None and (not isinstance(n_workers, (int, np.integer)) or n_workers < 1):
-        raise ValueError(f"n_workers must be an integer >= 1, got {n_workers!r}")
+    execution = ExecutionOptions(n_workers=n_workers, chunk_length=chunk_length, rounds_per_epoch=rounds_per_epoch,
+                                 persist=persist, device=device, split_every=split_every, sort=sort)
     if probe_modes is not None and (not isinstance(probe_modes, (int, np.integer)) or probe_modes < 1):
         raise ValueError(f"probe_modes must be an integer >= 1, got {probe_modes!r}")
-    if persist not in (True, False, "auto"):
-        raise ValueError(f"persist must be True, False or 'auto', got {persist!r}")
-    if chunk_length is not None and chunk_length < 1:
-        raise ValueError(f"chunk_length must be >= 1, got {chunk_length}")
-    if split_every is not None and split_every < 2:
-        raise ValueError(f"split_every must be >= 2, got {split_every}")
     check_checkpoint_target(checkpoint, data if isinstance(data, (str, os.PathLike)) else getattr(data, "path", None))
     if epochs == 0 and resume is None:
         checkpoint = None  # epochs=0 is a no-op: nothing is written (docs/reliability.md)
@@ -293,16 +399,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
 
         adapter = with_probe_model(adapter, model)
 
-    data = _load(data)
-    intensities = data.intensities
-    check_intensity_layout(tuple(intensities.shape), np.dtype(intensities.dtype))
-    positions = np.asarray(data.positions, dtype=np.float64)
-    _check_positions(positions, intensities.shape[-1])
-    if len(positions) == 0 or intensities.shape[0] == 0:
-        raise ValueError("the data set is empty; there is nothing to reconstruct")
-    if intensities.shape[0] != len(positions):
-        raise ValueError(f"{intensities.shape[0]} patterns but {len(positions)} positions; "
-                         "they must match one to one")
+    data, intensities, positions = _checked_data(data)
     n = intensities.shape[-1]
     thick = sample.resolve(getattr(data, "metadata", None), n)  # slices and detector operator
     from .execution.multislice_adapter import multislice_adapter
@@ -317,89 +414,40 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
 
     resumed = _resume_from(resume, positions, n) if resume is not None else None
     if resumed is not None:  # the stored chunking and rounds keep resume bit-identical
-        kept = resume_settings(resumed.options, chunk_length=chunk_length,
-                               rounds_per_epoch=rounds_per_epoch, split_every=split_every)
-        chunk_length, rounds_per_epoch, split_every = (kept[k] for k in RESUMED_SETTINGS)
-    check_rounds(rounds_per_epoch, len(positions))
-    if resumed is not None:
-        obj, origin = resumed.object, resumed.origin
-        thick.check_resumed(obj)
-    elif object is not None:
-        obj = np.array(object, dtype=np.complex64)
-        if obj.ndim != 2 and not (obj.ndim == 3 and obj.shape[0] == thick.n_slices > 1):
-            raise ValueError(f"object must be a 2-D array (or (slices, H, W)), got shape {obj.shape}")
-        obj = thick.object_like(obj) if obj.ndim == 2 else obj
-        check_initial_object(obj)
-        check_object_size(obj.shape, positions, n, given=True)
-        origin = np.zeros(2)
-    else:
-        shape, origin = object_frame(positions, n)
-        check_object_size(shape, positions, n, given=False)
-        obj = thick.object_like(np.ones(shape, dtype=np.complex64))
+        kept = resume_settings(resumed.options, **{k: getattr(execution, k) for k in RESUMED_SETTINGS})
+        execution = execution.replace(**kept)
+    check_rounds(execution.rounds_per_epoch, len(positions))
+    obj, origin = _initial_object(object, resumed, thick, positions, n)
     frame_positions = positions + origin
     check_windows_inside(split_positions(frame_positions, n)[0], n, obj.shape)
     if checkpoint is not None:
         check_free_space(checkpoint, reconstruction_bytes(obj.shape, (probe_modes or 1, n, n), len(positions)))
 
-    run_options = dict(engine=engine, epochs=epochs, rounds_per_epoch=rounds_per_epoch, seed=seed,
-                       chunk_length=chunk_length, split_every=split_every, sort=sort,
-                       **dataclasses.asdict(options))
-    if adapter.positions is not None:
-        run_options["refine_positions"] = dataclasses.asdict(adapter.positions)
-    if model is not None:
-        run_options["probe_model"] = dataclasses.asdict(model)
-    if thick.multislice:
-        run_options["sample"] = sample.run_options()
+    run_options = _run_options(engine, epochs, seed, execution, options, adapter.positions, model,
+                               sample if thick.multislice else None)
     layout = PatternLayout()
-
-    def make_result(state, history):
-        refined, pattern_state = layout.result_arrays(state)
-        engine_state = {**adapter.engine_state(state), **pattern_state}
-        weights = engine_state.get("pattern_opr_weights")
-        return Reconstruction(object=thick.public(state.object), probe=state.probe,
-                              positions=frame_positions if refined is None else refined,
-                              origin=origin, illumination=thick.public(state.illumination), history=history,
-                              options=run_options, epoch=state.epoch,
-                              engine_state=engine_state,
-                              nominal_positions=None if refined is None else frame_positions,
-                              probe_weights=None if weights is None else
-                              effective_weights(weights, engine_state.get("opr_weight_transform")))
-
+    make_result = _result_maker(layout, adapter, thick, frame_positions, origin, run_options)
     previous_history = resumed.history if resumed is not None else []
     checkpointer = Checkpointer(checkpoint, make_result, every=checkpoint_every, history=previous_history)
-    callbacks = [checkpointer]
-    if progress:
-        from .monitor.progress import ProgressPrinter
+    callbacks = _callbacks(checkpointer, callback, getattr(data, "path", None),
+                           max(epochs - len(previous_history), 0) if progress else None, len(positions))
 
-        callbacks.append(ProgressPrinter(max(epochs - len(previous_history), 0), len(positions)))
-    if callback is not None:
-        callbacks.append(callback)
-    if getattr(data, "path", None):  # the store must not change under the run (checked first:
-        callbacks.insert(0, DataWatch(data.path))  # no checkpoint of an epoch that read changed data)
-
-    with client_context(client, n_workers=n_workers) as c:
+    with client_context(client, n_workers=execution.n_workers) as c:
         enable_low_latency(c)
         if not hasattr(intensities, "dask") or getattr(data, "path", "") is None:
             from .execution.scatter import scatter_in_memory  # once, not inside every graph
 
-            data, intensities = scatter_in_memory(c, data, intensities, chunk_length)
+            data, intensities = scatter_in_memory(c, data, intensities, execution.chunk_length)
         if check_data:
             check_values(data if hasattr(data, "path") else intensities, client=c).raise_if_bad()
-        modes_hint = _probe_modes_hint(probe, probe_modes, resumed)
-        if persist == "auto":  # a worker's share of the data + one step + the state under the spill target
-            working = step_bytes(chunk_length or choose_chunk_length(c, len(positions), n, modes_hint,
-                                                                     thick.working_factor), n,
-                                 modes_hint, thick.working_factor) + state_bytes(obj.shape)
-            persist = should_persist(c, intensities.nbytes, working_bytes=working)
-        if rounds_per_epoch == "auto":
-            rounds_per_epoch = auto_rounds(len(positions), n, _probe_modes_hint(probe, probe_modes, resumed),
-                                           bool(persist), working_factor=thick.working_factor)
-        run_options.update(rounds_per_epoch=rounds_per_epoch, persist=bool(persist))
+        execution = _resolve_persist_and_rounds(c, execution, intensities.nbytes, len(positions), n, obj.shape,
+                                                _probe_modes_hint(probe, probe_modes, resumed), thick)
+        run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist)
         publisher = None
         if dashboard:
             from .monitor.dashboard import DashboardPublisher
 
-            publisher = DashboardPublisher(c, epochs=epochs, rounds_per_epoch=rounds_per_epoch,
+            publisher = DashboardPublisher(c, epochs=epochs, rounds_per_epoch=execution.rounds_per_epoch,
                                            n_patterns=len(positions), layout=layout)
             if publisher.link:  # also installs the scheduler plugin before the first round
                 import sys
@@ -413,21 +461,14 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             first = sample_probe(probe, data, c, intensities, probe_modes, seed, sample, thick)
             state = adapter.new_state(obj, first if first is not None else
                                       _initial_probe(probe, data, c, intensities, probe_modes, seed))
-        if device == "auto":
-            device = "gpu" if workers_have_gpus(c) else "cpu"
-        if chunk_length is None:
-            chunk_length = choose_chunk_length(c, len(positions), n, state.probe.shape[0], thick.working_factor)
-            fitting = largest_fitting_chunk(c, n, state.probe.shape[0], obj.shape, thick.working_factor)
-            if fitting:  # small workers: shorter chunks rather than a refusal
-                chunk_length = min(chunk_length, fitting)
-        check_step_fits(c, chunk_length, n, state.probe.shape[0], obj.shape,  # refuse, don't stall
-                        thick.working_factor)
-        run_options.update(chunk_length=int(chunk_length))
-        if hasattr(data, "intensities_in_chunks") and not persist:
-            intensities = data.intensities_in_chunks(chunk_length)  # out of core: read sub-shards
-        chunked = prepare_data(c, intensities, frame_positions, chunk_length=chunk_length,
-                               modes=state.probe.shape[0], sort=sort, persist=persist, device=device,
-                               shift=not thick.near_field)
+        execution = _resolve_device_and_chunks(c, execution, len(positions), n, state.probe.shape[0], obj.shape,
+                                               thick)
+        run_options.update(chunk_length=execution.chunk_length)
+        if hasattr(data, "intensities_in_chunks") and not execution.persist:
+            intensities = data.intensities_in_chunks(execution.chunk_length)  # out of core: read sub-shards
+        chunked = prepare_data(c, intensities, frame_positions, chunk_length=execution.chunk_length,
+                               modes=state.probe.shape[0], sort=execution.sort, persist=execution.persist,
+                               device=execution.device, shift=not thick.near_field)
         layout.update(chunked)
         data = intensities = None  # the chunks live on the workers now: release scattered originals
         if resumed is not None and getattr(adapter, "local_state", False):
@@ -437,7 +478,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         try:
             with sigterm_as_interrupt():
                 state, _ = run_epochs(c, chunked, adapter, state, epochs=remaining,
-                                      rounds_per_epoch=rounds_per_epoch, split_every=split_every,
+                                      rounds_per_epoch=execution.rounds_per_epoch,
+                                      split_every=execution.split_every,
                                       callbacks=callbacks, initialise=rescale_probe)
         except KeyboardInterrupt:
             checkpointer.write()
