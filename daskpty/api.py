@@ -14,7 +14,7 @@ from .execution.data import auto_rounds, choose_chunk_length, prepare_data, shou
 from .execution.driver import LSQMLAdapter, run_epochs, with_local
 from .execution.local_state import PatternLayout
 from .execution.options import ExecutionOptions
-from .execution.watchdog import ReconstructionStalled
+from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
 from .io.identity import DataChanged, DataWatch
 from .engines.positions import PositionOptions, PositionsDiverged
 from .engines.probe_model import ProbeModelDiverged, ProbeModelOptions, effective_weights
@@ -240,7 +240,8 @@ def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, ob
         working = step_bytes(length, n, modes_hint, thick.working_factor) + state_bytes(object_shape)
         persist = should_persist(client, data_bytes, working_bytes=working)
     if rounds == "auto":
-        rounds = auto_rounds(n_patterns, n, modes_hint, bool(persist), working_factor=thick.working_factor)
+        rounds = auto_rounds(n_patterns, n, modes_hint, bool(persist), working_factor=thick.working_factor,
+                             slices=thick.n_slices)
     return execution.replace(persist=bool(persist), rounds_per_epoch=rounds)
 
 
@@ -258,6 +259,13 @@ def _resolve_device_and_chunks(client, execution, n_patterns, n, modes, object_s
             length = min(length, fitting)
     check_step_fits(client, length, n, modes, object_shape, thick.working_factor)
     return execution.replace(device=device, chunk_length=int(length))
+
+
+def _saying_what_is_kept(exc, checkpoint, checkpointer):
+    """``exc`` again, its message ending with which checkpoint survives the stop."""
+    kept = (f"the checkpoint {checkpoint} of epoch {checkpointer.written_epoch} is kept"
+            if checkpointer.written_epoch is not None else "no checkpoint was written")
+    return type(exc)(f"{exc}; {kept}")
 
 
 @holding_lock_of("checkpoint")  # one writer per store (daskpty.io.lock)
@@ -316,7 +324,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         default batches) but at most one round per 6 Mi pattern-pixels (at least 3), clipped to
         1…16; a small data set (under 450 patterns) gets 3 rounds when each still holds 1 Mi
         pattern-pixels (e.g. 258 patterns of 128²), else compact LSQML; 1 out of core (each round
-        re-reads every chunk). Depends only on the data, not on the cluster.
+        re-reads every chunk) and with several object slices (minibatches let the slices drift
+        apart at low spatial frequencies). Depends only on the data, not on the cluster.
     client : distributed.Client, optional
         Default: the current client, else an embedded LocalCluster of ``n_workers`` processes
         (127.0.0.1 only) that is closed at the end.
@@ -484,15 +493,18 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         except KeyboardInterrupt:
             checkpointer.write()
             raise
-        except (PositionsDiverged, ProbeModelDiverged, ReconstructionStalled, DataChanged) as exc:
-            kept = (f"the checkpoint {checkpoint} of epoch {checkpointer.written_epoch} is kept"
-                    if checkpointer.written_epoch is not None else "no checkpoint was written")
-            raise type(exc)(f"{exc}; {kept}") from None
+        except (PositionsDiverged, ProbeModelDiverged, ReconstructionDiverged, ReconstructionStalled,
+                DataChanged) as exc:
+            raise _saying_what_is_kept(exc, checkpoint, checkpointer) from None
         finally:
             del chunked
             if publisher is not None:
                 publisher.flush()
     result = make_result(state, checkpointer.history)
+    try:
+        check_finite_result(result.object, result.probe, state.epoch)
+    except ReconstructionDiverged as exc:
+        raise _saying_what_is_kept(exc, checkpoint, checkpointer) from None
     if checkpoint is not None and checkpointer.written_epoch != state.epoch:
         result.to_zarr(checkpoint, overwrite=True)
     return result

@@ -6,6 +6,7 @@ import copy
 import signal
 import threading
 
+from .execution.watchdog import check_finite_result
 from .results import Reconstruction
 
 
@@ -53,6 +54,7 @@ class Checkpointer:
         if isinstance(state, EpochState):  # fetch the state from the workers now
             state = state.get()
         rec = self.make_result(state, history)
+        check_finite_result(rec.object, rec.probe, state.epoch)  # a diverged state never replaces a good one
         rec.to_zarr(self.path, overwrite=True)
         self.written_epoch = state.epoch
         return rec

@@ -224,6 +224,19 @@ def test_chunk_and_rounds_rules_count_the_slices():
     assert default_chunk_length(262144, 128, memory_budget=budget) == 409
     assert default_chunk_length(262144, 128, memory_budget=budget, working_factor=factor) == 102
     assert auto_rounds(2000, 64, working_factor=factor) > auto_rounds(2000, 64)
+    # several slices: compact LSQML (minibatches walk along the slices' shared low frequencies)
+    assert auto_rounds(2000, 64, working_factor=factor, slices=4) == 1 < auto_rounds(2000, 64, slices=1)
+
+
+def test_auto_rounds_with_slices_runs_compact_lsqml(client):
+    ds = simulate_multislice(n_slices=2, grid=24, seed=2)  # 576 patterns: 3 rounds with one slice
+    g = ds.geometry
+    data = daskpty.from_arrays(ds.intensities.astype(np.float32), ds.positions, wavelength_m=g.wavelength_m,
+                               object_pixel_size_m=g.pixel_size_m, electron_voltage_v=300e3,
+                               convergence_semiangle_rad=25e-3)
+    multi = _run(data, client, epochs=1, slices=2, slice_spacing_m=SPACING)
+    single = _run(data, client, epochs=1)
+    assert multi.options["rounds_per_epoch"] == 1 and single.options["rounds_per_epoch"] == 3
 
 
 def test_show_draws_each_slice(two_slices, client, tmp_path, capsys):

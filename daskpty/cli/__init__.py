@@ -10,7 +10,7 @@ import os
 import sys
 import warnings
 
-from ..execution.watchdog import ReconstructionStalled
+from ..execution.watchdog import ReconstructionDiverged, ReconstructionStalled
 from ..io.safety import StoreWriteError
 from . import export, import_data, info, reconstruct, show, simulate
 
@@ -19,7 +19,7 @@ COMMANDS = [simulate, info, import_data, reconstruct, show, export]
 
 #: exceptions that mean "bad input": reported as one line on stderr with exit code 2
 USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError,
-               IsADirectoryError, PermissionError, StoreWriteError, ReconstructionStalled)
+               IsADirectoryError, PermissionError, StoreWriteError, ReconstructionStalled, ReconstructionDiverged)
 
 
 class _Parser(argparse.ArgumentParser):

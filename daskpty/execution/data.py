@@ -54,7 +54,7 @@ MINIBATCH_PIXELS = 2**20
 
 
 def auto_rounds(n_patterns: int, n: int, modes: int = 1, persisted: bool = True,
-                working_factor: float = 1.0) -> int:
+                working_factor: float = 1.0, slices: int = 1) -> int:
     """``rounds_per_epoch="auto"``: minibatch rounds per epoch.
 
     About 150 patterns per update (N // 150, like Pty-Chi's default batches), but no more rounds
@@ -73,8 +73,16 @@ def auto_rounds(n_patterns: int, n: int, modes: int = 1, persisted: bool = True,
     far-field scan of that size 0.55 vs 0.30); halves of 250 × 64² (1 Mi pattern-pixels) did
     worse with R = 3 (0.874 vs 0.909 at overlap 0.5, 0.461 vs 0.608 at 10⁴ photons per pattern),
     and 150 × 128² with R = 2 (0.389 vs 0.398).
+
+    K > 1 object slices: 1. The slices share their low spatial frequencies almost freely (the
+    data fix their product there; the propagation between slices tells them apart only at high
+    frequencies), and cyclic minibatches walk along that near-symmetry: on the 2-slice electron
+    set of bench_vs_ptychi.py (1024 × 32², Poisson) the per-slice phase NRMSE at 10 / 30 / 60
+    epochs is 0.116 / 0.069 / 0.070 with R = 1 but 0.079 / 0.085 / 0.094 with the rule above
+    (R = 6 of that size: 0.090 / 0.117 / 0.144); on 256 patterns R = 1 / 3 / 6 end at 0.082 /
+    0.119 / 0.195 (docs/benchmarks.md, multislice).
     """
-    if not persisted:
+    if not persisted or slices > 1:
         return 1
     by_batch = n_patterns // 150
     work = n_patterns * n * n * modes

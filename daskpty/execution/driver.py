@@ -31,7 +31,7 @@ from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
 from .placement import run_stuck_loose_tasks
 from .rounds import ChunkedData, default_split_every, map_reduce
-from .watchdog import ReconstructionStalled, Watchdog
+from .watchdog import ReconstructionStalled, Watchdog, check_loss
 
 
 @dataclass
@@ -445,6 +445,7 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
     last = None
     try:
         for last, scalars, seconds in epochs_iter:
+            check_loss(last.epoch, scalars, rounds_per_epoch)
             metrics = _metrics(last.epoch, scalars, seconds, n_total, rounds_per_epoch)
             history.append(metrics)
             stop = False

@@ -6,10 +6,18 @@ variable ``DASKPTY_STALL_SECONDS``) that covers start-up, the first epoch and a 
 a worker. A wait that runs out is handled like a lost worker: the epoch restarts from the newest
 surviving state or the client's copy, a bounded number of times, and then the run stops with
 :class:`ReconstructionStalled` — one line, instead of a batch job burning its wall time.
+
+Likewise a run whose updates diverge stops with :class:`ReconstructionDiverged`: an epoch whose
+data loss is NaN or infinite (:func:`check_loss`, before any callback or checkpoint sees it), or
+an object or probe that is no longer finite when it would be written or returned
+(:func:`check_finite_result`).
 """
 from __future__ import annotations
 
+import math
 import os
+
+import numpy as np
 
 #: The floor of the wait for one epoch, seconds (``DASKPTY_STALL_SECONDS`` overrides it).
 DEFAULT_STALL_SECONDS = 300.0
@@ -19,6 +27,28 @@ EPOCH_FACTOR = 20.0
 
 class ReconstructionStalled(RuntimeError):
     """No epoch finished within the watchdog's bound, even after restarting it."""
+
+
+class ReconstructionDiverged(FloatingPointError):
+    """The data loss of an epoch became NaN or infinite: the object or probe steps diverged."""
+
+
+def check_finite_result(obj, probe, epoch: int) -> None:
+    """Raise :class:`ReconstructionDiverged` when the object or probe holds NaN or infinity."""
+    if not (np.isfinite(obj).all() and np.isfinite(probe).all()):
+        raise ReconstructionDiverged(f"the object or probe of epoch {epoch} is not finite: the updates "
+                                     "diverged; lower the step (LSQML beta, AD lr)")
+
+
+def check_loss(epoch: int, scalars: dict, rounds: int) -> None:
+    """Raise :class:`ReconstructionDiverged` when an epoch's summed loss is not finite (before
+    any callback sees the epoch, so no checkpoint keeps the diverged state)."""
+    loss = scalars.get("loss")
+    if loss is not None and not math.isfinite(float(loss)):
+        hint = ("lower the step (LSQML beta, AD lr)" +
+                (f" or run compact LSQML (rounds_per_epoch=1 instead of {rounds})" if rounds > 1 else ""))
+        raise ReconstructionDiverged(f"the data loss became {float(loss)} in epoch {epoch}: the object or probe "
+                                     f"updates diverged; {hint}")
 
 
 def stall_seconds() -> float:
