@@ -61,6 +61,29 @@ def test_affine_fit_is_additive_and_exact():
     assert solve_affine(two["affine_xtx"], two["affine_xty"]) is None
 
 
+def test_the_affine_boost_leaves_the_window_correction_alone():
+    """The boost extrapolates only what the refinement moved by itself: a fitted map that is the
+    last one moved by the epoch's window correction (and the last boost) asks for no boost, and
+    a change on top of it is boosted by gain − 1 alone."""
+    from daskpty.engines.positions import affine_boost, mapped_affine, window_correction
+
+    rng = np.random.default_rng(4)
+    nominal = rng.uniform(20, 80, (50, 2))
+    previous = np.array([[0.99, 0.004], [-0.006, 1.01], [0.3, -0.2]])
+    window, _, _ = window_correction(np.array([[0.004, -0.002], [0.003, -0.001]]), (50.0, 50.0), 0.5)
+    design = np.c_[nominal, np.ones(len(nominal))]
+    # the map of the moved positions is the mapped map
+    np.testing.assert_allclose(np.c_[design @ previous, np.ones(len(nominal))] @ window,
+                               design @ mapped_affine(previous, window), atol=1e-12)
+    last_boost = np.full((3, 2), 1e-3)
+    fitted = mapped_affine(previous, window) + last_boost
+    assert np.abs(affine_boost(previous, last_boost, fitted, 3.0, window)).max() < 1e-12
+    own = np.array([[2e-3, 0.0], [0.0, -1e-3], [0.05, 0.0]])
+    np.testing.assert_allclose(affine_boost(previous, last_boost, fitted + own, 3.0, window), 2 * own, atol=1e-12)
+    # without the window the correction itself would have been boosted
+    assert np.abs(affine_boost(previous, last_boost, fitted, 3.0)).max() > 1e-3
+
+
 def test_lsqml_shift_points_to_the_true_position(scan):
     """With the true object and probe, the per-pattern LSQML shift from nominal positions off by
     known amounts points back to the truth (sign and size)."""

@@ -265,14 +265,26 @@ def solve_affine(xtx, xty, remove_drift: bool = False) -> np.ndarray | None:
     return a
 
 
-def affine_boost(previous, previous_boost, fitted, gain: float) -> np.ndarray | None:
+def affine_boost(previous, previous_boost, fitted, gain: float, window=None) -> np.ndarray | None:
     """The extra affine move of the next epoch: ``gain − 1`` times the change of the fitted map
-    over the last epoch that the refinement made by itself (without the previous boost, which
-    would otherwise feed back on itself)."""
+    over the last epoch that the refinement made by itself: without the previous boost, and
+    without the epoch's window correction ``window`` (3, 2) (both moved the positions by design;
+    boosted again they would feed back on themselves, and a boosted window correction moves the
+    positions without the object, which the windows then see as a new deformation)."""
     if previous is None or gain == 1:
         return None
-    natural = fitted - previous - (0 if previous_boost is None else previous_boost)
+    expected = previous if window is None else mapped_affine(previous, window)
+    natural = fitted - expected - (0 if previous_boost is None else previous_boost)
     return (gain - 1) * natural
+
+
+def mapped_affine(affine, window) -> np.ndarray:
+    """The affine map of positions [r, 1] · A after they move by [r, 1] · W: A W[:2], plus W[2]
+    on the translation row."""
+    affine, window = np.asarray(affine, np.float64), np.asarray(window, np.float64)
+    out = affine @ window[:2]
+    out[2] += window[2]
+    return out
 
 
 def move_to_affine(refined, nominal, affine, boost, blend: float) -> np.ndarray:
@@ -341,14 +353,16 @@ def accumulate_affine(state, total) -> None:
         state.affine_sums = {k: sums.get(k, 0.0) + total.arrays[k] for k in ("affine_xtx", "affine_xty")}
 
 
-def fit_affine(state, options: PositionOptions) -> None:
+def fit_affine(state, options: PositionOptions, window=None) -> None:
     """End of an epoch: solve the epoch's affine normal equations into ``state.affine`` and the
-    next epoch's ``state.affine_boost``. The state has ``affine``, ``affine_boost``, ``affine_sums``."""
+    next epoch's ``state.affine_boost``. The state has ``affine``, ``affine_boost``, ``affine_sums``;
+    ``window``: the window correction the epoch applied (LSQML), not boosted."""
     if state.affine_sums is not None and options.affine:
         fitted = solve_affine(state.affine_sums["affine_xtx"], state.affine_sums["affine_xty"],
                               options.remove_drift)
         if fitted is not None:
-            state.affine_boost = affine_boost(state.affine, state.affine_boost, fitted, options.affine_gain)
+            state.affine_boost = affine_boost(state.affine, state.affine_boost, fitted, options.affine_gain,
+                                              window)
             state.affine = fitted
     state.affine_sums = None
 

@@ -109,10 +109,11 @@ class LSQMLAdapter:
 
     def end_epoch(self, state):
         if self.positions is not None:
+            applied = state.window_map if self.positions.active(state.epoch) else None  # this epoch's
             warp = fit_window(state, self.positions)
             if warp is not None:
                 lsqml.resample_object_state(state, *warp)
-            fit_affine(state, self.positions)
+            fit_affine(state, self.positions, window=applied)
         return lsqml.end_epoch(state, self.options)
 
     def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
