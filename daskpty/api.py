@@ -399,7 +399,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     if epochs == 0 and resume is None:
         checkpoint = None  # epochs=0 is a no-op: nothing is written (docs/reliability.md)
     options, adapter = _engine(engine, noise, loss, optimizer, lr, engine_options)
-    adapter.positions = PositionOptions.from_argument(refine_positions)
+    adapter.positions = PositionOptions.from_argument(refine_positions, engine)
     sample = SampleOptions.from_arguments(sample, slices, slice_spacing_m)
     model = ProbeModelOptions.from_arguments(opr_modes, fit_intensity, background, probe_model)
     _warn_late_start(epochs, adapter.positions, model)

@@ -15,6 +15,7 @@ Adam, ``moment2``.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,11 @@ OPTIMIZERS = ("momentum", "adam")
 
 class PositionsDiverged(ValueError):
     """Position refinement moved a pattern too far from its nominal position (or to NaN)."""
+
+
+#: Each engine's defaults of the settings left None (:meth:`PositionOptions.for_engine`),
+#: measured on the 576 × 64² scan of benchmarks/bench_positions.py (see ``affine_gain``).
+ENGINE_DEFAULTS = {"lsqml": {"affine_gain": 6.0}, "ad": {"affine_gain": 3.0}}
 
 
 @dataclass(frozen=True)
@@ -52,9 +58,11 @@ class PositionOptions:
     affine_gain: speed-up of the affine (global scale, rotation, shear, shift) part of the
         refinement. Per-pattern updates fix random errors within a few tens of epochs but move
         the global part only slowly (the object stretches to follow it). The extra move is one
-        affine map for every pattern, so the random part is untouched; above ~5 it oscillates.
-        Measured on a 16 × 16 scan with 1 px + 1.8 % + 0.7° errors, 50 epochs: residual x-scale
-        error 0.67 % with gain 1, 0.37 % with gain 3 (y scale ~1.4 % with either).
+        affine map for every pattern, so the random part is untouched. None: the engine's own
+        (:data:`ENGINE_DEFAULTS`: LSQML 6, AD 3). On 576 × 64² with 1 px + 1.5 % + 0.5° errors,
+        from the store's probe (docs/benchmarks.md): LSQML 3 / 6 / 10 leave 0.72 / 0.63 / 1.60 px
+        after 50 epochs (0.40 / 0.32 px after 150; 1 px random errors only: 0.28 px either;
+        −1.5 % scale: 0.59 / 0.48 px); AD 3 / 6 leave 0.33 / 0.51 px after 150 epochs.
     affine_blend: fraction of the way to the affine map each epoch (0 … 1; the classical affine
         constraint). Default 0: it pulls the random part of the errors back towards the map of
         the nominal positions (same benchmark: 0.94 px left with 0.1, 0.60 px with 0). Raise it
@@ -86,7 +94,7 @@ class PositionOptions:
     optimizer: str = "adam"
     lr: float = 0.1
     affine: bool = True
-    affine_gain: float = 3.0
+    affine_gain: float | None = None
     affine_blend: float = 0.0
     window_gain: float = 0.5
     window_scale: bool = False
@@ -109,7 +117,7 @@ class PositionOptions:
               f"regularization must be >= 0, got {self.regularization!r}")
         check(self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         check(_number(self.lr) and self.lr > 0, f"lr must be positive, got {self.lr!r}")
-        check(_number(self.affine_gain) and 1 <= self.affine_gain <= 20,
+        check(self.affine_gain is None or _number(self.affine_gain) and 1 <= self.affine_gain <= 20,
               f"affine_gain must lie in [1, 20], got {self.affine_gain!r}")
         check(_number(self.affine_blend) and 0 <= self.affine_blend <= 1,
               f"affine_blend must lie in [0, 1], got {self.affine_blend!r}")
@@ -121,22 +129,29 @@ class PositionOptions:
               f"max_displacement must be positive or None, got {self.max_displacement!r}")
 
     @classmethod
-    def from_argument(cls, value) -> "PositionOptions | None":
+    def from_argument(cls, value, engine: str | None = None) -> "PositionOptions | None":
         """``reconstruct(refine_positions=...)``: False/None (off), True (defaults), a dict of
-        fields, or a PositionOptions."""
+        fields, or a PositionOptions; with ``engine``, settings left None take its defaults."""
         if value is None or value is False:
             return None
         if value is True:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, dict):
+            options = cls()
+        elif isinstance(value, cls):
+            options = value
+        elif isinstance(value, dict):
             names = set(cls.__dataclass_fields__)
             unknown = sorted(set(value) - names)
             if unknown:
                 raise TypeError(f"refine_positions: unknown option(s) {unknown}; valid: {sorted(names)}")
-            return cls(**value)
-        raise TypeError(f"refine_positions must be True, False, a dict or a PositionOptions, got {value!r}")
+            options = cls(**value)
+        else:
+            raise TypeError(f"refine_positions must be True, False, a dict or a PositionOptions, got {value!r}")
+        return options if engine is None else options.for_engine(engine)
+
+    def for_engine(self, engine: str) -> "PositionOptions":
+        """These options with every setting left None set to ``engine``'s default."""
+        unset = {k: v for k, v in ENGINE_DEFAULTS[engine].items() if getattr(self, k) is None}
+        return dataclasses.replace(self, **unset) if unset else self
 
     def displacement_limit(self, n: int) -> float:
         return float(self.max_displacement) if self.max_displacement is not None else n / 4.0
@@ -271,6 +286,8 @@ def affine_boost(previous, previous_boost, fitted, gain: float, window=None) -> 
     without the epoch's window correction ``window`` (3, 2) (both moved the positions by design;
     boosted again they would feed back on themselves, and a boosted window correction moves the
     positions without the object, which the windows then see as a new deformation)."""
+    if gain is None:
+        raise ValueError("affine_gain is unset: resolve the options first (PositionOptions.for_engine)")
     if previous is None or gain == 1:
         return None
     expected = previous if window is None else mapped_affine(previous, window)
