@@ -117,14 +117,14 @@ def main_module_importable() -> bool:
     return path is None or os.path.exists(path)
 
 
-def _abandon(clusters) -> None:
-    """Close clusters whose start was interrupted, quietly: distributed's own exit handler would
-    close them again and fail an assertion on workers still starting (an AssertionError
-    traceback after the one-line interrupt message). Worker processes left over are daemonic and
-    end with this process."""
+def _abandon(clusters, timeout: float = 5) -> None:
+    """Close clusters whose start (or close) was interrupted, quietly: distributed's own exit
+    handler would close them again and fail an assertion on workers still starting (an
+    AssertionError traceback after the one-line interrupt message) or wait on a half-closed
+    one. Worker processes left over are daemonic and end with this process."""
     for cluster in clusters:
         with contextlib.suppress(BaseException):
-            cluster.close(timeout=5)
+            cluster.close(timeout=timeout)
         cluster.shutdown_on_close = False  # distributed's atexit handler skips it
 
 
@@ -170,5 +170,9 @@ def client_context(client: Client | None = None, n_workers: int | None = None, *
     try:
         yield new_client
     finally:
-        new_client.close()
-        cluster.close()
+        try:
+            new_client.close()
+            cluster.close()
+        except BaseException:  # a second Ctrl-C while closing: no wait in distributed's exit handler
+            _abandon([cluster], timeout=1)
+            raise
