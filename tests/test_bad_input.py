@@ -501,20 +501,17 @@ def test_api_option_out_of_range(ds, cluster_client, tmp_path, options, pattern)
     assert not (tmp_path / "ck.zarr").exists()
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NumPy's overflow warnings on the way (worker threads)
 def test_diverging_updates_stop_with_the_last_good_checkpoint(ds, cluster_client, tmp_path):
     """AD with a step 100x too large: the loss overflows within a few epochs. The run stops with
     one message naming the epoch and the checkpoint kept, and that checkpoint is finite."""
-    import warnings
-
     from daskpty.execution.watchdog import ReconstructionDiverged
 
     ck = tmp_path / "ck.zarr"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # NumPy's overflow warnings on the way
-        msg = _api_error(ReconstructionDiverged, r"the data loss became (inf|nan) in epoch \d+: the object or probe "
-                         r"updates diverged; lower the step .*; the checkpoint .* of epoch \d+ is kept",
-                         daskpty.reconstruct, ds, engine="ad", lr=100.0, epochs=40, client=cluster_client,
-                         checkpoint=ck, checkpoint_every=2)
+    msg = _api_error(ReconstructionDiverged, r"the data loss became (inf|nan) in epoch \d+: the object or probe "
+                     r"updates diverged; lower the step .*; the checkpoint .* of epoch \d+ is kept",
+                     daskpty.reconstruct, ds, engine="ad", lr=100.0, epochs=40, client=cluster_client,
+                     checkpoint=ck, checkpoint_every=2)
     diverged, kept = (int(v) for v in re.search(r"epoch (\d+):.* of epoch (\d+) is kept", msg).groups())
     stored = daskpty.Reconstruction.from_zarr(str(ck))
     assert stored.epochs == kept < diverged
