@@ -6,11 +6,8 @@ adding one means importing it and appending it to :data:`COMMANDS`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
-import threading
 import warnings
 
 from ..execution.watchdog import ReconstructionDiverged, ReconstructionStalled
@@ -50,46 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: After a second Ctrl-C the process ends within this many seconds, whatever is still closing.
-FORCED_EXIT_S = 10.0
-
-
-@contextlib.contextmanager
-def second_interrupt_exits(seconds: float = FORCED_EXIT_S):
-    """Ctrl-C raises KeyboardInterrupt as usual (the run stops and says what is saved); a second
-    one also arms a timer that ends the process ``seconds`` later with exit code 130 (worker
-    processes terminated first) if the clean stop has not finished by then: an interrupted
-    store write or cluster close can leave a thread that would keep the interpreter from
-    exiting. Main thread only; the previous handler comes back on exit."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    count = 0
-
-    def force_exit():
-        import multiprocessing
-
-        sys.stderr.flush()
-        for child in multiprocessing.active_children():
-            child.terminate()
-        os._exit(130)
-
-    def handler(signum, frame):
-        nonlocal count
-        count += 1
-        if count == 2:
-            timer = threading.Timer(seconds, force_exit)
-            timer.daemon = True
-            timer.start()
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def main(argv=None) -> int:
     """Run the command line; return the exit code (0 ok, 2 bad input or usage, 130 interrupted)."""
     parser = build_parser()
@@ -104,7 +61,7 @@ def main(argv=None) -> int:
         from ..checkpoint import sigterm_as_interrupt
 
         # SIGTERM (a batch system's wall time) at any moment ends like Ctrl-C: one line, exit 130
-        with warnings.catch_warnings(record=True) as caught, sigterm_as_interrupt(), second_interrupt_exits():
+        with warnings.catch_warnings(record=True) as caught, sigterm_as_interrupt():
             warnings.simplefilter("always", UserWarning)
             code = args.run(args)
         for w in caught:
