@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -379,10 +380,11 @@ def test_interrupts_say_which_epoch_was_kept(tmp_path, data_path):
         time.sleep(0.02)  # the second Ctrl-C lands while (or after) the stop checkpoint is written
         run.send_signal(signal.SIGINT)
         # Known open bug (eighth session): in 5 of 7 fresh-clone CI suites, never alone, the run
-        # hung in a *periodic* checkpoint write before the signals, its main thread inside zarr's
-        # sync() (zarr.core.sync, from Group.update_attributes in Reconstruction._write), so
-        # the signals were never handled. Such a hang is reported as an expected failure with
-        # every thread's stack (SIGUSR1, daskpty/__main__.py); any other outcome is checked below.
+        # hung in a *periodic* checkpoint write, its main thread inside zarr's sync(), and never
+        # handled the signals. The interrupt guard (daskpty/cli/interrupts.py) now ends such a
+        # run 5 s after the second Ctrl-C with the same last line; that case is reported as a
+        # warning with the stacks the guard printed. A hang the guard cannot end either (no exit
+        # within 90 s) is an expected failure with every thread's stack (SIGUSR1).
         try:
             rc = run.wait(timeout=90)
         except subprocess.TimeoutExpired:
@@ -396,13 +398,20 @@ def test_interrupts_say_which_epoch_was_kept(tmp_path, data_path):
     finally:
         run.kill()
         start.kill()
+    forced = "did not stop within 5 s of the second interrupt" in err
+    if forced:
+        warnings.warn("the interrupt guard had to end a stuck run (the known checkpoint-write hang):\n" + err)
     assert rc == 130, err
     last = err.strip().splitlines()[-1]
     m = re.match(r"daskpty: interrupted; epoch (\d+) is saved in (\S+) \(continue with --resume", last)
     # (a worker may still log distributed's heartbeat error while the cluster goes down; no
-    # traceback comes from daskpty's own code)
-    assert m and "daskpty/" not in "".join(ln for ln in err.splitlines() if 'File "' in ln), err
+    # traceback comes from daskpty's own code, except the stacks of a forced exit)
+    assert m and (forced or "daskpty/" not in "".join(ln for ln in err.splitlines() if 'File "' in ln)), err
     kept = Reconstruction.from_zarr(out)
-    assert int(m.group(1)) == kept.epochs and _leftovers(tmp_path) == []
+    assert int(m.group(1)) == kept.epochs
+    # a forced exit may cut a write short: its partial copy is daskpty's own, and the next write
+    # of that store removes it
+    assert all(safety.is_own_leftover(tmp_path / n) for n in _leftovers(tmp_path)) if forced \
+        else _leftovers(tmp_path) == []
     assert rc0 == 130 and "Traceback" not in err0 and "AssertionError" not in err0, err0
     assert err0.startswith("daskpty: interrupted; no output was left behind\n"), err0

@@ -6,6 +6,7 @@ adding one means importing it and appending it to :data:`COMMANDS`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import warnings
@@ -13,6 +14,7 @@ import warnings
 from ..execution.watchdog import ReconstructionDiverged, ReconstructionStalled
 from ..io.safety import StoreWriteError
 from . import export, import_data, info, reconstruct, show, simulate
+from .interrupts import InterruptGuard
 
 #: subcommand modules, in the order ``daskpty --help`` lists them
 COMMANDS = [simulate, info, import_data, reconstruct, show, export]
@@ -57,6 +59,12 @@ def main(argv=None) -> int:
     if getattr(args, "run", None) is None:
         print("daskpty: error: choose a command (see 'daskpty --help')", file=sys.stderr)
         return 2
+    # as a command of its own (not called from Python code): Ctrl-C ends it even when stuck
+    with InterruptGuard() if argv is None else contextlib.nullcontext():
+        return _run_command(args)
+
+
+def _run_command(args) -> int:
     try:
         from ..checkpoint import sigterm_as_interrupt
 

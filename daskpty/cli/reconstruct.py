@@ -79,6 +79,8 @@ def _rounds(text):
 def run(args) -> int:
     import daskpty
 
+    from .interrupts import set_exit_note
+
     from daskpty.io.lock import check_unlocked
     from daskpty.io.safety import check_replaceable, check_separate, check_writable, interrupted_copy
 
@@ -129,6 +131,8 @@ def run(args) -> int:
         return 0
     client = None
     scope = contextlib.ExitStack()  # closes the client (and a cluster started here) at the end
+    set_exit_note(lambda: _kept(args.output))  # what a forced exit after Ctrl-C reports as kept
+    scope.callback(set_exit_note, None)
     if args.scheduler:
         from distributed import Client
 
@@ -154,8 +158,7 @@ def run(args) -> int:
     except KeyboardInterrupt:
         kept = _kept(args.output)
         if kept is not None:
-            print(f"daskpty: interrupted; {kept} (continue with --resume {args.output})",
-                  file=sys.stderr)
+            print(f"daskpty: interrupted; {kept}", file=sys.stderr)
             return 130
         raise
     finally:
@@ -233,7 +236,7 @@ def _kept(output):
     for where in (output, output.rstrip("/") + ".previous"):
         epoch = stored_epoch(where)
         if epoch is not None:
-            return f"epoch {epoch} is saved in {where}"
+            return f"epoch {epoch} is saved in {where} (continue with --resume {output})"
     return None
 
 

@@ -182,9 +182,20 @@ class _HandledStaleRounds(logging.Filter):
                     and any("StaleRoundState" in str(a) for a in (record.args or ())))
 
 
+class _CancelledAtClose(logging.Filter):
+    """Drop distributed's WARNING that a task running while its worker closes "ended with
+    CancelledError": it only happens in ``Worker.close()`` (a run that stops, by an error or
+    Ctrl-C, closes its cluster mid-epoch) and would add a line to the one-line message."""
+
+    def filter(self, record) -> bool:
+        msg = str(record.msg)
+        return not (msg.startswith("Async instruction for") and msg.endswith("ended with CancelledError"))
+
+
 # Installed wherever this module is imported: the workers import it with the first round task.
-if not any(isinstance(f, _HandledStaleRounds) for f in logging.getLogger("distributed.worker").filters):
-    logging.getLogger("distributed.worker").addFilter(_HandledStaleRounds())
+for _name, _filter in (("distributed.worker", _HandledStaleRounds), ("distributed.worker.state_machine", _CancelledAtClose)):
+    if not any(isinstance(f, _filter) for f in logging.getLogger(_name).filters):
+        logging.getLogger(_name).addFilter(_filter())
 
 
 #: The state each fused round task hands to the next one on the same worker, by (graph token,

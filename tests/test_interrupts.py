@@ -1,0 +1,112 @@
+"""The interrupt guard of the command line (daskpty/cli/interrupts.py), in real processes with real
+signals: a command whose main thread is stuck where Ctrl-C cannot reach it still ends."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="POSIX signals only")
+
+# The main thread blocks SIGINT, so the kernel hands every Ctrl-C to another thread, then sits
+# in a read that never returns: Python never runs its SIGINT handler, as in a hung write.
+STUCK = textwrap.dedent("""
+    import os, signal, subprocess, sys
+    from daskpty.checkpoint import sigterm_as_interrupt
+    from daskpty.cli.interrupts import InterruptGuard, set_exit_note
+
+    set_exit_note(lambda: "epoch 7 is saved in r.zarr (continue with --resume r.zarr)")
+    with InterruptGuard(insist_s=float(sys.argv[1]), still_stopping_s=float(sys.argv[2])), sigterm_as_interrupt():
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        print(child.pid, flush=True)
+        os.read(os.pipe()[0], 1)
+""")
+
+
+def _stuck(insist_s, still_stopping_s):
+    run = subprocess.Popen([sys.executable, "-c", STUCK, str(insist_s), str(still_stopping_s)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = int(run.stdout.readline())
+    # signal only once the main thread sits in its read (else it may still run Python code and
+    # handle the signal itself): Linux shows where a thread sleeps in /proc
+    wchan = f"/proc/{run.pid}/task/{run.pid}/wchan"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with open(wchan) as f:
+                if "pipe" in f.read():
+                    break
+        except OSError:  # no /proc here: a pause instead
+            time.sleep(1.0)
+            break
+        time.sleep(0.01)
+    return run, child
+
+
+def _alive(pid) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_stuck_command_ends_after_the_second_interrupt():
+    run, child = _stuck(insist_s=1.0, still_stopping_s=0.5)
+    try:
+        run.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            run.wait(timeout=1.5)  # the first Ctrl-C leaves the run time to stop by itself
+        run.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        rc = run.wait(timeout=30)
+        waited = time.monotonic() - t0
+        err = run.stderr.read()
+    finally:
+        run.kill()
+    lines = err.strip().splitlines()
+    assert rc == 130, err
+    assert 0.8 < waited < 10, waited
+    assert lines[0].startswith("daskpty: still stopping after 0.5 s"), err
+    assert "did not stop within 1 s of the second interrupt: exiting now; the stacks" in err
+    assert "os.read" in err or "<string>" in err, err  # the main thread's stack, where it is stuck
+    assert lines[-1] == "daskpty: interrupted; epoch 7 is saved in r.zarr (continue with --resume r.zarr)"
+    time.sleep(0.5)
+    assert not _alive(child), "the command's child process was left running"
+
+
+def test_a_third_interrupt_ends_it_at_once():
+    run, child = _stuck(insist_s=60.0, still_stopping_s=60.0)
+    try:
+        for _ in range(3):
+            run.send_signal(signal.SIGTERM)  # a batch system's wall time counts like Ctrl-C
+            time.sleep(0.05)
+        rc = run.wait(timeout=10)
+        err = run.stderr.read()
+    finally:
+        run.kill()
+    assert rc == 130, err
+    assert err.splitlines() == ["daskpty: interrupted three times: exiting now",
+                                "daskpty: interrupted; epoch 7 is saved in r.zarr (continue with --resume r.zarr)"]
+    time.sleep(0.5)
+    assert not _alive(child)
+
+
+def test_a_command_run_from_python_code_installs_nothing():
+    from daskpty.cli import main
+
+    before = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(before)
+    assert main(["--version"]) == 0
+    assert main(["info", os.devnull]) == 2
+    now = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(now)
+    assert now == before
