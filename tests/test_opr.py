@@ -32,13 +32,48 @@ def test_orthonormalize_keeps_every_patterns_probe():
     eigen[1] += 0.7 * p0
     w = np.c_[1 + 0.1 * rng.standard_normal(20), rng.standard_normal((20, 2))]
     new, t = pm.orthonormalize(p0, eigen)
-    before = np.einsum("jk,kab->jab", w, np.concatenate([p0[None], eigen]))
+    # every pattern's probe is kept, but for its parts along the changes the data do not see
+    unseen = pm.unseen_directions(p0).reshape(3, -1)
+    basis = np.linalg.qr(np.concatenate([unseen.real, unseen.imag], 1).T)[0]
+    flat = eigen.reshape(2, -1).astype(np.complex128)
+    real = np.concatenate([flat.real, flat.imag], 1)
+    real = real - (real @ basis) @ basis.T
+    seen = (real[:, :64] + 1j * real[:, 64:]).reshape(eigen.shape)
+    before = np.einsum("jk,kab->jab", w, np.concatenate([p0[None], seen]))
     after = np.einsum("jk,kab->jab", pm.effective_weights(w, t), np.concatenate([p0[None], new]))
     np.testing.assert_allclose(after, before, atol=1e-4)
     rows = np.concatenate([p0[None], new]).reshape(3, -1)
     gram = (rows.conj() @ rows.T).real
     np.testing.assert_allclose(gram / gram[0, 0], np.eye(3), atol=1e-5)   # orthogonal, ‖U_k‖ = ‖U_0‖
+    np.testing.assert_allclose((new.reshape(2, -1).conj() @ unseen.T).real / gram[0, 0], 0, atol=1e-5)
 
+
+def test_the_unseen_probe_changes_leave_every_patterns_intensities():
+    """The directions orthonormalize drops are the derivatives of changes the data cannot tell
+    from the object: a pattern's own phase (its intensities do not change) and a probe tilt
+    exp(i g y) (the same intensities as the untilted probe over the object times exp(i g y))."""
+    from daskpty.physics import model_intensities
+    from daskpty.simulate_variable_probe import disc_probe
+
+    rng = np.random.default_rng(3)
+    p0 = disc_probe(16, 2.0).astype(np.complex128)
+    obj = np.exp(1j * rng.uniform(0, 1, (40, 40)))
+    pos = np.array([[20.0, 20.0], [17.0, 23.0]])  # whole pixels: windows are plain crops
+    phase, tilt_y, tilt_x = pm.unseen_directions(p0)
+    power = np.abs(p0) ** 2
+    c = np.arange(16) - 7.5
+    yc = c[:, None] - (power * c[:, None]).sum() / power.sum()
+    xc = c[None, :] - (power * c[None, :]).sum() / power.sum()
+    h = 1e-6  # the directions are the derivatives of the changes below at 0
+    np.testing.assert_allclose((p0 * np.exp(1j * h) - p0) / h, phase, atol=1e-5)
+    np.testing.assert_allclose((p0 * np.exp(1j * h * yc) - p0) / h, tilt_y, atol=1e-4)
+    np.testing.assert_allclose((p0 * np.exp(1j * h * xc) - p0) / h, tilt_x, atol=1e-4)
+    i0 = model_intensities(obj, p0[None], pos)
+    np.testing.assert_allclose(model_intensities(obj, (p0 * np.exp(0.7j))[None], pos), i0, rtol=1e-5, atol=1e-6 * i0.max())
+    g = 0.05  # radians per pixel
+    ramp = np.exp(1j * g * np.arange(40))[:, None] * np.ones((1, 40))
+    np.testing.assert_allclose(model_intensities(obj, (p0 * np.exp(1j * g * yc))[None], pos),
+                               model_intensities(obj * ramp, p0[None], pos), rtol=1e-4, atol=1e-5 * i0.max())
 
 def test_ad_gradients_match_finite_differences():
     """∂L/∂w_jk, ∂L/∂U_k, ∂L/∂b (per pixel) and ∂L/∂c_j of one chunk against central differences."""
@@ -126,12 +161,13 @@ def test_opr_recovers_the_object_and_the_flux(runs, engine):
     assert r_flux > 0.9
 
 
-@pytest.mark.parametrize("engine, bound", [("ad", 1.2), ("lsqml", 1.6)])
+@pytest.mark.parametrize("engine, bound", [("ad", 1.2), ("lsqml", 1.45)])
 def test_opr_against_the_constant_probe_scan(client, engine, bound):
     """The drifting, flickering scan with OPR K = 2 (weights from epoch 15, the engines' default
     damping and eigen-probe steps) against the same scan with one constant probe: AD within the
-    issue's 1.2× (measured 1.14×); LSQML does not reach it yet (1.49×: its intensity factors
-    trade with smooth object amplitude, docs/benchmarks.md, OPR), 1.6× guards what it has."""
+    issue's 1.2× (measured 1.06×); LSQML does not reach it yet (1.34×: its intensity factors
+    trade with the object's amplitude, docs/benchmarks.md, OPR), 1.45× guards what it has
+    (1.49× before the eigen-probes were kept clear of the changes the data do not see)."""
     constant, varying = simulate_variable_probe(constant=True), simulate_variable_probe()
     e_const = _nrmse(_run(constant, client, engine=engine, epochs=40), constant)
     e_opr = _nrmse(_run(varying, client, engine=engine, epochs=40, opr_modes=2, probe_model={"start_epoch": 15}),
@@ -336,8 +372,9 @@ def test_sampled_weight_curvature_is_the_gauss_newton_matrix():
         jac = np.stack([(amplitude(j, w[j] + h * e) - amplitude(j, w[j] - h * e)) / (2 * h) for e in np.eye(k)])
         per_unit[j] = jac @ jac.T / np.mean(np.abs(patches[j]) ** 2)
     expected = np.mean(per_unit, axis=0)
+    # (atol: Ψ̂ = Ψ / √(|Ψ|² + 10⁻⁶ mean |Ψ|²) floors the darkest far-field pixels)
     np.testing.assert_allclose(got / v.obj_power[:, None, None], np.broadcast_to(expected, got.shape), rtol=1e-5,
-                               atol=1e-8 * np.abs(expected).max())
+                               atol=2e-6 * np.abs(expected).max())
     # the exit-wave Gram overstates a quadrature direction's curvature: the in-phase share of an
     # eigen-probe's far-field change is below one
     full = np.einsum("kr,lr->kl", basis.reshape(k, -1).conj(), basis.reshape(k, -1)).real
@@ -345,26 +382,36 @@ def test_sampled_weight_curvature_is_the_gauss_newton_matrix():
 
 
 def test_first_starting_eigen_probe_is_a_focus_change():
-    """For the simulator's defocused disc, d P / d(defocus) lies in the real span of U_0 and the
-    starting eigen-probe of K = 2 (the beam-direction derivative i F⁻¹(|k|² F P_0)); the old
-    start (P_0 · i(r² − ⟨r²⟩), a curvature of the phase at the sample) would not do."""
+    """For the simulator's defocused disc, d P / d(defocus) lies in the real span of U_0, the
+    starting eigen-probe of K = 2 (the beam-direction derivative i F⁻¹(|k|² F P_0)) and the
+    changes the data do not see (a pattern's own phase, a tilt); the old start
+    (P_0 · i(r² − ⟨r²⟩), a curvature of the phase at the sample) would not do."""
     from daskpty.simulate_variable_probe import disc_probe
 
     p0 = disc_probe(32, 1.9).astype(np.complex128)
     dp = (disc_probe(32, 1.95) - disc_probe(32, 1.85)).astype(np.complex128)
     u = pm.initial_eigen_probes(p0, 1).astype(np.complex128)
-    rows = np.stack([p0.ravel(), u[0].ravel()])
-    real = np.concatenate([rows.real, rows.imag], 1)          # real weights: the real span
+    unseen = [d.ravel() for d in pm.unseen_directions(p0)]
     target = np.concatenate([dp.real.ravel(), dp.imag.ravel()])
-    coef, *_ = np.linalg.lstsq(real.T, target, rcond=None)
-    captured = np.linalg.norm(real.T @ coef) / np.linalg.norm(target)
-    assert captured > 0.95, captured
+
+    def span(*directions):
+        rows = np.stack([p0.ravel(), *unseen, *(d.ravel() for d in directions)])
+        return np.concatenate([rows.real, rows.imag], 1)     # real weights: the real span
+
+    def residual(real, v):
+        coef, *_ = np.linalg.lstsq(real.T, v, rcond=None)
+        return v - real.T @ coef
+
+    visible = residual(span(), target)  # most of d P is a phase the data do not see
+    assert 0.2 < np.linalg.norm(visible) / np.linalg.norm(target) < 0.8
+
+    def captured(direction):
+        return 1 - np.linalg.norm(residual(span(direction), visible)) / np.linalg.norm(visible)
+
     c = np.arange(32) - 15.5
     r2 = np.add.outer(c**2, c**2)
-    old = np.concatenate([(p0 * 1j * r2).real.ravel(), (p0 * 1j * r2).imag.ravel()])
-    old_rows = np.stack([real[0], old])
-    coef, *_ = np.linalg.lstsq(old_rows.T, target, rcond=None)
-    assert np.linalg.norm(old_rows.T @ coef) / np.linalg.norm(target) < 0.9 * captured
+    assert captured(u[0]) > 0.95, captured(u[0])
+    assert captured(p0 * 1j * r2) < 0.9 * captured(u[0]), captured(p0 * 1j * r2)
 
 
 def test_centred_eigen_terms_are_additive_and_centre_the_weights():

@@ -305,10 +305,33 @@ def _real_rows(a):
     return np.concatenate([a.real, a.imag], axis=1)
 
 
+def unseen_directions(probe0) -> np.ndarray:
+    """The changes of P_0 that the data cannot tell from the object (3, n, n): i P_0 (a pattern's
+    own phase: its intensities do not change) and i y P_0, i x P_0 (a linear phase across the
+    probe, y and x from its centre of power: the same as a local phase gradient of the object).
+
+    Weights that vary smoothly over the scan along these let a smooth object phase trade with
+    the probe: an object phase c·y² looks, pattern by pattern, like a probe tilt 2c·y_j. OPR
+    then drifts along that valley instead of fitting the beam (the 22 × 22 scan at a 2.5 px step
+    of bench_opr.py, defocus drift only: object NRMSE 0.027 (LSQML) and 0.044 (AD) with such
+    eigen-probes, worse than no OPR (0.018 / 0.016); 0.016 / 0.016 without them), so
+    :func:`orthonormalize` keeps the eigen-probes orthogonal to them."""
+    p = np.asarray(to_numpy(probe0), dtype=np.complex128)
+    n = p.shape[-1]
+    power = np.abs(p) ** 2
+    total = power.sum() or 1.0
+    c = np.arange(n) - (n - 1) / 2.0
+    y, x = np.meshgrid(c, c, indexing="ij")
+    y, x = y - (power * y).sum() / total, x - (power * x).sum() / total
+    return np.stack([1j * p, 1j * y * p, 1j * x * p])
+
+
 def orthonormalize(probe0, eigen) -> tuple[np.ndarray, np.ndarray | None]:
-    """Eigen-probes made orthogonal to P_0 and to each other (real inner product; SVD, strongest
-    first), each of norm ‖P_0‖, and the K × K real matrix T that keeps every pattern's probe:
-    Σ_k w_k U_k = Σ_k (w T)_k U'_k with U_0 = U'_0 = P_0. Returns ``(eigen', T)``."""
+    """Eigen-probes made orthogonal to P_0, to the changes the data do not see
+    (:func:`unseen_directions`, whose parts are dropped) and to each other (real inner product;
+    SVD, strongest first), each of norm ‖P_0‖, and the K × K real matrix T that keeps every
+    pattern's probe, but for the dropped parts: Σ_k w_k U_k = Σ_k (w T)_k U'_k with
+    U_0 = U'_0 = P_0. Returns ``(eigen', T)``."""
     eigen = np.asarray(to_numpy(eigen))
     k1 = eigen.shape[0]
     if k1 == 0:
@@ -316,6 +339,8 @@ def orthonormalize(probe0, eigen) -> tuple[np.ndarray, np.ndarray | None]:
     p0 = _real_rows(to_numpy(probe0)[None])[0]
     norm0 = float(np.sqrt(p0 @ p0))
     rows = _real_rows(eigen)
+    unseen = np.linalg.qr(_real_rows(unseen_directions(probe0)).T)[0]  # orthonormal columns, ⟂ P_0
+    rows = rows - (rows @ unseen) @ unseen.T
     coef = rows @ p0 / (norm0 * norm0)                        # component along U_0
     rest = rows - coef[:, None] * p0[None]
     u, s, vh = np.linalg.svd(rest, full_matrices=False)
