@@ -301,10 +301,10 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         cover every probe window plus a margin; ``result.origin`` says where position (0, 0) lies.
     refine_positions : bool, dict or PositionOptions
         Refine the scan positions (both engines): True for the defaults, or a dict of
-        `daskpty.engines.positions.PositionOptions` fields (``start_epoch`` 20, ``max_step`` 0.1 px
-        per epoch, ``gain``, ``regularization``, ``momentum``, ``optimizer``/``lr`` for AD, ``affine`` pull towards the best
-        affine map of the nominal positions with ``affine_blend``, ``remove_drift``,
-        ``max_displacement``). Each chunk's positions are updated on the worker holding its data;
+        `daskpty.engines.positions.PositionOptions` fields (``start_epoch`` 10, ``max_step`` 0.2 px
+        per epoch, ``gain``, ``regularization``, ``momentum``, ``optimizer``/``lr`` for AD; the
+        affine fit (``affine``, ``affine_gain``: LSQML 6, AD 3, ``affine_blend``), the LSQML window
+        correction (``window_gain``, ``window_scale``), ``remove_drift``, ``max_displacement``). Each chunk's positions are updated on the worker holding its data;
         ``result.positions`` are the refined ones, ``result.nominal_positions`` the measured ones.
     opr_modes, fit_intensity, background : int, bool, {None, "constant", "pixel"}
         A probe that varies over the scan (both engines; `daskpty.engines.probe_model`): K modes

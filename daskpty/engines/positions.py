@@ -15,10 +15,11 @@ Adam, ``moment2``.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
+
+from .engine_defaults import with_engine_defaults
 
 OPTIMIZERS = ("momentum", "adam")
 
@@ -151,8 +152,7 @@ class PositionOptions:
 
     def for_engine(self, engine: str) -> "PositionOptions":
         """These options with every setting left None set to ``engine``'s default."""
-        unset = {k: v for k, v in ENGINE_DEFAULTS[engine].items() if getattr(self, k) is None}
-        return dataclasses.replace(self, **unset) if unset else self
+        return with_engine_defaults(self, ENGINE_DEFAULTS, engine)
 
     def displacement_limit(self, n: int) -> float:
         return float(self.max_displacement) if self.max_displacement is not None else n / 4.0

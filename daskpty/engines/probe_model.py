@@ -23,13 +23,13 @@ Pure functions on NumPy/CuPy arrays; no dask.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..physics import fft2, get_xp
 from ..physics.backend import asarray_like, real_dots, to_numpy
+from .engine_defaults import with_engine_defaults
 
 BACKGROUNDS = (None, "constant", "pixel")
 #: The probe model's per-pattern arrays (names in a chunk's per-pattern state).
@@ -131,8 +131,7 @@ class ProbeModelOptions:
 
     def for_engine(self, engine: str) -> "ProbeModelOptions":
         """These options with every setting left None set to ``engine``'s default."""
-        unset = {k: v for k, v in ENGINE_DEFAULTS[engine].items() if getattr(self, k) is None}
-        return dataclasses.replace(self, **unset) if unset else self
+        return with_engine_defaults(self, ENGINE_DEFAULTS, engine)
 
     @classmethod
     def from_arguments(cls, opr_modes=None, fit_intensity=False, background=None,
