@@ -274,7 +274,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
                 background: str | None = None, probe_model=None, probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
                 client=None, n_workers: int | None = None, seed: int = 0, callback=None,
                 progress: bool = False, chunk_length: int | None = None, persist="auto", device: str = "auto",
-                split_every: int | None = None, sort: bool = True, rescale_probe: bool = True,
+                split_every: int | None = None, sort: bool = True, execution=None, rescale_probe: bool = True,
                 checkpoint=None, checkpoint_every: int = 10, resume=None, dashboard: bool = False,
                 check_data: bool = True, sample=None, slices: int | None = None,
                 slice_spacing_m: float | None = None,
@@ -352,6 +352,12 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         Fan-in of the tree reduction (default: 4 for up to 16 chunks, else 8).
     sort : bool
         Order patterns along a Morton curve when that makes chunks spatially more compact.
+    execution : ExecutionOptions or dict, optional
+        The settings above (``n_workers``, ``chunk_length``, ``rounds_per_epoch``, ``persist``,
+        ``device``, ``split_every``, ``sort``) as one group
+        (`daskpty.execution.options.ExecutionOptions`), e.g. kept by analysis code and reused
+        across runs. A keyword left at its default takes the group's value; one set to a
+        different value in both places is an error.
     rescale_probe : bool
         Scale the probe so that the model's total intensity matches the data before epoch 1.
     checkpoint : path, optional
@@ -391,8 +397,9 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if not isinstance(epochs, (int, np.integer)) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
-    execution = ExecutionOptions(n_workers=n_workers, chunk_length=chunk_length, rounds_per_epoch=rounds_per_epoch,
-                                 persist=persist, device=device, split_every=split_every, sort=sort)
+    execution = ExecutionOptions.from_arguments(execution, n_workers=n_workers, chunk_length=chunk_length,
+                                                rounds_per_epoch=rounds_per_epoch, persist=persist, device=device,
+                                                split_every=split_every, sort=sort)
     if probe_modes is not None and (not isinstance(probe_modes, (int, np.integer)) or probe_modes < 1):
         raise ValueError(f"probe_modes must be an integer >= 1, got {probe_modes!r}")
     check_checkpoint_target(checkpoint, data if isinstance(data, (str, os.PathLike)) else getattr(data, "path", None))

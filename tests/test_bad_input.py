@@ -799,3 +799,34 @@ def test_check_values_counts_minus_infinity_once():
     x[1, 2, 2] = -np.inf
     report = check_values(x)
     assert report.n_nan + report.n_inf + report.n_negative == 1
+
+
+def test_execution_settings_as_one_group():
+    """``execution=`` takes the execution settings as one ExecutionOptions or dict: merged with
+    the keywords, a setting given twice with different values is one line, and an unknown name
+    or a wrong type is refused before any work."""
+    from daskpty.execution.options import ExecutionOptions
+
+    group = ExecutionOptions(chunk_length=16, rounds_per_epoch=2, sort=False)
+    merged = ExecutionOptions.from_arguments(group, n_workers=3, rounds_per_epoch="auto")
+    assert (merged.n_workers, merged.chunk_length, merged.rounds_per_epoch, merged.sort) == (3, 16, 2, False)
+    assert ExecutionOptions.from_arguments({"split_every": 3}, split_every=3).split_every == 3
+    with pytest.raises(ValueError, match=r"^chunk_length is given twice, as a keyword \(8\) and in execution \(16\)"):
+        ExecutionOptions.from_arguments(group, chunk_length=8)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['workers'\]"):
+        ExecutionOptions.from_arguments({"workers": 2})
+    with pytest.raises(TypeError, match="execution must be an ExecutionOptions or a dict"):
+        ExecutionOptions.from_arguments(4)
+    with pytest.raises(ValueError, match="rounds_per_epoch must be an integer >= 1"):
+        daskpty.reconstruct("/nonexistent.zarr", execution={"rounds_per_epoch": 0})
+
+
+def test_a_run_takes_its_execution_settings_from_the_group(client):
+    from synthetic import make_dataset
+
+    ds = make_dataset(grid=5, seed=1)
+    data = daskpty.from_arrays(ds.intensities, ds.positions)
+    group = daskpty.reconstruct(data, epochs=2, client=client, execution={"chunk_length": 9, "rounds_per_epoch": 2})
+    keywords = daskpty.reconstruct(data, epochs=2, client=client, chunk_length=9, rounds_per_epoch=2)
+    assert (group.options["chunk_length"], group.options["rounds_per_epoch"]) == (9, 2)
+    np.testing.assert_array_equal(group.object, keywords.object)
