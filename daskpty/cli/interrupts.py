@@ -87,7 +87,7 @@ class InterruptGuard:
         reminder = None  # when to say that the run is still stopping (set by the first)
         while True:
             wake = min((t for t in (deadline, reminder) if t is not None), default=None)
-            timeout = None if wake is None else max(wake - _now(), 0.0)
+            timeout = None if wake is None else max(wake - time.monotonic(), 0.0)
             ready, _, _ = select.select([read_fd], [], [], timeout)
             if ready:
                 data = os.read(read_fd, 64)
@@ -97,12 +97,12 @@ class InterruptGuard:
                     if number in (signal.SIGINT, signal.SIGTERM):
                         interrupts += 1
                         if interrupts == 1:
-                            reminder = _now() + self.still_stopping_s
+                            reminder = time.monotonic() + self.still_stopping_s
                         elif interrupts == 2:
-                            deadline, reminder = _now() + self.insist_s, None
+                            deadline, reminder = time.monotonic() + self.insist_s, None
                 if interrupts >= 3:
                     self._end("interrupted three times")
-            now = _now()
+            now = time.monotonic()
             if deadline is not None and now >= deadline:
                 self._end(f"the run did not stop within {self.insist_s:g} s of the second interrupt", stacks=True)
             if reminder is not None and now >= reminder:
@@ -126,10 +126,6 @@ class InterruptGuard:
         _say(f"daskpty: interrupted; {note}" if note else "daskpty: interrupted")
         _kill_children()
         os._exit(INTERRUPTED)
-
-
-def _now() -> float:
-    return time.monotonic()
 
 
 def _say(line: str) -> None:

@@ -267,11 +267,8 @@ def initial_eigen_probes(probe0, n_eigen: int, seed: int = 0) -> np.ndarray:
     if n_eigen == 0:
         return np.zeros((0, n, n), np.complex64)
     power = np.abs(probe0) ** 2
-    c = (np.arange(n) - (n - 1) / 2.0)
-    y, x = np.meshgrid(c, c, indexing="ij")
     total = power.sum() or 1.0
-    cy, cx = (power * y).sum() / total, (power * x).sum() / total
-    y, x = y - cy, x - cx
+    y, x = _coordinates_about_power_centre(probe0)
     r2 = y * y + x * x
     spectrum = np.fft.fft2(probe0)
     k = np.fft.fftfreq(n)
@@ -316,13 +313,17 @@ def unseen_directions(probe0) -> np.ndarray:
     eigen-probes, worse than no OPR (0.018 / 0.016); 0.016 / 0.016 without them), so
     :func:`orthonormalize` keeps the eigen-probes orthogonal to them."""
     p = np.asarray(to_numpy(probe0), dtype=np.complex128)
-    n = p.shape[-1]
-    power = np.abs(p) ** 2
-    total = power.sum() or 1.0
-    c = np.arange(n) - (n - 1) / 2.0
-    y, x = np.meshgrid(c, c, indexing="ij")
-    y, x = y - (power * y).sum() / total, x - (power * x).sum() / total
+    y, x = _coordinates_about_power_centre(p)
     return np.stack([1j * p, 1j * y * p, 1j * x * p])
+
+
+def _coordinates_about_power_centre(probe0) -> tuple[np.ndarray, np.ndarray]:
+    """Pixel coordinates (y, x), each (n, n), measured from the probe's centre of power."""
+    power = np.abs(probe0) ** 2
+    total = power.sum() or 1.0
+    c = np.arange(probe0.shape[-1]) - (probe0.shape[-1] - 1) / 2.0
+    y, x = np.meshgrid(c, c, indexing="ij")
+    return y - (power * y).sum() / total, x - (power * x).sum() / total
 
 
 def orthonormalize(probe0, eigen) -> tuple[np.ndarray, np.ndarray | None]:
