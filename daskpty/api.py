@@ -422,7 +422,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
 
     adapter = multislice_adapter(adapter, thick)  # thin far-field samples keep the adapter
     if model is not None:
-        model.check_run(len(positions), options.probe_start_epoch is not None)
+        model.check_run(len(positions), options.probe_start_epoch is not None, engine)
     mask = getattr(data, "mask", None)
     adapter.valid = None if mask is None else np.asarray(mask, dtype=bool)
     if adapter.valid is not None and not thick.near_field:  # far field: DC at index 0

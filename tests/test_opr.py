@@ -162,26 +162,29 @@ def test_opr_recovers_the_object_and_the_flux(runs, engine):
 
 
 @pytest.mark.parametrize("fit", [{"fit_intensity": True}, {"opr_modes": 1}])
-def test_lsqml_brightness_steps_first_and_the_object_does_not_take_up_the_flux(client, fit):
+def test_lsqml_brightness_first_keeps_the_flux_out_of_the_object(client, fit):
     """From the true object and probe, a flickering beam (±20 %, 11.5 % rms) with the factors
-    starting at 1: LSQML's brightness step comes before the object's in every round
-    (``PatternProbes.brightness_step``), so the object does not take up the flux error where
-    only one pattern lights it. 20 epochs leave 0.48 % rms (the joint step left 1.05 % with the
-    intensity factor, 1.21 % with OPR's mean-probe weight)."""
+    starting at 1. With ``brightness_first`` LSQML's brightness steps before the object in every
+    round (``PatternProbes.brightness_step``), so the object does not take up the flux error
+    where only one pattern lights it: 20 epochs leave 0.48 % rms, against 1.05 % (intensity
+    factor) and 1.21 % (OPR's mean-probe weight) with the joint step, the default."""
     ds = simulate_variable_probe(defocus_drift=0, grid=10)
-    rec = _run(ds, client, engine="lsqml", epochs=20, object=ds.truth.object, probe=ds.truth.probe,
-               probe_model={"start_epoch": 0}, **fit)
-    fitted = np.asarray(rec.intensity_scale).ravel() if "fit_intensity" in fit else rec.probe_weights[:, 0] ** 2
-    error = np.std(fitted / fitted.mean() / (ds.truth.flux / ds.truth.flux.mean()))
-    assert error < 0.007, f"flux error {100 * error:.2f} % rms"
+    errors = {}
+    for first in (False, True):
+        rec = _run(ds, client, engine="lsqml", epochs=20, object=ds.truth.object, probe=ds.truth.probe,
+                   probe_model={"start_epoch": 0, "brightness_first": first}, **fit)
+        fitted = np.asarray(rec.intensity_scale).ravel() if "fit_intensity" in fit else rec.probe_weights[:, 0] ** 2
+        errors[first] = np.std(fitted / fitted.mean() / (ds.truth.flux / ds.truth.flux.mean()))
+    assert errors[True] < 0.007 < errors[False], {k: f"{100 * v:.2f} %" for k, v in errors.items()}
 
 
-@pytest.mark.parametrize("engine, bound", [("ad", 1.2), ("lsqml", 1.3)])
+@pytest.mark.parametrize("engine, bound", [("ad", 1.2), ("lsqml", 1.45)])
 def test_opr_against_the_constant_probe_scan(client, engine, bound):
     """The drifting, flickering scan with OPR K = 2 (weights from epoch 15, the engines' default
     damping and eigen-probe steps) against the same scan with one constant probe: AD within the
-    issue's 1.2× (measured 1.06×); LSQML 1.21× since its brightness steps before the object
-    (1.34× before; docs/benchmarks.md, OPR), 1.3× guards it."""
+    issue's 1.2× (measured 1.06×); LSQML does not reach it yet (1.34×: its intensity factors
+    trade with the object's amplitude, docs/benchmarks.md, OPR; 1.21× at 40 epochs with
+    ``brightness_first``, but worse from 80 on), 1.45× guards what it has."""
     constant, varying = simulate_variable_probe(constant=True), simulate_variable_probe()
     e_const = _nrmse(_run(constant, client, engine=engine, epochs=40), constant)
     e_opr = _nrmse(_run(varying, client, engine=engine, epochs=40, opr_modes=2, probe_model={"start_epoch": 15}),
@@ -265,6 +268,7 @@ def test_resume_with_opr_is_bit_identical(client, tmp_path):
     (dict(opr_modes=30), "opr_modes must be an integer in 0"),
     (dict(opr_modes=2, background="linear"), "background must be"),
     (dict(opr_modes=2, probe_model={"weight_step": 0}), "weight_step"),
+    (dict(opr_modes=2, probe_model={"brightness_first": 1}), "brightness_first must be True or False"),
     (dict(opr_modes=2, probe_model={"smooth": 3}), "unknown option"),
     (dict(opr_modes=2, probe_model={"weight_smoothing": -1}), "weight_smoothing"),
     (dict(opr_modes=2, probe_model={"curvature_damping": 2}), "curvature_damping"),
@@ -282,6 +286,9 @@ def test_bad_runs_are_refused(client):
     assert "\n" not in str(info.value)
     with pytest.raises(ValueError, match="the probe is never updated"):
         _run(ds, client, epochs=2, opr_modes=2, probe_start_epoch=None)
+    with pytest.raises(ValueError, match="brightness_first is an LSQML setting") as info:
+        _run(ds, client, engine="ad", epochs=2, fit_intensity=True, probe_model={"brightness_first": True})
+    assert "\n" not in str(info.value)
     with pytest.raises(pm.ProbeModelDiverged, match="non-finite OPR weights"):
         pm.check_finite({"opr_weights": np.array([[1.0, np.nan]])}, pm.ProbeModelOptions(opr_modes=2), 3)
 

@@ -334,12 +334,12 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         measured += ones[:b] @ y.reshape(b, -1)
         model += ones[:b] @ yhat.reshape(b, -1)
         chi = _fft_in_place(wave, inverse=True)             # χ = F⁻¹(Ψ' − Ψ)
-        if variable is not None:                            # the brightness steps first: χ then
-            variable.brightness_step(batch, o, sp, chi)     # holds what that step leaves
+        if variable is not None:                            # brightness_first: χ then holds
+            variable.brightness_step(batch, o, sp, chi)     # what the brightness step leaves
         # g = Σ_k conj(S_f P_k) χ_k and w = Σ_k |S_f P_k|² (one fused pass on the GPU)
         g, w = kernels.object_gradient(sp, chi, out=grad[:b] if update_probe else obj_grad[batch])
         if variable is not None:
-            variable.pattern_terms(batch, o, g, w, intensity=False)
+            variable.pattern_terms(batch, o, g, w, intensity=not variable.steps_brightness_first)
         if position_terms:
             grads = []
             for axis, box_d in enumerate((box_dy, box_dx)):

@@ -8,9 +8,9 @@ least-squares terms of the probe model gathered on the way, no extra FFT). Here:
   (the T of the last epoch), the chunk step (with position refinement when asked), then per
   pattern the damped least-squares steps of the weights, Δw_j = G_j⁻¹ h_j with
   h_jk = Re⟨s_j S_f U_k O_j, χ_j0⟩ = s_j Re⟨F U_k, G_j0⟩ (Parseval, from the probe-update
-  spectra) and G_j,kl ≈ s_j² Σ Re(conj U_k U_l) |O_j|²; the brightness (intensity factor, or
-  OPR's mode-0 probe without one) took its step Δs_j = s_j Re⟨ψ_j, χ_j⟩ / ‖ψ_j‖² inside the chunk
-  step, before the object's (:meth:`~.probe_model.PatternProbes.brightness_step`);
+  spectra) and G_j,kl ≈ s_j² Σ Re(conj U_k U_l) |O_j|², and of the intensity factors,
+  Δs_j = s_j Re⟨ψ_j, χ_j⟩ / ‖ψ_j‖² (with ``brightness_first`` taken inside the chunk step, before
+  the object's: :meth:`~.probe_model.PatternProbes.brightness_step`);
 * :func:`apply` — eigen-probes U_k += step · Σ_j s_j w_jk S_{−f}(conj O_j χ_j0) /
   (Σ_j (s_j w_jk)² |O_j|² + δ max), the least-squares update of each eigen-probe had every
   pattern the same object; background from the mean intensity residual;
@@ -54,7 +54,7 @@ def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: in
         w = variable.weights.copy()
         if variable.want_weights:
             stepped = variable.brightness if variable.amplitude is None else None
-            if stepped is not None:           # the mode-0 brightness step the chunk step took
+            if stepped is not None:           # the mode-0 step brightness_first took
                 w *= (1 + stepped)[:, None]
             free = slice(0, w.shape[1]) if model.fit_mean_weight and stepped is None else slice(1, w.shape[1])
             if free.stop > free.start:
@@ -66,8 +66,12 @@ def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: in
         new["opr_weights"] = w
     if variable.amplitude is not None:
         s = variable.amplitude.copy()
-        if variable.want_intensity:       # the step the chunk step took (PatternProbes.brightness_step)
+        if variable.brightness is not None:   # the step brightness_first took in the chunk step
             s = np.maximum(s * (1 + variable.brightness), 0.0)
+        elif variable.want_intensity:
+            den = variable.int_den
+            ds = s * variable.int_num / (den + 1e-3 * den.mean() + 1e-30)
+            s = np.maximum(s + model.weight_step * ds, 0.0)
         new["intensity_scale"] = (s * s)[:, None]
     check_finite(new, model, epoch)
     return new
