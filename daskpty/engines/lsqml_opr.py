@@ -23,6 +23,7 @@ import numpy as np
 from ..physics import ifft2
 from . import lsqml
 from .probe_model import (
+    INTENSITY_TIKHONOV,
     PROBE_MODEL_KEYS,
     WEIGHT_TRUST,
     PatternProbes,
@@ -70,7 +71,7 @@ def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: in
             s = np.maximum(s * (1 + variable.brightness), 0.0)
         elif variable.want_intensity:
             den = variable.int_den
-            ds = s * variable.int_num / (den + 1e-3 * den.mean() + 1e-30)
+            ds = s * variable.int_num / (den + INTENSITY_TIKHONOV * den.mean() + 1e-30)
             s = np.maximum(s + model.weight_step * ds, 0.0)
         new["intensity_scale"] = (s * s)[:, None]
     check_finite(new, model, epoch)

@@ -46,7 +46,7 @@ CURVATURE_SAMPLES = 4
 #: Largest change of a pattern's weights in one step (relative to ‖U_0‖): a trust region for
 #: the Gauss–Newton steps, whose linear model of the far field holds only for small changes.
 WEIGHT_TRUST = 0.05
-#: Relative Tikhonov term of the brightness step (LSQML, :meth:`PatternProbes.brightness_step`).
+#: Relative Tikhonov term of the intensity factors' least-squares step (LSQML).
 INTENSITY_TIKHONOV = 1e-3
 
 #: Each engine's defaults of the settings left None (:meth:`ProbeModelOptions.for_engine`),
@@ -498,7 +498,7 @@ class PatternProbes:
                 at = (batch.start + first) // self.sample_stride
                 rows = o[first::self.sample_stride]
                 self._samples[at:at + len(rows)] = rows
-        if self.want_intensity and intensity:    # (LSQML: formed by brightness_step)
+        if self.want_intensity and intensity:    # (else brightness_step formed them)
             p = self._powers[:b]
             flat = o.reshape(b, -1)
             xp.multiply(flat.real, flat.real, out=p)
@@ -513,19 +513,19 @@ class PatternProbes:
             self.want_intensity or self.want_weights and self.options.fit_mean_weight)
 
     def brightness_step(self, batch, o, shifted, chi) -> None:
-        """LSQML with ``brightness_first``, pass 1, between the far-field correction and the
-        object gradient (a no-op otherwise): each
-        pattern's brightness takes its damped least-squares step first, r_j = ``weight_step`` ·
-        Re⟨ψ_j, χ_j⟩ / ‖ψ_j‖² (a relative change, applied by
-        :func:`~daskpty.engines.lsqml_opr.new_model_local`), and χ_j ← χ_j − r_j ψ_j in place,
-        the residual that step leaves. The brightness is the intensity factor s_j (every mode)
-        or, for OPR without one, pattern j's mode-0 probe Σ_k w_jk U_k (its weights scale
-        together). The object, probe and eigen-weight steps of the round then fit what the new
-        brightness leaves instead of explaining it a second time (a Gauss–Seidel split). With
-        the joint step the object takes up part of every pattern's flux error where only that
-        pattern lights it, and the factors stall: from the true object, 12 % rms flux jitter
-        fitted for 40 epochs leaves 0.84 % jointly and 0.34 % this way (docs/benchmarks.md,
-        OPR). Sets ``int_num`` / ``int_den`` of the intensity factor (see :meth:`pattern_terms`)."""
+        """LSQML with ``brightness_first`` (a no-op otherwise), pass 1, between the far-field
+        correction and the object gradient: each pattern's brightness takes its damped
+        least-squares step first, r_j = ``weight_step`` · Re⟨ψ_j, χ_j⟩ / ‖ψ_j‖² (a relative
+        change, applied by :func:`~daskpty.engines.lsqml_opr.new_model_local`), and
+        χ_j ← χ_j − r_j ψ_j in place, the residual that step leaves. The brightness is the
+        intensity factor s_j (every mode) or, for OPR without one, pattern j's mode-0 probe
+        Σ_k w_jk U_k (its weights scale together). The object, probe and eigen-weight steps of
+        the round then fit what the new brightness leaves instead of explaining it a second
+        time (a Gauss–Seidel split). With the joint step the object takes up part of every
+        pattern's flux error where only that pattern lights it: from the true object, 12 % rms
+        flux flicker fitted for 40 epochs leaves 0.84 % jointly and 0.34 % this way
+        (docs/benchmarks.md, OPR). Sets ``int_num`` / ``int_den`` of the intensity factor (see
+        :meth:`pattern_terms`)."""
         if not self.steps_brightness_first:
             return
         modes = slice(0, self.n_modes if self.want_intensity else 1)
