@@ -3,10 +3,20 @@ from __future__ import annotations
 
 import glob
 import os
+import signal
 
 import numpy as np
 import pytest
 import zarr
+
+# A test run started in the background of a non-interactive shell (``cmd &``, as scripts and
+# CI wrappers do) inherits SIGINT ignored, and so do the commands the tests start: those that
+# send Ctrl-C to a daskpty command (test_interrupts.py, test_safety.py) would then test nothing
+# but the ignored signal and wait for an exit that never comes. A process started with SIGINT
+# ignored keeps it ignored across exec, one with a handler gets the default back, so restoring
+# Python's handler here gives every command the tests start a real Ctrl-C.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
