@@ -464,7 +464,13 @@ class PatternProbes:
         self.want_eigen = self.want_weights and self.options.n_eigen > 0
         self.want_intensity = self.active and self.amplitude is not None
         self.want_background = self.active and self.background is not None
-        self.brightness = None                                  # LSQML: see brightness_step
+        # LSQML with brightness_first: the brightness steps in pass 1 (see brightness_step)
+        self.steps_brightness_first = bool(self.options.brightness_first) and (
+            self.want_intensity or self.want_weights and self.options.fit_mean_weight)
+        self.brightness = None
+        if self.steps_brightness_first:
+            self.brightness = xp.zeros(n_patterns)
+            self._psi = xp.empty((step, self.n_modes if self.want_intensity else 1, n, n), self.cdtype)
         k = 0 if self.weights is None else len(self.basis)
         if self.want_weights:
             self.rhs = xp.empty((n_patterns, k))
@@ -506,12 +512,6 @@ class PatternProbes:
             self.int_num[batch] = real_dots(o, g)
             self.int_den[batch] = real_dots(p.reshape(o.shape), w)
 
-    @property
-    def steps_brightness_first(self) -> bool:
-        """Whether :meth:`brightness_step` steps the brightness (LSQML, ``brightness_first``)."""
-        return bool(self.options.brightness_first) and (
-            self.want_intensity or self.want_weights and self.options.fit_mean_weight)
-
     def brightness_step(self, batch, o, shifted, chi) -> None:
         """LSQML with ``brightness_first`` (a no-op otherwise), pass 1, between the far-field
         correction and the object gradient: each pattern's brightness takes its damped
@@ -530,9 +530,6 @@ class PatternProbes:
             return
         modes = slice(0, self.n_modes if self.want_intensity else 1)
         xp, b = self.xp, batch.stop - batch.start
-        if self.brightness is None:
-            self.brightness = xp.zeros(self.n_patterns)
-            self._psi = xp.empty((len(self.buffer), modes.stop, self.n, self.n), self.cdtype)
         psi = xp.multiply(shifted[:, modes], o[:, None], out=self._psi[:b])     # ψ_j
         num, den = real_dots(psi, chi[:, modes]), real_dots(psi, psi)
         if self.want_intensity:
