@@ -301,7 +301,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         cover every probe window plus a margin; ``result.origin`` says where position (0, 0) lies.
     refine_positions : bool, dict or PositionOptions
         Refine the scan positions (both engines): True for the defaults, or a dict of
-        `daskpty.engines.positions.PositionOptions` fields (``start_epoch`` 10, ``max_step`` 0.2 px
+        `daskpty.engines.positions.PositionOptions` fields (``start_epoch`` 10, ``max_step`` 0.3 px
         per epoch, ``gain``, ``regularization``, ``momentum``, ``optimizer``/``lr`` for AD; the
         affine fit (``affine``, ``affine_gain``: LSQML 6, AD 3, ``affine_blend``), the LSQML window
         correction (``window_gain``, ``window_scale``), ``remove_drift``, ``max_displacement``). Each chunk's positions are updated on the worker holding its data;
