@@ -63,8 +63,9 @@ def main():
     ap.add_argument("--data", default=None, help="existing simulated store (default: simulate the preset)")
     ap.add_argument("--position-errors", default="1.0,0.015,0.5", metavar="RMS,SCALE,ROT_DEG")
     ap.add_argument("--perturb-seed", type=int, default=1)
-    ap.add_argument("--start-probe", default="data", choices=("data", "mean-pattern"),
-                    help="start probe of every run: the store's guess (default) or a mean-pattern aperture")
+    ap.add_argument("--start-probe", default="data", choices=("data", "mean-pattern", "reference"),
+                    help="start probe of every run: the store's guess (default), a mean-pattern aperture, "
+                         "or the probe of a calibration scan (_positions.reference_probe)")
     ap.add_argument("--epochs", type=int, default=50)
     ap.add_argument("--ad-epochs", type=int, default=None, help="default 3 x --epochs")
     ap.add_argument("--every", type=int, default=10)

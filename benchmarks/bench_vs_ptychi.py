@@ -67,8 +67,9 @@ def main():
     ap.add_argument("--refine-alt", default=None,
                     help="position case: a second daskpty LSQML refined run with these PositionOptions (JSON)")
     ap.add_argument("--perturb-seed", type=int, default=1)
-    ap.add_argument("--start-probe", default="data", choices=("data", "mean-pattern"),
-                    help="start probe of every run: the store's guess (default) or a mean-pattern aperture")
+    ap.add_argument("--start-probe", default="data", choices=("data", "mean-pattern", "reference"),
+                    help="start probe of every run: the store's guess (default), a mean-pattern aperture, "
+                         "or the probe of a calibration scan (_positions.reference_probe)")
     ap.add_argument("--skip-references", action="store_true",
                     help="position case: leave out the Pty-Chi true/nominal reference runs")
     ap.add_argument("--multislice", type=int, default=None, metavar="K",

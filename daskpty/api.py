@@ -304,7 +304,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         `daskpty.engines.positions.PositionOptions` fields (``start_epoch`` 10, ``max_step`` 0.3 px
         per epoch, ``gain``, ``regularization``, ``momentum``, ``optimizer``/``lr`` for AD; the
         affine fit (``affine``, ``affine_gain``: LSQML 6, AD 3, ``affine_blend``), the LSQML window
-        correction (``window_gain``, ``window_scale``), ``remove_drift``, ``max_displacement``). Each chunk's positions are updated on the worker holding its data;
+        correction (``window_gain``, ``window_scale``: by default on when the run starts from a given or stored probe,
+        off when the probe is guessed from the data), ``remove_drift``, ``max_displacement``). Each chunk's positions are updated on the worker holding its data;
         ``result.positions`` are the refined ones, ``result.nominal_positions`` the measured ones.
     opr_modes, fit_intensity, background : int, bool, {None, "constant", "pixel"}
         A probe that varies over the scan (both engines; `daskpty.engines.probe_model`): K modes
@@ -421,6 +422,9 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     from .execution.multislice_adapter import multislice_adapter
 
     adapter = multislice_adapter(adapter, thick)  # thin far-field samples keep the adapter
+    if adapter.positions is not None:  # the window scale follows the start probe's size
+        adapter.positions = adapter.positions.for_start_probe(
+            guessed=probe is None and getattr(data, "probe", None) is None)
     if model is not None:
         model.check_run(len(positions), options.probe_start_epoch is not None, engine)
     mask = getattr(data, "mask", None)
