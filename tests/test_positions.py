@@ -258,11 +258,26 @@ def test_diverging_refinement_stops_with_one_message(scan, client, tmp_path):
     ({"optimizer": "lbfgs"}, "optimizer"),
     ({"steps": 3}, "unknown option"),
     ("yes", "must be True, False"),
+    ({"window_scale": "yes"}, "window_scale"),
 ])
 def test_bad_refinement_options_are_one_line_errors(value, message):
     with pytest.raises((ValueError, TypeError), match=message) as info:
         PositionOptions.from_argument(value)
     assert "\n" not in str(info.value)
+
+
+def test_window_scale_follows_the_start_probe(scan, client):
+    """By default the scale part of the window correction is on when the run starts from a
+    given probe and off when the probe is guessed from the data; a setting given stays."""
+    ds, nominal = scan
+    resolved = {}
+    for label, kw in (("guessed", {}), ("given", {"probe": ds.truth.probe}),
+                      ("given, off", {"probe": ds.truth.probe, "refine_positions": {"window_scale": False}})):
+        rec = _run(ds, nominal, client, epochs=1, **{"refine_positions": True, **kw})
+        resolved[label] = rec.options["refine_positions"]["window_scale"]
+    assert resolved == {"guessed": False, "given": True, "given, off": False}
+    assert PositionOptions().window_scale is None
+    assert PositionOptions().for_start_probe(guessed=True).window_scale is False
 
 
 def test_cli_refines_and_show_draws_the_corrections(scan, tmp_path):
