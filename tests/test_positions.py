@@ -271,9 +271,10 @@ def test_window_scale_follows_the_start_probe(scan, client):
     given probe and off when the probe is guessed from the data; a setting given stays."""
     ds, nominal = scan
     resolved = {}
+    start = {"start_epoch": 0}
     for label, kw in (("guessed", {}), ("given", {"probe": ds.truth.probe}),
-                      ("given, off", {"probe": ds.truth.probe, "refine_positions": {"window_scale": False}})):
-        rec = _run(ds, nominal, client, epochs=1, **{"refine_positions": True, **kw})
+                      ("given, off", {"probe": ds.truth.probe, "refine_positions": {**start, "window_scale": False}})):
+        rec = _run(ds, nominal, client, epochs=1, **{"refine_positions": start, **kw})
         resolved[label] = rec.options["refine_positions"]["window_scale"]
     assert resolved == {"guessed": False, "given": True, "given, off": False}
     assert PositionOptions().window_scale is None
