@@ -110,3 +110,26 @@ def test_a_command_run_from_python_code_installs_nothing():
     now = signal.set_wakeup_fd(-1)
     signal.set_wakeup_fd(now)
     assert now == before
+
+
+def test_a_first_ctrl_c_waits_for_the_cluster_start_and_a_second_does_not():
+    """``interrupts_after_start`` holds a first SIGINT until its block ends (then raises
+    KeyboardInterrupt as Python would) and lets a second one through at once."""
+    import os
+    import signal
+
+    from daskpty.execution.cluster import interrupts_after_start
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_after_start():
+            os.kill(os.getpid(), signal.SIGINT)
+            reached.append("after the first")
+    assert reached == ["after the first"]
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_after_start():
+            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGINT)
+            reached.append("after the second")
+    assert reached == ["after the first"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 import warnings
 
 from distributed import Client, LocalCluster
@@ -128,6 +130,41 @@ def _abandon(clusters, timeout: float = 5) -> None:
         cluster.shutdown_on_close = False  # distributed's atexit handler skips it
 
 
+@contextlib.contextmanager
+def interrupts_after_start():
+    """Hold back a first Ctrl-C (SIGINT) until the block ends, then deliver it as Python would
+    have; a second one is delivered at once. Around the start of the embedded cluster: an
+    interrupt while a worker process is being spawned closes the pipe the child reads its start
+    data from, and the child prints an ``EOFError`` traceback beside the one-line interrupt
+    message. Started workers are closed quietly. Outside the main thread it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    held = []
+
+    def hold(signum, frame):
+        if held:  # the second Ctrl-C: no more waiting
+            signal.signal(signal.SIGINT, previous)
+            _deliver(previous, signum, frame)
+        held.append((signum, frame))
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if held:
+        _deliver(previous, *held[0])
+
+
+def _deliver(handler, signum, frame) -> None:
+    if callable(handler):
+        handler(signum, frame)
+    elif handler == signal.SIG_DFL:
+        raise KeyboardInterrupt
+
+
 def _has_dask_cuda() -> bool:
     try:
         import dask_cuda  # noqa: F401
@@ -161,9 +198,9 @@ def client_context(client: Client | None = None, n_workers: int | None = None, *
 
     before = set(SpecCluster._instances)
     try:
-        with dask.config.set({"distributed.worker.profile.enabled": False}):
+        with dask.config.set({"distributed.worker.profile.enabled": False}), interrupts_after_start():
             cluster = start_local_cluster(n_workers=n_workers, **cluster_kwargs)
-        new_client = Client(cluster)
+            new_client = Client(cluster)
     except BaseException:  # e.g. Ctrl-C while the workers start
         _abandon(set(SpecCluster._instances) - before)
         raise
