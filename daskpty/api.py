@@ -59,15 +59,19 @@ def _check_probe(probe, n):
     return probe
 
 
+def _probe_is_guessed(probe, data) -> bool:
+    """Whether the run's start probe is guessed from the data (no ``probe`` argument, none in
+    the store), rather than given."""
+    return probe is None and getattr(data, "probe", None) is None
+
+
 def _initial_probe(probe, data, client, intensities, modes, seed):
     n = intensities.shape[-1]
-    if probe is None:
-        probe = getattr(data, "probe", None)
-    if probe is None:
+    if _probe_is_guessed(probe, data):
         mean = client.compute(intensities.mean(axis=0, dtype=np.float64)).result()
         diameter = probe_diameter_from_scan(data.positions, n)
         return probe_from_mean_pattern(np.asarray(mean), modes=modes or 1, seed=seed, diameter=diameter)
-    probe = _check_probe(probe, n)
+    probe = _check_probe(getattr(data, "probe", None) if probe is None else probe, n)
     if modes and modes > probe.shape[0]:
         far = np.abs(np.fft.fftshift(np.fft.fft2(probe[0], norm="ortho"))) ** 2
         extra = probe_from_mean_pattern(far, modes=modes, seed=seed)[probe.shape[0]:]
@@ -424,8 +428,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
 
     adapter = multislice_adapter(adapter, thick)  # thin far-field samples keep the adapter
     if adapter.positions is not None:  # the window scale follows the start probe's size
-        adapter.positions = adapter.positions.for_start_probe(
-            guessed=probe is None and getattr(data, "probe", None) is None)
+        adapter.positions = adapter.positions.for_start_probe(guessed=_probe_is_guessed(probe, data))
     if model is not None:
         model.check_run(len(positions), options.probe_start_epoch is not None, engine)
     mask = getattr(data, "mask", None)
