@@ -10,7 +10,7 @@ Every run starts from the same object (ones) and daskpty's data-derived probe. P
 
 * the chunk step alone with and without refinement (one process, one BLAS thread, 25 rounds of
   calls in shuffled order on ``--chunk`` patterns of ``--n``², the median ratio within a round; LSQML with the default window
-  correction and with ``window_scale``, AD with its position gradients): the engines' own extra
+  correction and with ``window_scale``, AD likewise, with its position gradients): the engines' own extra
   cost, free of the scheduler's and of a shared machine's noise (``--skip-chunk-cost``);
 * s/epoch of LSQML with fixed (nominal) positions and with refinement, alternated back to back
   ``--timing-repeats`` times (median over the epochs from the refinement's start epoch on; the
@@ -109,7 +109,7 @@ def main():
                 errors=parse_errors(args.position_errors), seed=args.perturb_seed,
                 start_probe=args.start_probe)
     print(case.describe())
-    main_opts = PositionOptions.from_argument(refine)
+    main_opts = PositionOptions.from_argument(refine, "lsqml")
     summary = {"errors": args.position_errors, "epochs": epochs, "refine": refine}
 
     def rows(result):
@@ -203,7 +203,7 @@ def main():
             for e in ad_track:
                 t, r_ = ad_true[e], ad_ref[e]
                 print(f"{e:>6} {t[0]:>9.4f} {r_[0]:>8.4f} [{r_[1]:.4f}] {r_[0] / t[0]:>6.2f} {r_[2]:>6.3f} [{r_[3]:.3f}]")
-            ad_start = max(PositionOptions.from_argument(ad_refine).start_epoch, 1)
+            ad_start = max(PositionOptions.from_argument(ad_refine, "ad").start_epoch, 1)
             print(f"AD s/epoch refined {median_seconds(ad_ref_run['seconds'], ad_start):.4f}")
             summary.update(ad_true=ad_true[ad_epochs], ad_refined=ad_ref[ad_epochs])
     print(json.dumps(summary, default=float))
@@ -211,14 +211,14 @@ def main():
 
 def chunk_cost(n: int, patterns: int, calls: int = 25) -> None:
     """The chunk step with and without position refinement in this process (run with one BLAS
-    thread): LSQML's shift terms and window sums (default, and ``window_scale``), AD's position
-    gradients, on a refining epoch: ``calls`` rounds of one call each in shuffled order, and the
+    thread): LSQML's shift terms, AD's position gradients and (default, and ``window_scale``) the
+    window sums of each, on a refining epoch: ``calls`` rounds of one call each in shuffled order, and the
     median over rounds of each ratio within a round (robust to a machine whose speed drifts)."""
     import time
 
     from daskpty.engines import lsqml
     from daskpty.engines.ad import ADOptions
-    from daskpty.engines.ad.gradient import chunk_gradient
+    from daskpty.engines.ad.gradient import chunk_gradient, refining_chunk_gradient
     from daskpty.engines.positions import PositionOptions, initial_local
     from daskpty.simulate_variable_probe import simulate_variable_probe
 
@@ -237,7 +237,11 @@ def chunk_cost(n: int, patterns: int, calls: int = 25) -> None:
         "lsqml refined, window_scale": lambda: lsqml.refining_chunk_step(obj, probe, y, pos, local, options=lo,
                                                                          positions=scaled, epoch=1),
         "ad": lambda: chunk_gradient(obj, probe, y, pos, options=ao),
-        "ad refined": lambda: chunk_gradient(obj, probe, y, pos, options=ao, want_positions=True),
+        "ad refined": lambda: refining_chunk_gradient(obj, probe, y, pos, initial_local(pos, refine, "ad"),
+                                                      options=ao, positions=refine, epoch=1),
+        "ad refined, window_scale": lambda: refining_chunk_gradient(obj, probe, y, pos,
+                                                                    initial_local(pos, scaled, "ad"),
+                                                                    options=ao, positions=scaled, epoch=1),
     }
     times = {name: [] for name in steps}
     for f in steps.values():
@@ -251,7 +255,8 @@ def chunk_cost(n: int, patterns: int, calls: int = 25) -> None:
     t = {name: np.asarray(v) for name, v in times.items()}
     print(f"chunk step, {len(y)} patterns of {n}², one thread, {calls} rounds of calls in shuffled order; "
           f"extra = median over rounds of the ratio within a round (target <= {100 * TARGET_COST:.0f}%):")
-    for name, base in (("lsqml refined", "lsqml"), ("lsqml refined, window_scale", "lsqml"), ("ad refined", "ad")):
+    for name, base in (("lsqml refined", "lsqml"), ("lsqml refined, window_scale", "lsqml"), ("ad refined", "ad"),
+                       ("ad refined, window_scale", "ad")):
         ratio = t[name] / t[base]
         print(f"  {name:<28} {1e3 * t[name].min():7.1f} ms against {1e3 * t[base].min():7.1f} ms (fastest); "
               f"extra {100 * (np.median(ratio) - 1):+.0f} % (quartiles {100 * (np.quantile(ratio, 0.25) - 1):+.0f} … "

@@ -202,7 +202,7 @@ def position_case(args):
     checkpoints = sorted(int(e) for e in args.epochs.split(","))
     epochs = checkpoints[-1]
     refine = json.loads(args.refine)
-    start = PositionOptions.from_argument(refine).start_epoch
+    start = PositionOptions.from_argument(refine, "lsqml").start_epoch  # the peer starts where LSQML does
     tmp = tempfile.mkdtemp(prefix="daskpty-bench-")
     case = Case(args.data or os.path.join(tmp, f"{args.preset}.zarr"), preset=args.preset,
                 errors=parse_errors(args.position_errors), seed=args.perturb_seed,

@@ -172,6 +172,28 @@ def test_window_deformation_recovers_a_known_deformation():
     assert sums["window_positions"][2] == len(corners)
 
 
+def test_ad_window_sums_are_lsqmls_from_the_loss_gradient():
+    """AD forms the windows' deformation sums from −∂L/∂ψ* (WINDOW_CHI_FACTOR): for the Gaussian
+    loss they equal LSQML's, formed from its exit-wave update χ, on the same chunk (patterns
+    at shifted positions, so that χ is not small)."""
+    from daskpty.engines.ad import ADOptions
+    from daskpty.engines.ad.gradient import chunk_gradient
+
+    ds = make_dataset(n=32, grid=6, step=4.0, photons=1e6, seed=5)
+    y = np.fft.ifftshift(ds.intensities, axes=(-2, -1))
+    moved = ds.truth.positions + np.random.default_rng(0).normal(0, 0.7, ds.truth.positions.shape)
+    obj, probe = ds.truth.object.astype(np.complex64), ds.truth.probe.astype(np.complex64)
+    ref = lsqml.chunk_step(obj, probe, y, moved, options=lsqml.LSQMLOptions(eps=1e-6), position_terms=True,
+                           window_stride=1)
+    got = chunk_gradient(obj, probe, y, moved, options=ADOptions(loss="gaussian", eps=1e-6), window_stride=1)
+    for key in ("window_num", "window_gram", "window_positions"):
+        np.testing.assert_allclose(got.arrays[key], ref.arrays[key], rtol=2e-3,
+                                   atol=2e-3 * np.abs(ref.arrays[key]).max(), err_msg=key)
+    assert np.abs(ref.arrays["window_num"]).max() > 0
+    intensity = chunk_gradient(obj, probe, y, moved, options=ADOptions(loss="intensity"), window_stride=1)
+    assert "window_num" not in intensity.arrays    # no constant χ factor: no window correction
+
+
 @pytest.fixture(scope="module")
 def wide_scan():
     """A wider scan (24 × 24 positions, 5 px apart): there a 1.5 % scale error moves the edge
@@ -210,6 +232,31 @@ def test_window_correction_removes_the_scans_rotation_and_scale(wide_scan, clien
     assert "affine_window_rotation_deg" in on.history[-1]
 
 
+def test_ad_window_correction_removes_the_scans_rotation_and_scale(wide_scan, client):
+    """AD on the same scan from the true probe: with the window correction (rotation, scale and
+    shear, window_scale) the global part of the errors and the position error fall."""
+    from daskpty.engines.positions import affine_parameters
+
+    ds, nominal = wide_scan
+    truth = ds.truth.positions
+    kw = dict(engine="ad", epochs=40, probe=ds.truth.probe)
+    off = _run(ds, nominal, client, refine_positions={"window_gain": 0, "start_epoch": 5}, **kw)
+    on = _run(ds, nominal, client, refine_positions={"start_epoch": 5}, **kw)
+    assert on.options["refine_positions"]["window_scale"] is True
+
+    def global_error(rec):
+        design = np.c_[truth, np.ones(len(truth))]
+        p = affine_parameters(np.linalg.lstsq(design, rec.positions - rec.origin, rcond=None)[0])
+        return abs(p["affine_scale_y"] - 1) + abs(p["affine_scale_x"] - 1) + np.radians(abs(p["affine_rotation_deg"]))
+
+    g_off, g_on = global_error(off), global_error(on)
+    e_off, e_on = (position_error(r.positions - r.origin, truth) for r in (off, on))
+    print(f"AD window correction off / on: global error {g_off:.4f} / {g_on:.4f}, position error "
+          f"{e_off:.3f} / {e_on:.3f} px")
+    assert g_on < 0.5 * g_off and e_on < e_off
+    assert "affine_window_scale" in on.history[-1]
+
+
 @pytest.mark.parametrize("engine", ["lsqml", "ad"])
 def test_two_workers_equal_one_and_rounds_from_the_client(scan, client, engine):
     """Bit for bit up to float32 rounding: 1 worker, 2 workers, and round by round from the
@@ -229,9 +276,10 @@ def test_two_workers_equal_one_and_rounds_from_the_client(scan, client, engine):
     assert np.abs(two.positions - two.nominal_positions).max() > 0.01  # they did move
 
 
-def test_resume_with_refinement_is_bit_identical(scan, client, tmp_path):
+@pytest.mark.parametrize("engine", ["lsqml", "ad"])
+def test_resume_with_refinement_is_bit_identical(scan, client, tmp_path, engine):
     ds, nominal = scan
-    kw = dict(rounds_per_epoch=2, refine_positions={"start_epoch": 1, "momentum": 0.5})
+    kw = dict(engine=engine, rounds_per_epoch=2, refine_positions={"start_epoch": 1, "momentum": 0.5})
     straight = _run(ds, nominal, client, epochs=6, **kw)
     _run(ds, nominal, client, epochs=3, checkpoint=tmp_path / "c.zarr", **kw)
     stored = daskpty.Reconstruction.from_zarr(tmp_path / "c.zarr")

@@ -113,6 +113,11 @@ class LSQMLState:
 #: 0.66 and 0.85 px where 1 left 0.52), at ~+20 % of a chunk step.
 WINDOW_STRIDE = 4
 
+#: The normal matrix (the curvature, no data residual in it) takes every GRAM_STRIDE-th pattern
+#: at least, scaled to the patterns of the right-hand side: it is a smooth average, and its
+#: products were three fifths of the sums' cost.
+GRAM_STRIDE = 4
+
 
 class WindowDeformation:
     """The normal equations of one linear deformation L (2 × 2) of every pattern's object
@@ -121,42 +126,49 @@ class WindowDeformation:
     Sampling the object at u + L u instead of u (u the pixel's offset from the window centre)
     changes the exit wave by Σ_ab L_ab u_b ∂_a O · S_f P, so with the products the position
     shift already forms, b_ab = Re Σ_j Σ_u u_b conj(∂_a O_j) g_j and
-    G_(ab),(cd) = Σ_j Σ_u u_b u_d Re(conj(∂_a O_j) ∂_c O_j) Σ_k |S_f P_jk|². The sums over
-    patterns come first (one pass over the sub-batch per product), the pixel weights last.
+    G_(ab),(cd) = Σ_j Σ_u u_b u_d Re(conj(∂_a O_j) ∂_c O_j) Σ_k |S_f P_jk|². b takes the pixel
+    weights first (u_b g_j, then batched BLAS dots); G sums over patterns first (one pass per
+    product) and on every ``gram_stride``-th pattern only.
     A scan whose positions carry a global scale or rotation error reconstructs a stretched or
     turned object that the per-pattern shifts cannot see; inside each window the data still
     see it, as this L."""
 
-    def __init__(self, n: int, xp, stride: int = WINDOW_STRIDE):
+    def __init__(self, n: int, xp, stride: int = WINDOW_STRIDE, gram_stride: int = GRAM_STRIDE):
         self.xp = xp
         self.stride = max(1, int(stride))
+        self.gram_stride = max(self.stride, int(gram_stride))
         c = np.arange(n) - (n - 1) / 2.0
         uy, ux = np.meshgrid(c, c, indexing="ij")
-        self.weights = np.stack([uy.ravel(), ux.ravel()], 1)                       # (n², 2): u_b
         self.weights2 = np.stack([uy.ravel() ** 2, (uy * ux).ravel(), ux.ravel() ** 2], 1)  # u_b u_d
-        self.first = xp.zeros((2, n * n))      # Σ_j Re(conj ∂_a O_j g_j), a = y, x
+        self.offsets = xp.asarray(np.stack([uy, ux]), dtype=np.float32)           # (2, n, n): u_b
+        self.first = np.zeros((2, 2))          # b_ab = Σ_j Σ_u u_b Re(conj ∂_a O_j g_j), host float64
         self.second = xp.zeros((3, n * n))     # Σ_j Re(conj ∂_a O_j ∂_c O_j) w_j, (a, c) = yy, yx, xx
 
     def add(self, d, g, w, start: int = 0) -> None:
         """One sub-batch starting at pattern ``start`` of the chunk: ``d`` the windows of
         (∂_y O, ∂_x O), ``g`` and ``w`` as in the shift. Only every ``stride``-th
-        pattern of the chunk is summed: L is one global quantity, and all of them
-        cost about a fifth of a chunk step."""
-        first = (-start) % self.stride
-        if first >= g.shape[0]:
-            return
-        pick = slice(first, None, self.stride)
-        d, g, w = (d[0][pick], d[1][pick]), g[pick], w[pick]
+        pattern of the chunk is summed (every ``gram_stride``-th for the normal matrix): L is
+        one global quantity, and all of them cost about a fifth of a chunk step."""
         b = g.shape[0]
-        for a in range(2):
-            self.first[a] += (d[a].real * g.real + d[a].imag * g.imag).reshape(b, -1).sum(axis=0)
-        for row, (a, c) in enumerate(((0, 0), (0, 1), (1, 1))):
-            self.second[row] += ((d[a].real * d[c].real + d[a].imag * d[c].imag) * w).reshape(b, -1).sum(axis=0)
+        pick = slice((-start) % self.stride, None, self.stride)
+        if pick.start < b:
+            gp = g[pick]
+            for col in range(2):                        # u_b g_j, then batched BLAS dots with ∂_a O_j
+                weighted = gp * self.offsets[col].astype(gp.real.dtype, copy=False)
+                for a in range(2):
+                    self.first[a, col] += float(real_dots(d[a][pick], weighted).sum())
+        pick = slice((-start) % self.gram_stride, None, self.gram_stride)
+        if pick.start < b:
+            d, w = (d[0][pick], d[1][pick]), w[pick]
+            m = w.shape[0]
+            for row, (a, c) in enumerate(((0, 0), (0, 1), (1, 1))):
+                self.second[row] += ((d[a].real * d[c].real + d[a].imag * d[c].imag) * w).reshape(m, -1).sum(axis=0)
 
     def sums(self, positions) -> dict:
         """The chunk's additive sums (host, float64), with Σ positions and their count."""
-        first = np.asarray(to_numpy(self.first), np.float64) @ self.weights        # (a, b)
+        first = self.first                                                          # (a, b)
         second = np.asarray(to_numpy(self.second), np.float64) @ self.weights2    # (ac, bd)
+        second *= self.gram_stride / self.stride
         pair = {(0, 0): 0, (0, 1): 1, (1, 0): 1, (1, 1): 2}
         gram = np.empty((4, 4))
         for a in range(2):
@@ -171,36 +183,40 @@ class WindowDeformation:
 
 def resample_object_state(state, matrix, offset) -> None:
     """O(x) ← O(matrix · x + offset) for the object and its momentum buffer, where the state
-    lives (NumPy or CuPy): the window correction's move of the object. The move is a fraction
-    of a pixel (the correction of one epoch), so it is the first-order step
-    O + δ_y ∂_y O + δ_x ∂_x O with δ(x) = (matrix − I) x + offset (central differences; a few
-    array passes, where a cubic resampling took a quarter of an epoch); a move of more than
-    half a pixel anywhere is resampled (linear) instead."""
-    xp = get_xp(state.object)
+    lives (NumPy or CuPy): the window correction's move of the object (:func:`warp_object`)."""
+    state.object, state.velocity = (warp_object(a, matrix, offset) for a in (state.object, state.velocity))
+
+
+def warp_object(a, matrix, offset):
+    """``a(matrix · x + offset)`` for an object-frame array (complex or real; None passes),
+    where it lives (NumPy or CuPy), in its own dtype. The move is a fraction of a pixel (the
+    window correction of one epoch), so it is the first-order step a + δ_y ∂_y a + δ_x ∂_x a
+    with δ(x) = (matrix − I) x + offset (central differences; a few array passes, where a cubic
+    resampling took a quarter of an epoch); a move of more than half a pixel anywhere is
+    resampled (linear) instead."""
+    if a is None:
+        return None
+    xp = get_xp(a)
     m, o = np.asarray(matrix, np.float64), np.asarray(offset, np.float64)
-    h, w = state.object.shape
-    yy = xp.arange(h, dtype=np.float32)[:, None]
-    xx = xp.arange(w, dtype=np.float32)[None, :]
-    dy = np.float32(m[0, 0] - 1) * yy + np.float32(m[0, 1]) * xx + np.float32(o[0])
-    dx = np.float32(m[1, 0]) * yy + np.float32(m[1, 1] - 1) * xx + np.float32(o[1])
+    h, w = a.shape[-2:]
     corners = np.array([[0, 0], [0, w - 1], [h - 1, 0], [h - 1, w - 1]], np.float64)
     largest = float(np.abs(corners @ (m - np.eye(2)).T + o).max())
-
-    def warp(a):
-        if a is None:
-            return None
-        if largest <= 0.5:
-            gy, gx = central_gradients(a, xp)
-            return (a + dy * gy + dx * gx).astype(np.complex64)
-        if xp is np:
-            from scipy.ndimage import affine_transform
-        else:  # pragma: no cover - GPU only
-            from cupyx.scipy.ndimage import affine_transform
-        mm, oo = xp.asarray(m), xp.asarray(o)
-        part = (lambda v: affine_transform(v.astype(np.float32), mm, oo, order=1, mode="nearest"))
-        return (part(a.real) + 1j * part(a.imag)).astype(np.complex64)
-
-    state.object, state.velocity = warp(state.object), warp(state.velocity)
+    if largest <= 0.5:
+        yy = xp.arange(h, dtype=np.float32)[:, None]
+        xx = xp.arange(w, dtype=np.float32)[None, :]
+        dy = np.float32(m[0, 0] - 1) * yy + np.float32(m[0, 1]) * xx + np.float32(o[0])
+        dx = np.float32(m[1, 0]) * yy + np.float32(m[1, 1] - 1) * xx + np.float32(o[1])
+        gy, gx = central_gradients(a, xp)
+        return (a + dy * gy + dx * gx).astype(a.dtype)
+    if xp is np:
+        from scipy.ndimage import affine_transform
+    else:  # pragma: no cover - GPU only
+        from cupyx.scipy.ndimage import affine_transform
+    mm, oo = xp.asarray(m), xp.asarray(o)
+    part = (lambda v: affine_transform(v.astype(np.float32), mm, oo, order=1, mode="nearest"))
+    if xp.iscomplexobj(a):
+        return (part(a.real) + 1j * part(a.imag)).astype(a.dtype)
+    return part(a).astype(a.dtype)
 
 
 def _trimmed_mean(x, xp, trim: float = 0.1) -> float:

@@ -31,18 +31,23 @@ class PositionsDiverged(ValueError):
 
 #: Each engine's defaults of the settings left None (:meth:`PositionOptions.for_engine`),
 #: measured on the 576 × 64² scan of benchmarks/bench_positions.py (see ``affine_gain``).
-ENGINE_DEFAULTS = {"lsqml": {"affine_gain": 6.0}, "ad": {"affine_gain": 3.0}}
+ENGINE_DEFAULTS = {"lsqml": {"affine_gain": 6.0, "start_epoch": 10},
+                   "ad": {"affine_gain": 2.0, "start_epoch": 5}}
 
 
 @dataclass(frozen=True)
 class PositionOptions:
     """Settings of position refinement (both engines).
 
-    start_epoch: first epoch whose chunk steps move positions (epochs count from 0). By default
-        10, once the object has roughly formed: updates from a blurred object over-step
+    start_epoch: first epoch whose chunk steps move positions (epochs count from 0). None: the
+        engine's own (:data:`ENGINE_DEFAULTS`: LSQML 10, AD 5). LSQML waits until the object
+        has roughly formed: its updates from a blurred object over-step
         (benchmarks/bench_positions.py, 576 × 64² with 1 px random errors, started from the
         store's probe guess, 50 epochs: 0.60 px left starting at 20 with 0.1 px steps, 0.54 px
-        starting at 10 with 0.2 px steps).
+        starting at 10 with 0.2 px steps). AD's Adam steps with the window correction gain from
+        an earlier start (1 px + 1.5 % + 0.5° errors, 150 epochs, three noise draws, calibration
+        probe: NRMSE 1.13 / 1.16 / 1.11× the true-position run from epoch 10, 1.12 / 1.14 / 1.11×
+        from epoch 5, with ``affine_gain`` 2).
     max_step: largest move of one pattern per epoch, pixels per axis (default 0.3; LSQML's
         momentum-driven steps reach it in the first epochs of refinement:
         576 × 64², 50 epochs, 0.2 → 0.3 px took 1 px + 1.5 % + 0.5° errors 0.627 → 0.611 px,
@@ -57,11 +62,12 @@ class PositionOptions:
         patterns whose object patch has weak gradients (flat or still blurred) move less.
     optimizer / lr: AD only: ``"adam"`` (default; steps of about ``lr`` pixels whatever the
         gradient's scale, within ``max_step``; default lr 0.5 — same 576 × 64² scan, 150 epochs,
-        from a calibration scan's probe: 1 px + 1.5 % + 0.5° errors 0.330 → 0.073 px and NRMSE
-        2.57 → 1.16× the true-position run with lr 0.1 → 0.5 (0.3: 0.102 px, 0.8: 0.094 px);
-        1 px random 0.114 → 0.051 px; 1 px + −1.5 % 0.251 → 0.050 px; two other noise draws of
-        the full case stay at ~0.5 px either way, a cluster of windows refined to a wrong but
-        self-consistent place) or ``"momentum"`` (gradient descent with momentum, ``lr`` in px² per
+        from a calibration scan's probe, before AD had the window correction: 1 px + 1.5 % +
+        0.5° errors 0.330 → 0.073 px and NRMSE 2.57 → 1.16× the true-position run with lr
+        0.1 → 0.5 (0.3: 0.102 px, 0.8: 0.094 px); 1 px random 0.114 → 0.051 px; 1 px + −1.5 %
+        0.251 → 0.050 px; lr 0.2 or a decaying lr are slower, a second moment pooled over the
+        chunk or β₂ 0.9 / 0.99 gain nothing; see ``window_gain`` for what it then left) or
+        ``"momentum"`` (gradient descent with momentum, ``lr`` in px² per
         unit gradient).
     affine: after every epoch fit the best affine map from nominal to refined positions; in the
         next epoch move every position by ``affine_gain − 1`` times the map's change over the
@@ -70,25 +76,33 @@ class PositionOptions:
         refinement. Per-pattern updates fix random errors within a few tens of epochs but move
         the global part only slowly (the object stretches to follow it). The extra move is one
         affine map for every pattern, so the random part is untouched. None: the engine's own
-        (:data:`ENGINE_DEFAULTS`: LSQML 6, AD 3). On 576 × 64² with 1 px + 1.5 % + 0.5° errors,
+        (:data:`ENGINE_DEFAULTS`: LSQML 6, AD 2). On 576 × 64² with 1 px + 1.5 % + 0.5° errors,
         from the store's probe (docs/benchmarks.md): LSQML 3 / 6 / 10 leave 0.72 / 0.63 / 1.60 px
         after 50 epochs (0.40 / 0.32 px after 150; 1 px random errors only: 0.28 px either;
-        −1.5 % scale: 0.59 / 0.48 px); AD 3 / 6 leave 0.33 / 0.51 px after 150 epochs (position lr 0.1).
+        −1.5 % scale: 0.59 / 0.48 px). AD with its window correction, 150 epochs from a
+        calibration probe, starting at epoch 5: 2 and 3 tie on three noise draws of that case
+        (NRMSE 1.12–1.14× against 1.11–1.13× the true-position run), but 3 leaves 1.24× on
+        1 px random errors only (2: 1.11×) and 1.28× from the store's probe (2: 1.15×).
     affine_blend: fraction of the way to the affine map each epoch (0 … 1; the classical affine
         constraint). Default 0: it pulls the random part of the errors back towards the map of
         the nominal positions (same benchmark: 0.94 px left with 0.1, 0.60 px with 0). Raise it
         when the scan is known to be an affine map of the nominal one plus little noise.
-    window_gain: LSQML: fraction of the scan's global rotation, as seen inside the windows,
-        corrected after each epoch (0 disables). A global rotation (or scale) error of the
+    window_gain: fraction of the scan's global rotation, as seen inside the windows, corrected
+        after each epoch (both engines; 0 disables). A global rotation (or scale) error of the
         positions makes the object turn (or stretch) with them, which the per-pattern shifts
         cannot see; inside every window the data still see it, as one linear deformation L of
         the window's content (:class:`~daskpty.engines.lsqml.WindowDeformation`, tiny additive
-        sums). The positions then move by (I + g L)⁻¹ about their centroid and the object is
-        resampled with them (:func:`window_correction`). 576 × 64², 1 px + 1.5 % + 0.5° errors,
-        50 epochs: 0.88 → 0.74 px (0.63 px with LSQML's affine_gain 6; rotation 0.22° → 0.04°
-        left), NRMSE 1.97 → 1.34× (1.30×) the true-position run; 1 px-only scans unharmed.
-        Above 1 it runs away.
-    window_scale: also correct the symmetric part of L (scale and shear). The probe's size
+        sums; AD forms them from its loss gradient). The positions then move by (I + g L)⁻¹
+        about their centroid and the object is resampled with them (:func:`window_correction`).
+        LSQML, 576 × 64², 1 px + 1.5 % + 0.5° errors, 50 epochs: 0.88 → 0.74 px (0.63 px with
+        LSQML's affine_gain 6; rotation 0.22° → 0.04° left), NRMSE 1.97 → 1.34× (1.30×) the
+        true-position run; 1 px-only scans unharmed. AD (with ``window_scale``, twelfth
+        session), 150 epochs from a calibration probe: 0.073 → 0.057 px and NRMSE 1.16 →
+        1.13×; on two other noise draws 0.52 / ~0.5 px → 0.06 px, where a global shear of
+        ~0.008 and a patch of edge windows had stayed wrong without it. The intensity loss
+        has no window correction (its gradient is not a constant multiple of the exit-wave
+        update). Above 1 it runs away.
+    window_scale: also correct the symmetric part of L (scale and shear; both engines). The probe's size
         decides what scale the windows ask for, so only with a probe of the right size (from
         the optics or the store, not guessed from the mean pattern, which made it rescale a
         scan by 2 % the wrong way): same case 0.88 → 0.51 px, NRMSE 1.24×; −1.5 % scale
@@ -104,7 +118,7 @@ class PositionOptions:
         farther than this from its nominal position, pixels (default: a quarter of the probe size).
     """
 
-    start_epoch: int = 10
+    start_epoch: int | None = None
     max_step: float = 0.3
     momentum: float = 0.8
     gain: float = 1.0
@@ -124,7 +138,8 @@ class PositionOptions:
             if not ok:
                 raise ValueError(f"refine_positions: {message}")
 
-        check(isinstance(self.start_epoch, (int, np.integer)) and self.start_epoch >= 0,
+        check(self.start_epoch is None or isinstance(self.start_epoch, (int, np.integer))
+              and not isinstance(self.start_epoch, bool) and self.start_epoch >= 0,
               f"start_epoch must be an integer >= 0, got {self.start_epoch!r}")
         check(_number(self.max_step) and 0 < self.max_step <= 8,
               f"max_step must lie in (0, 8] pixels, got {self.max_step!r}")
@@ -181,6 +196,8 @@ class PositionOptions:
         return float(self.max_displacement) if self.max_displacement is not None else n / 4.0
 
     def active(self, epoch: int) -> bool:
+        if self.start_epoch is None:
+            raise ValueError("start_epoch is unset: resolve the options first (PositionOptions.for_engine)")
         return epoch >= self.start_epoch
 
 

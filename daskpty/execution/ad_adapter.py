@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engines import ad
-from ..engines.positions import PositionOptions, affine_parameters, fit_affine, initial_local, positions_for_step
+from ..engines.lsqml import warp_object
+from ..engines.positions import (PositionOptions, affine_parameters, fit_affine, fit_window, initial_local,
+                                 positions_for_step, window_parameters)
 from .rounds import ChunkedData, map_reduce
 
 
@@ -84,8 +86,9 @@ class ADAdapter:
         return initial_local(nominal, self.positions, "ad")
 
     def epoch_scalars(self, state) -> dict:
-        """The fitted affine map's parameters, for the epoch's history entry."""
-        return {} if state.affine is None else affine_parameters(state.affine)
+        """The fitted affine map's and the windows' deformation parameters, for the epoch's history entry."""
+        out = {} if state.affine is None else affine_parameters(state.affine)
+        return {**out, **window_parameters(state.window_deformation)}
 
     @property
     def needs_evaluations(self) -> bool:
@@ -97,7 +100,8 @@ class ADAdapter:
                          state.probe if probe is None else probe, self.options,
                          state.active("object", self.options), state.active("probe", self.options),
                          self.valid, self.positions, state.epoch,
-                         None if state.affine is None else (state.affine, state.affine_boost))
+                         None if state.affine is None and state.window_map is None
+                         else (state.affine, state.affine_boost, state.window_map))
 
     def apply(self, state, total, evaluate=None):
         return ad.apply(state, total, self.options, evaluate=evaluate)
@@ -107,7 +111,11 @@ class ADAdapter:
 
     def end_epoch(self, state):
         if self.positions is not None:
-            fit_affine(state, self.positions)
+            applied = state.window_map if self.positions.active(state.epoch) else None  # this epoch's
+            warp = fit_window(state, self.positions)
+            if warp is not None:
+                warp_object_state(state, *warp)
+            fit_affine(state, self.positions, window=applied)
         return ad.end_epoch(state, self.options)
 
     def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None) -> ad.ADState:
@@ -144,3 +152,19 @@ class ADAdapter:
         if total is not None:
             total.scalars["loss_evaluations"] = float(count)
         return state, total
+
+
+def warp_object_state(state: ad.ADState, matrix, offset) -> None:
+    """The window correction's move of the object, O(x) ← O(matrix · x + offset), and of the
+    object optimiser's memory that is a field like it (SGD's momentum, CG's directions). Adam's
+    moments stay: its step is their ratio, which a sub-pixel move hardly changes, and moving
+    the second moment where it is near zero (outside the lit region) made that ratio blow up."""
+    state.object = warp_object(state.object, matrix, offset)
+    for key, value in list(state.optimizer.arrays.items()):
+        slot, name = key.split("/", 1)
+        if name == "object" and slot not in ADAM_SLOTS:
+            state.optimizer.arrays[key] = warp_object(value, matrix, offset)
+
+
+#: Adam's memory slots (:class:`daskpty.engines.ad.optimizers.Adam`).
+ADAM_SLOTS = ("m", "v")

@@ -7,10 +7,10 @@ from ...physics import fft2, get_xp, ifft2, model_intensity
 from ...physics.backend import asarray_like, is_cupy, real_dots, to_numpy
 from ...physics.patches import PatchIndex
 from ...physics.shifts import outer_ramps, shift_ramp_factors
-from ..lsqml import _fft_in_place
+from ..lsqml import WINDOW_STRIDE, WindowDeformation, _fft_in_place
 from ...physics import kernels
 from ..partials import BoxedArray, Partial
-from ..positions import finish_step, positions_for_step, step_with_optimizer
+from ..positions import central_gradients, finish_step, positions_for_step, step_with_optimizer
 from .losses import _far_field_loss
 from .state import ADOptions
 
@@ -113,6 +113,16 @@ class _Chunk:
         return r, q, o, wave
 
 
+#: χ ≈ factor · ∂L/∂ψ* of each loss near a fit (orthonormal FFTs): the Gaussian loss's gradient
+#: is 2(ψ − ψ'), ψ' the modulus-projected wave, so χ = ψ' − ψ is −1/2 of it; the Poisson loss's
+#: 2(1 − y/ŷ)Ψ is about twice that. The intensity loss's has no such constant (its weight grows
+#: with ŷ): its runs do not correct the windows.
+WINDOW_CHI_FACTOR = {"gaussian": -0.5, "poisson": -0.25}
+
+#: AD's window sums with ``window_scale`` take every SCALE_WINDOW_STRIDE-th pattern.
+SCALE_WINDOW_STRIDE = 1
+
+
 def _check_chunk_inputs(intensities, positions):
     if intensities.ndim != 3:
         raise ValueError(f"intensities must be (B, n, n), got shape {intensities.shape}")
@@ -122,7 +132,7 @@ def _check_chunk_inputs(intensities, positions):
 
 def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | None" = None, valid=None,
                    want_object: bool = True, want_probe: bool = True,
-                   want_positions: bool = False, variable=None) -> Partial:
+                   want_positions: bool = False, variable=None, window_stride: int = 0) -> Partial:
     """Loss and its gradients for one chunk of patterns, as an additive partial.
 
     obj (H, W) complex (only the chunk's bounding box is read); probe (M, n, n) complex;
@@ -136,6 +146,11 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
       (probe preconditioner), when ``want_probe``;
     * ``arrays["position_grad"]`` (B, 2) float64 ∂L/∂(y, x) per pattern of *this* chunk, when
       ``want_positions`` (not additive across chunks: for single-chunk use);
+    * ``arrays["window_num"]``, ``["window_gram"]``, ``["window_positions"]``: the windows'
+      deformation sums (:class:`~daskpty.engines.lsqml.WindowDeformation`, every
+      ``window_stride``-th pattern; 0: none) with the exit-wave update χ of LSQML taken as
+      −∂L/∂ψ* over the loss's Gauss–Newton curvature (:data:`WINDOW_CHI_FACTOR`), when the
+      object gradient is formed;
     * ``scalars``: ``loss`` (float64 sum), ``n``, ``sum_measured``, ``sum_model``.
 
     One pass over sub-batches (see :class:`_Chunk`): forward model, g_Ψ (in place), g_ψ = F⁻¹ g_Ψ,
@@ -182,6 +197,11 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     measured = xp.zeros(n * n)  # the mask is applied at the end
     model = xp.zeros(n * n)
     loss = 0.0
+    deform = None
+    if window_stride and want_object_grad and opts.loss in WINDOW_CHI_FACTOR:
+        deform = WindowDeformation(n, xp, window_stride)
+        box_d = central_gradients(c.obj_box, xp)                           # ∂_y O, ∂_x O on the box
+        d_patch = xp.empty((2, c.step, n, n), cdtype)
 
     for batch in c.blocks:
         b = batch.stop - batch.start
@@ -198,6 +218,9 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
         g_psi = _fft_in_place(g_far, inverse=True)                          # g_ψ = F⁻¹ g_Ψ
         if want_object_grad:                            # Σ_k conj(Q_jk) g_ψjk (in Q's buffer), Σ_k |Q_jk|²
             g, q_power = kernels.object_gradient(q, g_psi, overwrite=True)
+            if deform is not None:
+                deform.add([c.index.extract(box_d[a], batch, out=d_patch[a, :b]) for a in range(2)],
+                           g, q_power, batch.start)
         else:
             q_power = model_intensity(q)
         c.index.scatter_add(illum, q_power, batch)
@@ -237,6 +260,10 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
         part.arrays["probe_illumination"] = probe_illum.reshape(n, n).astype(rdtype)
     if want_positions:
         part.arrays["position_grad"] = position_grad
+    if deform is not None:
+        sums = deform.sums(positions)
+        sums["window_num"] = sums["window_num"] * WINDOW_CHI_FACTOR[opts.loss]
+        part.arrays.update(sums)
     if variable is not None:
         variable.finish(part, measured, model)
     if is_cupy(obj):  # partials stay where the state lives; the positions' optimiser is on the host
@@ -274,9 +301,12 @@ def refining_chunk_gradient(obj, probe, intensities, nominal, local: dict, *, op
     n = probe.shape[-1]
     used = positions_for_step(local, nominal, affine, positions, epoch, n, obj.shape)
     active = positions.active(epoch)
+    window_stride = 0
+    if active and positions.window_gain:
+        window_stride = SCALE_WINDOW_STRIDE if positions.window_scale else WINDOW_STRIDE
     part = chunk_gradient(obj, probe, intensities, used, options=options, valid=valid,
                           want_object=want_object, want_probe=want_probe, want_positions=active,
-                          variable=variable)
+                          variable=variable, window_stride=window_stride)
     if not active or not part.scalars:
         part.local = {}
         return part

@@ -8,7 +8,7 @@ import numpy as np
 
 from ...physics.backend import get_xp
 from ..partials import Partial
-from ..positions import accumulate_affine
+from ..positions import accumulate_affine, accumulate_window
 from .losses import DEFAULT_EPS, LOSS_NAMES
 from .optimizers import SGD, Adam, ConjugateGradient, OptimizerState
 
@@ -177,6 +177,9 @@ class ADState:
     affine: np.ndarray | None = None        # position refinement (see daskpty.engines.positions)
     affine_boost: np.ndarray | None = None
     affine_sums: dict | None = None
+    window_sums: dict | None = None         # the windows' deformation sums of this epoch (positions)
+    window_deformation: np.ndarray | None = None  # L (2, 2) of the last epoch, for the history
+    window_map: np.ndarray | None = None    # the positions' map of the next epoch (3, 2), or None
     eigen_probes: np.ndarray | None = None      # varying probe (engines.probe_model)
     weight_transform: np.ndarray | None = None
     background: np.ndarray | None = None
@@ -192,7 +195,7 @@ class ADState:
         out.update({"optimizer_scalar." + k.replace("/", "."): np.asarray(float(v), dtype=np.float64)
                     for k, v in self.optimizer.scalars.items()})
         out["iteration"] = np.asarray(self.iteration, dtype=np.int64)
-        for name in ("affine", "affine_boost"):
+        for name in ("affine", "affine_boost", "window_map"):
             if getattr(self, name) is not None:
                 out[name] = np.asarray(getattr(self, name))
         return out
@@ -211,7 +214,8 @@ class ADState:
                 iteration = int(np.asarray(value))
         arrays = arrays or {}
         return cls(object=obj, probe=probe, epoch=int(epoch), optimizer=opt, iteration=iteration,
-                   affine=arrays.get("affine"), affine_boost=arrays.get("affine_boost"))
+                   affine=arrays.get("affine"), affine_boost=arrays.get("affine_boost"),
+                   window_map=arrays.get("window_map"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -237,6 +241,7 @@ def apply(state: ADState, total: Partial, options: ADOptions, evaluate=None) -> 
     if total is None:
         return state
     accumulate_affine(state, total)
+    accumulate_window(state, total)
     xp = get_xp(state.object)  # NumPy, or CuPy for a state on a GPU worker's device
     params, grads, pre, lrs = {}, {}, {}, {}
     epoch = state.epoch
