@@ -425,7 +425,19 @@ def fit_affine(state, options: PositionOptions, window=None) -> None:
     state.affine_sums = None
 
 
-# --- the scan's global deformation, seen inside the windows (LSQML) --------------------------
+def finish_epoch(state, options: PositionOptions, move_object) -> None:
+    """End of a refining epoch, both engines: the windows' correction of the next epoch
+    (:func:`fit_window`; ``move_object(state, matrix, offset)`` resamples the engine's object
+    and its memory with it), then the affine fit (:func:`fit_affine`), which leaves out the
+    window correction this epoch applied."""
+    applied = state.window_map if options.active(state.epoch) else None
+    warp = fit_window(state, options)
+    if warp is not None:
+        move_object(state, *warp)
+    fit_affine(state, options, window=applied)
+
+
+# --- the scan's global deformation, seen inside the windows (both engines) -------------------
 
 WINDOW_KEYS = ("window_num", "window_gram", "window_positions")
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..engines import ad
 from ..engines.lsqml import warp_object
-from ..engines.positions import (PositionOptions, affine_parameters, fit_affine, fit_window, initial_local,
+from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local,
                                  positions_for_step, window_parameters)
 from .rounds import ChunkedData, map_reduce
 
@@ -111,11 +111,7 @@ class ADAdapter:
 
     def end_epoch(self, state):
         if self.positions is not None:
-            applied = state.window_map if self.positions.active(state.epoch) else None  # this epoch's
-            warp = fit_window(state, self.positions)
-            if warp is not None:
-                warp_object_state(state, *warp)
-            fit_affine(state, self.positions, window=applied)
+            finish_epoch(state, self.positions, warp_object_state)
         return ad.end_epoch(state, self.options)
 
     def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None) -> ad.ADState:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engines import lsqml
-from ..engines.positions import PositionOptions, affine_parameters, fit_affine, fit_window, initial_local, window_parameters
+from ..engines.positions import PositionOptions, affine_parameters, finish_epoch, initial_local, window_parameters
 from .device_state import fetch_host_state
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
@@ -109,11 +109,7 @@ class LSQMLAdapter:
 
     def end_epoch(self, state):
         if self.positions is not None:
-            applied = state.window_map if self.positions.active(state.epoch) else None  # this epoch's
-            warp = fit_window(state, self.positions)
-            if warp is not None:
-                lsqml.resample_object_state(state, *warp)
-            fit_affine(state, self.positions, window=applied)
+            finish_epoch(state, self.positions, lsqml.resample_object_state)
         return lsqml.end_epoch(state, self.options)
 
     def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
