@@ -113,6 +113,18 @@ class LSQMLState:
 #: 0.66 and 0.85 px where 1 left 0.52), at ~+20 % of a chunk step.
 WINDOW_STRIDE = 4
 
+
+def window_sum_stride(positions) -> int:
+    """Every how many patterns a refining chunk step forms the window sums (both engines): 0
+    without the window correction, 1 with ``window_scale``, else :data:`WINDOW_STRIDE`. AD
+    needs every pattern for the scale as LSQML does: every 4th or 2nd left 0.184 / 0.161 px
+    where every one left 0.056 px (576 × 64², 1 px + 1.5 % + 0.5°, noise draw 2, 150 epochs),
+    and forming the sums only every other epoch 0.124 px where every epoch left 0.061 (draw 1,
+    from the store's probe)."""
+    if not positions.window_gain:
+        return 0
+    return 1 if positions.window_scale else WINDOW_STRIDE
+
 #: The normal matrix (the curvature, no data residual in it) takes every GRAM_STRIDE-th pattern
 #: at least, scaled to the patterns of the right-hand side: it is a smooth average, and its
 #: products were three fifths of the sums' cost.
@@ -462,7 +474,7 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     active = positions.active(epoch)
     part = chunk_step(obj, probe, intensities, refined, options=options, update_probe=update_probe,
                       valid=valid, position_terms=active, variable=variable,
-                      window_stride=0 if not positions.window_gain else 1 if positions.window_scale else WINDOW_STRIDE)
+                      window_stride=window_sum_stride(positions))
     if not active or not part.scalars:
         part.local = {}
         return part

@@ -150,6 +150,10 @@ class ADAdapter:
         return state, total
 
 
+#: Adam's memory slots (:class:`daskpty.engines.ad.optimizers.Adam`).
+ADAM_SLOTS = ("m", "v")
+
+
 def warp_object_state(state: ad.ADState, matrix, offset) -> None:
     """The window correction's move of the object, O(x) ← O(matrix · x + offset), and of the
     object optimiser's memory that is a field like it (SGD's momentum, CG's directions). Adam's
@@ -160,7 +164,3 @@ def warp_object_state(state: ad.ADState, matrix, offset) -> None:
         slot, name = key.split("/", 1)
         if name == "object" and slot not in ADAM_SLOTS:
             state.optimizer.arrays[key] = warp_object(value, matrix, offset)
-
-
-#: Adam's memory slots (:class:`daskpty.engines.ad.optimizers.Adam`).
-ADAM_SLOTS = ("m", "v")

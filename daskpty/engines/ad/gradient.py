@@ -7,7 +7,7 @@ from ...physics import fft2, get_xp, ifft2, model_intensity
 from ...physics.backend import asarray_like, is_cupy, real_dots, to_numpy
 from ...physics.patches import PatchIndex
 from ...physics.shifts import outer_ramps, shift_ramp_factors
-from ..lsqml import WINDOW_STRIDE, WindowDeformation, _fft_in_place
+from ..lsqml import WindowDeformation, _fft_in_place, window_sum_stride
 from ...physics import kernels
 from ..partials import BoxedArray, Partial
 from ..positions import central_gradients, finish_step, positions_for_step, step_with_optimizer
@@ -118,12 +118,6 @@ class _Chunk:
 #: 2(1 − y/ŷ)Ψ is about twice that. The intensity loss's has no such constant (its weight grows
 #: with ŷ): its runs do not correct the windows.
 WINDOW_CHI_FACTOR = {"gaussian": -0.5, "poisson": -0.25}
-
-#: AD's window sums with ``window_scale`` take every SCALE_WINDOW_STRIDE-th pattern: every 4th
-#: or 2nd left 0.184 / 0.161 px where every one left 0.056 px (576 × 64², 1 px + 1.5 % + 0.5°,
-#: noise draw 2, 150 epochs), and sums every other epoch 0.124 px where every epoch left 0.061
-#: (draw 1, from the store's probe).
-SCALE_WINDOW_STRIDE = 1
 
 
 def _check_chunk_inputs(intensities, positions):
@@ -304,12 +298,9 @@ def refining_chunk_gradient(obj, probe, intensities, nominal, local: dict, *, op
     n = probe.shape[-1]
     used = positions_for_step(local, nominal, affine, positions, epoch, n, obj.shape)
     active = positions.active(epoch)
-    window_stride = 0
-    if active and positions.window_gain:
-        window_stride = SCALE_WINDOW_STRIDE if positions.window_scale else WINDOW_STRIDE
     part = chunk_gradient(obj, probe, intensities, used, options=options, valid=valid,
                           want_object=want_object, want_probe=want_probe, want_positions=active,
-                          variable=variable, window_stride=window_stride)
+                          variable=variable, window_stride=window_sum_stride(positions) if active else 0)
     if not active or not part.scalars:
         part.local = {}
         return part
