@@ -123,7 +123,7 @@ def main():
             Client(cluster) as client:
         # --- LSQML: truth reference, then fixed vs refined alternated (timing + tracking) -------
         true = rows(run_daskpty(case, client, case.true, epochs=epochs, track=track, **common))
-        start = max(main_opts.start_epoch, 1)
+        start = max(main_opts.start_bounds()[1], 1)  # refinement has started by then
         spe = {"fixed": [], "refined": []}
         fixed = refined = None
         for _ in range(max(1, args.timing_repeats)):
@@ -205,7 +205,7 @@ def main():
             for e in ad_track:
                 t, r_ = ad_true[e], ad_ref[e]
                 print(f"{e:>6} {t[0]:>9.4f} {r_[0]:>8.4f} [{r_[1]:.4f}] {r_[0] / t[0]:>6.2f} {r_[2]:>6.3f} [{r_[3]:.3f}]")
-            ad_start = max(PositionOptions.from_argument(ad_refine, "ad").start_epoch, 1)
+            ad_start = max(PositionOptions.from_argument(ad_refine, "ad").start_bounds()[1], 1)
             spe_true = median_seconds(ad_true_run["seconds"], ad_start)
             spe_ref = median_seconds(ad_ref_run["seconds"], ad_start)
             print(f"AD s/epoch (median over epochs {ad_start + 1}..{ad_epochs}, one run each): true positions "

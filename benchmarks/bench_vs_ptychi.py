@@ -202,7 +202,8 @@ def position_case(args):
     checkpoints = sorted(int(e) for e in args.epochs.split(","))
     epochs = checkpoints[-1]
     refine = json.loads(args.refine)
-    start = PositionOptions.from_argument(refine, "lsqml").start_epoch  # the peer starts where LSQML does
+    # the peer starts where LSQML has started at the latest ("auto" decides between 3 and 10)
+    start = PositionOptions.from_argument(refine, "lsqml").start_bounds()[1]
     tmp = tempfile.mkdtemp(prefix="daskpty-bench-")
     case = Case(args.data or os.path.join(tmp, f"{args.preset}.zarr"), preset=args.preset,
                 errors=parse_errors(args.position_errors), seed=args.perturb_seed,

@@ -159,8 +159,9 @@ def _warn_late_start(epochs: int, positions, model) -> None:
 
     for what, options, key in (("position refinement", positions, "refine_positions"),
                                ("the varying-probe fit", model, "probe_model")):
-        if options is not None and epochs and options.start_epoch >= epochs:
-            warnings.warn(f"daskpty: {what} starts at epoch {options.start_epoch} but the run has {epochs} "
+        start = options.start_bounds()[0] if isinstance(options, PositionOptions) else getattr(options, "start_epoch", 0)
+        if options is not None and epochs and start >= epochs:
+            warnings.warn(f"daskpty: {what} starts at epoch {start} but the run has {epochs} "
                           f"epochs, so it never runs; pass more epochs or {key}={{'start_epoch': ...}}",
                           UserWarning, stacklevel=4)  # past reconstruct and its lock wrapper
 
@@ -305,7 +306,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         cover every probe window plus a margin; ``result.origin`` says where position (0, 0) lies.
     refine_positions : bool, dict or PositionOptions
         Refine the scan positions (both engines): True for the defaults, or a dict of
-        `daskpty.engines.positions.PositionOptions` fields (``start_epoch``: LSQML 10, AD 5;
+        `daskpty.engines.positions.PositionOptions` fields (``start_epoch``: LSQML ``"auto"``, the
+        epoch after the probe has settled, between 3 and 10; AD 5;
         ``max_step`` 0.3 px per epoch, ``gain``, ``regularization``, ``momentum``,
         ``optimizer``/``lr`` for AD; the affine fit (``affine``, ``affine_gain``: LSQML 6, AD 2,
         ``affine_blend``), the window correction of both engines (``window_gain``;

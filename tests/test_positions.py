@@ -134,11 +134,12 @@ def test_refinement_recovers_positions(scan, client, engine, epochs):
 
 
 def test_window_deformation_recovers_a_known_deformation():
-    """The windows' normal equations (lsqml.WindowDeformation) on exit-wave residuals made by
+    """The windows' normal equations (window_deformation.WindowDeformation) on exit-wave residuals made by
     sampling a smooth object at u + L u: the solved L is the L used (to first order)."""
     from scipy.ndimage import gaussian_filter, map_coordinates
 
     from daskpty.engines.positions import central_gradients, solve_window_deformation
+    from daskpty.engines.window_deformation import WindowDeformation
 
     rng = np.random.default_rng(4)
     n, size = 32, 128
@@ -149,7 +150,7 @@ def test_window_deformation_recovers_a_known_deformation():
     true_l = np.array([[0.004, -0.003], [0.002, 0.005]])
     corners = np.stack(np.meshgrid(np.arange(20, 80, 6), np.arange(20, 80, 6), indexing="ij"), -1).reshape(-1, 2)
     dy, dx = central_gradients(obj, np)
-    deform = lsqml.WindowDeformation(n, np)
+    deform = WindowDeformation(n, np)
 
     def sample(a, cy, cx):
         return map_coordinates(a.real, [cy, cx], order=3) + 1j * map_coordinates(a.imag, [cy, cx], order=3)
@@ -170,6 +171,37 @@ def test_window_deformation_recovers_a_known_deformation():
     got = solve_window_deformation(sums["window_num"], sums["window_gram"])
     np.testing.assert_allclose(got, true_l, rtol=0, atol=0.1 * np.abs(true_l).max())
     assert sums["window_positions"][2] == len(corners)
+
+
+@pytest.mark.parametrize("stride", [1, 4])
+def test_window_sums_from_one_product_equal_the_dot_products(stride):
+    """WindowDeformation's matrix-product form: the shift numerators are Re⟨∂_a O_j, g_j⟩, and the
+    sums equal the direct double sums of b and G over the picked patterns (float64 reference)."""
+    from daskpty.engines.window_deformation import WindowDeformation
+
+    rng = np.random.default_rng(3)
+    n, b, start = 16, 11, 3
+    d = [(rng.normal(size=(b, n, n)) + 1j * rng.normal(size=(b, n, n))).astype(np.complex64) for _ in range(2)]
+    g = (rng.normal(size=(b, n, n)) + 1j * rng.normal(size=(b, n, n))).astype(np.complex64)
+    w = rng.random((b, n, n)).astype(np.float32)
+    deform = WindowDeformation(n, np, stride, gram_stride=4)
+    num = deform.numerators(d, g, start)
+    deform.add_gram(d, w, start)
+    sums = deform.sums(np.zeros((b, 2)))
+    d64, g64, w64 = [x.astype(np.complex128) for x in d], g.astype(np.complex128), w.astype(np.float64)
+    np.testing.assert_allclose(num, [[np.real(np.vdot(d64[a][j], g64[j])) for a in range(2)] for j in range(b)],
+                               rtol=1e-5, atol=1e-4)
+    c = np.arange(n) - (n - 1) / 2
+    u = np.stack(np.meshgrid(c, c, indexing="ij"))                      # u_y, u_x
+    first = [j for j in range(b) if (start + j) % stride == 0]
+    second = [j for j in range(b) if (start + j) % 4 == 0]
+    want_num = np.array([[sum(np.sum(u[bb] * np.real(np.conj(d64[a][j]) * g64[j])) for j in first)
+                          for bb in range(2)] for a in range(2)]).reshape(4)
+    want_gram = np.array([[sum(np.sum(u[bb] * u[dd] * np.real(np.conj(d64[a][j]) * d64[c_][j]) * w64[j])
+                               for j in second) for c_ in range(2) for dd in range(2)]
+                          for a in range(2) for bb in range(2)]) * (4 / stride)
+    np.testing.assert_allclose(sums["window_num"], want_num, rtol=1e-4, atol=1e-3 * np.abs(want_num).max())
+    np.testing.assert_allclose(sums["window_gram"], want_gram, rtol=1e-4, atol=1e-4 * np.abs(want_gram).max())
 
 
 def test_ad_window_sums_are_lsqmls_from_the_loss_gradient():
@@ -290,6 +322,56 @@ def test_resume_with_refinement_is_bit_identical(scan, client, tmp_path, engine)
     np.testing.assert_array_equal(resumed.object, straight.object)
 
 
+def test_auto_start_waits_for_the_probe_to_settle(scan, client, monkeypatch):
+    """LSQML's default start ("auto"): refinement starts in the epoch after the first one (from
+    epoch 2 on) whose probe changed by at most PROBE_SETTLED, measured here from the epochs'
+    probes, or in epoch AUTO_LATEST; no position moves before it. The small scan's probe settles
+    at once, so the tolerance is set from a first run's changes to a value the rule meets later."""
+    from daskpty.engines import positions
+
+    ds, nominal = scan
+
+    def run():
+        probes = []
+
+        def keep(epoch, state, metrics):
+            probes.append(np.array(state.get().probe))
+
+        keep.takes_epoch_state = True
+        rec = _run(ds, nominal, client, epochs=positions.AUTO_LATEST + 1, callback=keep, refine_positions=True)
+        change = [np.inf] + [np.linalg.norm(p - b) / np.linalg.norm(p) for b, p in zip(probes, probes[1:])]
+        decided = rec.history[-1]["position_start_epoch"]
+        moved = [e for e, h in enumerate(rec.history) if h.get("position_rms_update", 0) > 0]
+        assert moved[0] == decided and rec.options["refine_positions"]["start_epoch"] == "auto"
+        return decided, change
+
+    monkeypatch.setattr(positions, "PROBE_SETTLED", 0.0)     # never settled: the latest start
+    decided, change = run()
+    assert decided == positions.AUTO_LATEST
+    tolerance = float(min(change[3:7]))
+    monkeypatch.setattr(positions, "PROBE_SETTLED", tolerance)
+    decided, change2 = run()
+    expected = next(e + 1 for e in range(positions.AUTO_EARLIEST - 1, len(change)) if change[e] <= tolerance)
+    np.testing.assert_array_equal(change2[:expected], change[:expected])  # the same run until it starts
+    assert decided == expected and positions.AUTO_EARLIEST <= decided <= 7, (change, decided)
+
+
+def test_resume_across_the_auto_start_is_bit_identical(scan, client, tmp_path):
+    """Checkpoints before and after "auto" decides the start: both resume bit-identically."""
+    ds, nominal = scan
+    kw = dict(engine="lsqml", rounds_per_epoch=2, refine_positions={"momentum": 0.5})
+    straight = _run(ds, nominal, client, epochs=8, **kw)
+    start = straight.history[-1]["position_start_epoch"]
+    assert 3 <= start <= 6, start
+    for stop in (start - 1, start + 1):
+        path = tmp_path / f"c{stop}.zarr"
+        _run(ds, nominal, client, epochs=stop, checkpoint=path, **kw)
+        resumed = _run(ds, nominal, client, epochs=8, resume=path, **kw)
+        np.testing.assert_array_equal(resumed.positions, straight.positions)
+        np.testing.assert_array_equal(resumed.object, straight.object)
+        assert resumed.history[-1]["position_start_epoch"] == start
+
+
 def test_diverging_refinement_stops_with_one_message(scan, client, tmp_path):
     ds, nominal = scan
     with pytest.raises(PositionsDiverged, match="diverged.*limit 0.01 px.*checkpoint .* of epoch 2 is kept"):
@@ -302,6 +384,7 @@ def test_diverging_refinement_stops_with_one_message(scan, client, tmp_path):
     ({"max_step": 0}, "max_step"),
     ({"momentum": 1.0}, "momentum"),
     ({"start_epoch": -1}, "start_epoch"),
+    ({"start_epoch": "soon"}, "start_epoch must be an integer >= 0 or 'auto'"),
     ({"affine_blend": 2}, "affine_blend"),
     ({"optimizer": "lbfgs"}, "optimizer"),
     ({"steps": 3}, "unknown option"),

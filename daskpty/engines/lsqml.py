@@ -34,6 +34,7 @@ from ..physics.patches import PatchIndex
 from ..physics.shifts import outer_ramps, shift_ramp_factors
 from ..physics import kernels
 from .partials import BoxedArray, Partial
+from .window_deformation import WINDOW_STRIDE, WindowDeformation, window_sum_stride
 from .positions import (
     PositionOptions,
     accumulate_affine,
@@ -99,98 +100,14 @@ class LSQMLState:
     window_sums: dict | None = None         # the windows' deformation sums of this epoch (positions)
     window_deformation: np.ndarray | None = None  # L (2, 2) of the last epoch, for the history
     window_map: np.ndarray | None = None    # the positions' map of the next epoch (3, 2), or None
+    positions_start: int | None = None   # start epoch decided by start_epoch='auto' (positions)
+    epoch_start_probe: np.ndarray | None = None  # the probe at the epoch's start, while undecided
     eigen_probes: np.ndarray | None = None  # varying probe (engines.probe_model): OPR eigen-probes U_1…
     weight_transform: np.ndarray | None = None  # T of the last orthonormalisation (chunks apply it)
     background: np.ndarray | None = None    # fitted background, (1, 1) or (n, n)
 
     def update_probe(self, options: LSQMLOptions) -> bool:
         return options.probe_start_epoch is not None and self.epoch >= options.probe_start_epoch
-
-
-#: The window deformation's sums take every WINDOW_STRIDE-th pattern of a chunk when only the
-#: rotation is corrected (its estimate is robust: stride 4 leaves 0.747 px where 1 left 0.741
-#: on the 576 × 64² case); the scale (``window_scale``) needs every pattern (stride 2 and 4 left
-#: 0.66 and 0.85 px where 1 left 0.52), at ~+20 % of a chunk step.
-WINDOW_STRIDE = 4
-
-
-def window_sum_stride(positions) -> int:
-    """Every how many patterns a refining chunk step forms the window sums (both engines): 0
-    without the window correction, 1 with ``window_scale``, else :data:`WINDOW_STRIDE`. AD
-    needs every pattern for the scale as LSQML does: every 4th or 2nd left 0.184 / 0.161 px
-    where every one left 0.056 px (576 × 64², 1 px + 1.5 % + 0.5°, noise draw 2, 150 epochs),
-    and forming the sums only every other epoch 0.124 px where every epoch left 0.061 (draw 1,
-    from the store's probe)."""
-    if not positions.window_gain:
-        return 0
-    return 1 if positions.window_scale else WINDOW_STRIDE
-
-#: The normal matrix (the curvature, no data residual in it) takes every GRAM_STRIDE-th pattern
-#: at least, scaled to the patterns of the right-hand side: it is a smooth average, and its
-#: products were three fifths of the sums' cost.
-GRAM_STRIDE = 4
-
-
-class WindowDeformation:
-    """The normal equations of one linear deformation L (2 × 2) of every pattern's object
-    window, summed over a chunk's patterns (for :func:`~.positions.fit_window`).
-
-    Sampling the object at u + L u instead of u (u the pixel's offset from the window centre)
-    changes the exit wave by Σ_ab L_ab u_b ∂_a O · S_f P, so with the products the position
-    shift already forms, b_ab = Re Σ_j Σ_u u_b conj(∂_a O_j) g_j and
-    G_(ab),(cd) = Σ_j Σ_u u_b u_d Re(conj(∂_a O_j) ∂_c O_j) Σ_k |S_f P_jk|². b takes the pixel
-    weights first (u_b g_j, then batched BLAS dots); G sums over patterns first (one pass per
-    product) and on every ``gram_stride``-th pattern only.
-    A scan whose positions carry a global scale or rotation error reconstructs a stretched or
-    turned object that the per-pattern shifts cannot see; inside each window the data still
-    see it, as this L."""
-
-    def __init__(self, n: int, xp, stride: int = WINDOW_STRIDE, gram_stride: int = GRAM_STRIDE):
-        self.xp = xp
-        self.stride = max(1, int(stride))
-        self.gram_stride = max(self.stride, int(gram_stride))
-        c = np.arange(n) - (n - 1) / 2.0
-        uy, ux = np.meshgrid(c, c, indexing="ij")
-        self.weights2 = np.stack([uy.ravel() ** 2, (uy * ux).ravel(), ux.ravel() ** 2], 1)  # u_b u_d
-        self.offsets = xp.asarray(np.stack([uy, ux]), dtype=np.float32)           # (2, n, n): u_b
-        self.first = np.zeros((2, 2))          # b_ab = Σ_j Σ_u u_b Re(conj ∂_a O_j g_j), host float64
-        self.second = xp.zeros((3, n * n))     # Σ_j Re(conj ∂_a O_j ∂_c O_j) w_j, (a, c) = yy, yx, xx
-
-    def add(self, d, g, w, start: int = 0) -> None:
-        """One sub-batch starting at pattern ``start`` of the chunk: ``d`` the windows of
-        (∂_y O, ∂_x O), ``g`` and ``w`` as in the shift. Only every ``stride``-th
-        pattern of the chunk is summed (every ``gram_stride``-th for the normal matrix): L is
-        one global quantity, and all of them cost about a fifth of a chunk step."""
-        b = g.shape[0]
-        pick = slice((-start) % self.stride, None, self.stride)
-        if pick.start < b:
-            gp = g[pick]
-            for col in range(2):                        # u_b g_j, then batched BLAS dots with ∂_a O_j
-                weighted = gp * self.offsets[col].astype(gp.real.dtype, copy=False)
-                for a in range(2):
-                    self.first[a, col] += float(real_dots(d[a][pick], weighted).sum())
-        pick = slice((-start) % self.gram_stride, None, self.gram_stride)
-        if pick.start < b:
-            d, w = (d[0][pick], d[1][pick]), w[pick]
-            m = w.shape[0]
-            for row, (a, c) in enumerate(((0, 0), (0, 1), (1, 1))):
-                self.second[row] += ((d[a].real * d[c].real + d[a].imag * d[c].imag) * w).reshape(m, -1).sum(axis=0)
-
-    def sums(self, positions) -> dict:
-        """The chunk's additive sums (host, float64), with Σ positions and their count."""
-        first = self.first                                                          # (a, b)
-        second = np.asarray(to_numpy(self.second), np.float64) @ self.weights2    # (ac, bd)
-        second *= self.gram_stride / self.stride
-        pair = {(0, 0): 0, (0, 1): 1, (1, 0): 1, (1, 1): 2}
-        gram = np.empty((4, 4))
-        for a in range(2):
-            for b in range(2):
-                for c in range(2):
-                    for d in range(2):
-                        gram[2 * a + b, 2 * c + d] = second[pair[a, c], pair[b, d]]
-        pos = np.asarray(positions, np.float64)
-        return {"window_num": first.reshape(4), "window_gram": gram,
-                "window_positions": np.r_[pos.sum(axis=0), len(pos)]}
 
 
 def resample_object_state(state, matrix, offset) -> None:
@@ -369,16 +286,16 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         if variable is not None:
             variable.pattern_terms(batch, o, g, w, intensity=not variable.steps_brightness_first)
         if position_terms:
-            grads = []
-            for axis, box_d in enumerate((box_dy, box_dx)):
-                d = index.extract(box_d, batch, out=d_patch[axis, :b])
-                grads.append(d)
-                shift_num[batch, axis] = real_dots(d, g)
+            grads = [index.extract(box_d, batch, out=d_patch[axis, :b]) for axis, box_d in enumerate((box_dy, box_dx))]
+            if deform is not None:  # the shift numerators with the windows' first moments, one product each
+                shift_num[batch] = deform.numerators(grads, g, batch.start)
+                deform.add_gram(grads, w, batch.start)
+            for axis, d in enumerate(grads):
+                if deform is None:
+                    shift_num[batch, axis] = real_dots(d, g)
                 d2 = xp.square(d.real)
                 d2 += xp.square(d.imag)
                 shift_den[batch, axis] = real_dots(d2, w)
-            if deform is not None:
-                deform.add(grads, g, w, batch.start)
         index.scatter_add(obj_num, g, batch)
         index.scatter_add(illum, w, batch)
         if update_probe:  # G_j = conj(ramp_j) · F(conj(O_j) χ_j), summed; χ stays for pass 2

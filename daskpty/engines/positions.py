@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..physics.backend import to_numpy
 from .engine_defaults import with_engine_defaults
 
 OPTIMIZERS = ("momentum", "adam")
@@ -31,20 +32,36 @@ class PositionsDiverged(ValueError):
 
 #: Each engine's defaults of the settings left None (:meth:`PositionOptions.for_engine`),
 #: measured on the 576 × 64² scan of benchmarks/bench_positions.py (see ``affine_gain``).
-ENGINE_DEFAULTS = {"lsqml": {"affine_gain": 6.0, "start_epoch": 10},
+ENGINE_DEFAULTS = {"lsqml": {"affine_gain": 6.0, "start_epoch": "auto"},
                    "ad": {"affine_gain": 2.0, "start_epoch": 5}}
+
+#: ``start_epoch="auto"``: refinement starts in the epoch after the first one in which the probe
+#: changed by at most PROBE_SETTLED (‖P_e − P_e−1‖ / ‖P_e‖, all modes), but not before epoch
+#: AUTO_EARLIEST and at the latest in epoch AUTO_LATEST. LSQML on 576 × 64² (1 px + 1.5 % +
+#: 0.5° errors): from a calibration scan's probe the change falls to 0.009 after epoch 4 (start
+#: 5), from the store's optics guess (10 % defocus error) to 0.007 after epoch 9 (start 10); a
+#: fixed start of 4 was best from the first (three noise draws, 0.27–0.34 px after 50 epochs,
+#: against 0.31–0.37 px from 10) and worst from the second (0.60 against 0.50 px).
+AUTO_START = "auto"
+PROBE_SETTLED = 0.01
+AUTO_EARLIEST = 3
+AUTO_LATEST = 10
 
 
 @dataclass(frozen=True)
 class PositionOptions:
     """Settings of position refinement (both engines).
 
-    start_epoch: first epoch whose chunk steps move positions (epochs count from 0). None: the
-        engine's own (:data:`ENGINE_DEFAULTS`: LSQML 10, AD 5). LSQML waits until the object
-        has roughly formed: its updates from a blurred object over-step
+    start_epoch: first epoch whose chunk steps move positions (epochs count from 0), or
+        ``"auto"``: the epoch after the probe has settled (:data:`PROBE_SETTLED`, between epochs
+        :data:`AUTO_EARLIEST` and :data:`AUTO_LATEST`). None: the engine's own
+        (:data:`ENGINE_DEFAULTS`: LSQML ``"auto"``, AD 5). LSQML waits until the object and
+        probe have roughly formed: its updates from a blurred object over-step
         (benchmarks/bench_positions.py, 576 × 64² with 1 px random errors, started from the
         store's probe guess, 50 epochs: 0.60 px left starting at 20 with 0.1 px steps, 0.54 px
-        starting at 10 with 0.2 px steps). AD's Adam steps with the window correction gain from
+        starting at 10 with 0.2 px steps), and from a probe still far off the windows' scale
+        follows the probe's size; how soon that is depends on the start probe (see
+        :data:`AUTO_START`). AD's Adam steps with the window correction gain from
         an earlier start (1 px + 1.5 % + 0.5° errors, 150 epochs, three noise draws, calibration
         probe: NRMSE 1.13 / 1.16 / 1.11× the true-position run from epoch 10, 1.12 / 1.14 / 1.11×
         from epoch 5, with ``affine_gain`` 2).
@@ -91,7 +108,7 @@ class PositionOptions:
         after each epoch (both engines; 0 disables). A global rotation (or scale) error of the
         positions makes the object turn (or stretch) with them, which the per-pattern shifts
         cannot see; inside every window the data still see it, as one linear deformation L of
-        the window's content (:class:`~daskpty.engines.lsqml.WindowDeformation`, tiny additive
+        the window's content (:class:`~daskpty.engines.window_deformation.WindowDeformation`, tiny additive
         sums; AD forms them from its loss gradient). The positions then move by (I + g L)⁻¹
         about their centroid and the object is resampled with them (:func:`window_correction`).
         LSQML, 576 × 64², 1 px + 1.5 % + 0.5° errors, 50 epochs: 0.88 → 0.74 px (0.63 px with
@@ -138,9 +155,10 @@ class PositionOptions:
             if not ok:
                 raise ValueError(f"refine_positions: {message}")
 
-        check(self.start_epoch is None or isinstance(self.start_epoch, (int, np.integer))
+        check(self.start_epoch is None or self.start_epoch == AUTO_START
+              or isinstance(self.start_epoch, (int, np.integer))
               and not isinstance(self.start_epoch, bool) and self.start_epoch >= 0,
-              f"start_epoch must be an integer >= 0, got {self.start_epoch!r}")
+              f"start_epoch must be an integer >= 0 or 'auto', got {self.start_epoch!r}")
         check(_number(self.max_step) and 0 < self.max_step <= 8,
               f"max_step must lie in (0, 8] pixels, got {self.max_step!r}")
         check(_number(self.momentum) and 0 <= self.momentum < 1,
@@ -195,9 +213,26 @@ class PositionOptions:
     def displacement_limit(self, n: int) -> float:
         return float(self.max_displacement) if self.max_displacement is not None else n / 4.0
 
-    def active(self, epoch: int) -> bool:
+    def start_bounds(self) -> tuple[int, int]:
+        """(earliest, latest) epoch in which refinement can start: the start epoch twice, or
+        (:data:`AUTO_EARLIEST`, :data:`AUTO_LATEST`) for ``"auto"``."""
         if self.start_epoch is None:
             raise ValueError("start_epoch is unset: resolve the options first (PositionOptions.for_engine)")
+        if self.start_epoch == AUTO_START:
+            return AUTO_EARLIEST, AUTO_LATEST
+        return int(self.start_epoch), int(self.start_epoch)
+
+    def for_epoch(self, epoch: int, decided: int | None) -> "PositionOptions":
+        """These options as the chunk steps of ``epoch`` use them: ``"auto"`` replaced by the start
+        epoch ``decided`` so far (:func:`decide_start`), or by ``epoch + 1`` while undecided."""
+        if self.start_epoch != AUTO_START:
+            return self
+        return dataclasses.replace(self, start_epoch=int(decided) if decided is not None else epoch + 1)
+
+    def active(self, epoch: int) -> bool:
+        if self.start_epoch is None or self.start_epoch == AUTO_START:
+            raise ValueError(f"start_epoch is {self.start_epoch!r}: resolve the options first "
+                             "(PositionOptions.for_engine, then for_epoch)")
         return epoch >= self.start_epoch
 
 
@@ -425,16 +460,60 @@ def fit_affine(state, options: PositionOptions, window=None) -> None:
     state.affine_sums = None
 
 
+def probe_change(before, after) -> float:
+    """‖after − before‖ / ‖after‖ over all probe modes (host float)."""
+    after = np.asarray(to_numpy(after))
+    scale = float(np.linalg.norm(after))
+    return float(np.linalg.norm(after - np.asarray(to_numpy(before)))) / scale if scale > 0 else float("inf")
+
+
+def decide_start(epoch: int, change: float) -> int | None:
+    """After epoch ``epoch`` ended with the probe's relative change ``change``: the start epoch of
+    an ``"auto"`` refinement (the next epoch, once the probe has settled or by
+    :data:`AUTO_LATEST`), or None (not yet)."""
+    if epoch + 1 >= AUTO_LATEST or (change <= PROBE_SETTLED and epoch + 1 >= AUTO_EARLIEST):
+        return epoch + 1
+    return None
+
+
+def begin_epoch(state, options: PositionOptions) -> None:
+    """Start of an epoch, both engines: keep the probe for ``"auto"``'s start rule while undecided."""
+    if options.start_epoch == AUTO_START and state.positions_start is None:
+        state.epoch_start_probe = np.array(to_numpy(state.probe), copy=True)
+
+
+def start_parameters(state) -> dict:
+    """The start epoch ``"auto"`` decided, for the epoch's history entry (empty while undecided)."""
+    return {} if state.positions_start is None else {"position_start_epoch": int(state.positions_start)}
+
+
+def start_arrays(state) -> dict:
+    """The decided start epoch for a checkpoint (``positions_start``, 0-d int64), if any."""
+    return {} if state.positions_start is None else {"positions_start": np.asarray(state.positions_start, np.int64)}
+
+
+def start_from_arrays(arrays: dict | None) -> int | None:
+    """Inverse of :func:`start_arrays`."""
+    value = (arrays or {}).get("positions_start")
+    return None if value is None else int(np.asarray(value))
+
+
 def finish_epoch(state, options: PositionOptions, move_object) -> None:
     """End of a refining epoch, both engines: the windows' correction of the next epoch
     (:func:`fit_window`; ``move_object(state, matrix, offset)`` resamples the engine's object
     and its memory with it), then the affine fit (:func:`fit_affine`), which leaves out the
-    window correction this epoch applied."""
+    window correction this epoch applied, then (``"auto"``) whether refinement starts next epoch."""
+    undecided = options.start_epoch == AUTO_START and state.positions_start is None
+    options = options.for_epoch(state.epoch, state.positions_start)
     applied = state.window_map if options.active(state.epoch) else None
     warp = fit_window(state, options)
     if warp is not None:
         move_object(state, *warp)
     fit_affine(state, options, window=applied)
+    if undecided and state.epoch_start_probe is not None:
+        change = probe_change(state.epoch_start_probe, state.probe)
+        state.positions_start = decide_start(state.epoch, change)
+        state.epoch_start_probe = None
 
 
 # --- the scan's global deformation, seen inside the windows (both engines) -------------------
@@ -456,7 +535,7 @@ def window_correction(deformation, centre, gain: float):
 
 def solve_window_deformation(num, gram, tikhonov: float = 1e-6) -> np.ndarray | None:
     """L (2, 2), rows the object axis (y, x) and columns the window offset's, from the summed
-    normal equations of :class:`~daskpty.engines.lsqml.WindowDeformation`; None if singular."""
+    normal equations of :class:`~daskpty.engines.window_deformation.WindowDeformation`; None if singular."""
     gram = np.asarray(gram, np.float64)
     trace = float(np.trace(gram))
     if not np.isfinite(trace) or trace <= 0:

@@ -17,8 +17,8 @@ import numpy as np
 
 from ..engines import ad
 from ..engines.lsqml import warp_object
-from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local,
-                                 positions_for_step, window_parameters)
+from ..engines.positions import (PositionOptions, affine_parameters, begin_epoch, finish_epoch, initial_local,
+                                 positions_for_step, start_parameters, window_parameters)
 from .rounds import ChunkedData, map_reduce
 
 
@@ -88,7 +88,7 @@ class ADAdapter:
     def epoch_scalars(self, state) -> dict:
         """The fitted affine map's and the windows' deformation parameters, for the epoch's history entry."""
         out = {} if state.affine is None else affine_parameters(state.affine)
-        return {**out, **window_parameters(state.window_deformation)}
+        return {**out, **window_parameters(state.window_deformation), **start_parameters(state)}
 
     @property
     def needs_evaluations(self) -> bool:
@@ -99,7 +99,10 @@ class ADAdapter:
         return ADPayload(state.object if object is None else object,
                          state.probe if probe is None else probe, self.options,
                          state.active("object", self.options), state.active("probe", self.options),
-                         self.valid, self.positions, state.epoch,
+                         self.valid,
+                         None if self.positions is None else self.positions.for_epoch(state.epoch,
+                                                                                      state.positions_start),
+                         state.epoch,
                          None if state.affine is None and state.window_map is None
                          else (state.affine, state.affine_boost, state.window_map))
 
@@ -107,7 +110,10 @@ class ADAdapter:
         return ad.apply(state, total, self.options, evaluate=evaluate)
 
     def begin_epoch(self, state):
-        return ad.begin_epoch(state, self.options)
+        state = ad.begin_epoch(state, self.options)
+        if self.positions is not None:
+            begin_epoch(state, self.positions)
+        return state
 
     def end_epoch(self, state):
         if self.positions is not None:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engines import lsqml
-from ..engines.positions import PositionOptions, affine_parameters, finish_epoch, initial_local, window_parameters
+from ..engines.positions import (PositionOptions, affine_parameters, begin_epoch, finish_epoch, initial_local,
+                                 start_arrays, start_from_arrays, start_parameters, window_parameters)
 from .device_state import fetch_host_state
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
@@ -87,14 +88,16 @@ class LSQMLAdapter:
 
     def payload(self, state: lsqml.LSQMLState) -> LSQMLPayload:
         return LSQMLPayload(state.object, state.probe, self.options, state.update_probe(self.options), self.valid,
-                            self.positions, state.epoch,
+                            None if self.positions is None else self.positions.for_epoch(state.epoch,
+                                                                                         state.positions_start),
+                            state.epoch,
                             None if state.affine is None and state.window_map is None
                             else (state.affine, state.affine_boost, state.window_map))
 
     def epoch_scalars(self, state) -> dict:
         """The fitted affine map's parameters, for the epoch's history entry."""
         out = {} if state.affine is None else affine_parameters(state.affine)
-        return {**out, **window_parameters(state.window_deformation)}
+        return {**out, **window_parameters(state.window_deformation), **start_parameters(state)}
 
     def apply(self, state, total):
         return lsqml.apply(state, total, self.options)
@@ -105,7 +108,10 @@ class LSQMLAdapter:
         return copy.copy(state)
 
     def begin_epoch(self, state):
-        return lsqml.begin_epoch(state, self.options)
+        state = lsqml.begin_epoch(state, self.options)
+        if self.positions is not None:
+            begin_epoch(state, self.positions)
+        return state
 
     def end_epoch(self, state):
         if self.positions is not None:
@@ -117,7 +123,8 @@ class LSQMLAdapter:
         engine_state = engine_state or {}
         return lsqml.LSQMLState(object=obj, probe=probe, epoch=epoch, velocity=engine_state.get("velocity"),
                                 affine=engine_state.get("affine"), affine_boost=engine_state.get("affine_boost"),
-                                window_map=engine_state.get("window_map"))
+                                window_map=engine_state.get("window_map"),
+                                positions_start=start_from_arrays(engine_state))
 
     def engine_state(self, state) -> dict:
         """Arrays beyond object and probe needed to continue exactly (for checkpoints)."""
@@ -125,7 +132,7 @@ class LSQMLAdapter:
         for name in ("affine", "affine_boost", "window_map"):
             if getattr(state, name) is not None:
                 out[name] = getattr(state, name)
-        return out
+        return {**out, **start_arrays(state)}
 
     def initialise(self, client, data: ChunkedData, state, *, split_every: int):
         """First-epoch probe intensity rescale so that Σŷ = Σy."""
@@ -237,12 +244,14 @@ def _metrics(epoch: int, scalars: dict, seconds: float, n_total: int, rounds: in
 
 
 def _position_metrics(scalars: dict) -> dict:
-    """History entries of position refinement: rms update per refined pattern and the affine fit."""
+    """History entries of position refinement: rms update per refined pattern, the affine fit and
+    (``start_epoch="auto"``) the start epoch it decided."""
+    out = {k: scalars[k] for k in ("position_start_epoch",) if k in scalars}
     if "position_refined" not in scalars:
-        return {}
+        return out
     refined = scalars["position_refined"]
-    out = {"position_rms_update": float(np.sqrt(scalars.get("position_update_sq", 0.0) / refined))
-           if refined > 0 else 0.0}
+    out["position_rms_update"] = (float(np.sqrt(scalars.get("position_update_sq", 0.0) / refined))
+                                  if refined > 0 else 0.0)
     out.update({k: v for k, v in scalars.items() if k.startswith("affine_")})
     return out
 

@@ -7,10 +7,11 @@ from ...physics import fft2, get_xp, ifft2, model_intensity
 from ...physics.backend import asarray_like, is_cupy, real_dots, to_numpy
 from ...physics.patches import PatchIndex
 from ...physics.shifts import outer_ramps, shift_ramp_factors
-from ..lsqml import WindowDeformation, _fft_in_place, window_sum_stride
+from ..lsqml import _fft_in_place
 from ...physics import kernels
 from ..partials import BoxedArray, Partial
 from ..positions import central_gradients, finish_step, positions_for_step, step_with_optimizer
+from ..window_deformation import WindowDeformation, window_sum_stride
 from .losses import _far_field_loss
 from .state import ADOptions
 
@@ -144,7 +145,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     * ``arrays["position_grad"]`` (B, 2) float64 ∂L/∂(y, x) per pattern of *this* chunk, when
       ``want_positions`` (not additive across chunks: for single-chunk use);
     * ``arrays["window_num"]``, ``["window_gram"]``, ``["window_positions"]``: the windows'
-      deformation sums (:class:`~daskpty.engines.lsqml.WindowDeformation`, every
+      deformation sums (:class:`~daskpty.engines.window_deformation.WindowDeformation`, every
       ``window_stride``-th pattern; 0: none) with the exit-wave update χ of LSQML taken as
       −∂L/∂ψ* over the loss's Gauss–Newton curvature (:data:`WINDOW_CHI_FACTOR`), when the
       object gradient is formed;

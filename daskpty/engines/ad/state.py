@@ -8,7 +8,7 @@ import numpy as np
 
 from ...physics.backend import get_xp
 from ..partials import Partial
-from ..positions import accumulate_affine, accumulate_window
+from ..positions import accumulate_affine, accumulate_window, start_arrays, start_from_arrays
 from .losses import DEFAULT_EPS, LOSS_NAMES
 from .optimizers import SGD, Adam, ConjugateGradient, OptimizerState
 
@@ -180,6 +180,8 @@ class ADState:
     window_sums: dict | None = None         # the windows' deformation sums of this epoch (positions)
     window_deformation: np.ndarray | None = None  # L (2, 2) of the last epoch, for the history
     window_map: np.ndarray | None = None    # the positions' map of the next epoch (3, 2), or None
+    positions_start: int | None = None   # start epoch decided by start_epoch='auto' (positions)
+    epoch_start_probe: np.ndarray | None = None  # the probe at the epoch's start, while undecided
     eigen_probes: np.ndarray | None = None      # varying probe (engines.probe_model)
     weight_transform: np.ndarray | None = None
     background: np.ndarray | None = None
@@ -198,7 +200,7 @@ class ADState:
         for name in ("affine", "affine_boost", "window_map"):
             if getattr(self, name) is not None:
                 out[name] = np.asarray(getattr(self, name))
-        return out
+        return {**out, **start_arrays(self)}
 
     @classmethod
     def from_arrays(cls, obj, probe, epoch: int = 0, arrays: dict | None = None) -> "ADState":
@@ -215,7 +217,7 @@ class ADState:
         arrays = arrays or {}
         return cls(object=obj, probe=probe, epoch=int(epoch), optimizer=opt, iteration=iteration,
                    affine=arrays.get("affine"), affine_boost=arrays.get("affine_boost"),
-                   window_map=arrays.get("window_map"))
+                   window_map=arrays.get("window_map"), positions_start=start_from_arrays(arrays))
 
 
 # --------------------------------------------------------------------------------------------------
