@@ -502,18 +502,23 @@ def finish_epoch(state, options: PositionOptions, move_object) -> None:
     """End of a refining epoch, both engines: the windows' correction of the next epoch
     (:func:`fit_window`; ``move_object(state, matrix, offset)`` resamples the engine's object
     and its memory with it), then the affine fit (:func:`fit_affine`), which leaves out the
-    window correction this epoch applied, then (``"auto"``) whether refinement starts next epoch."""
-    undecided = options.start_epoch == AUTO_START and state.positions_start is None
+    window correction this epoch applied."""
     options = options.for_epoch(state.epoch, state.positions_start)
     applied = state.window_map if options.active(state.epoch) else None
     warp = fit_window(state, options)
     if warp is not None:
         move_object(state, *warp)
     fit_affine(state, options, window=applied)
-    if undecided and state.epoch_start_probe is not None:
-        change = probe_change(state.epoch_start_probe, state.probe)
-        state.positions_start = decide_start(state.epoch, change)
-        state.epoch_start_probe = None
+
+
+def settle_start(state, options: PositionOptions) -> None:
+    """After the engine's end of an epoch (``state.epoch`` already the next one's index, its probe
+    orthonormalised and rescaled as every epoch's is), ``"auto"`` only: start refinement in the
+    next epoch when the probe has settled over the one that ended (:func:`decide_start`)."""
+    if options.start_epoch != AUTO_START or state.positions_start is not None or state.epoch_start_probe is None:
+        return
+    state.positions_start = decide_start(state.epoch - 1, probe_change(state.epoch_start_probe, state.probe))
+    state.epoch_start_probe = None
 
 
 # --- the scan's global deformation, seen inside the windows (both engines) -------------------

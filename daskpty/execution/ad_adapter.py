@@ -18,7 +18,7 @@ import numpy as np
 from ..engines import ad
 from ..engines.lsqml import warp_object
 from ..engines.positions import (PositionOptions, affine_parameters, begin_epoch, finish_epoch, initial_local,
-                                 positions_for_step, start_parameters, window_parameters)
+                                 positions_for_step, settle_start, start_parameters, window_parameters)
 from .rounds import ChunkedData, map_reduce
 
 
@@ -118,7 +118,10 @@ class ADAdapter:
     def end_epoch(self, state):
         if self.positions is not None:
             finish_epoch(state, self.positions, warp_object_state)
-        return ad.end_epoch(state, self.options)
+        state = ad.end_epoch(state, self.options)
+        if self.positions is not None:
+            settle_start(state, self.positions)
+        return state
 
     def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None) -> ad.ADState:
         """A state from an object, a probe and (when resuming) the saved engine arrays."""

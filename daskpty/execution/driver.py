@@ -26,7 +26,7 @@ import numpy as np
 
 from ..engines import lsqml
 from ..engines.positions import (PositionOptions, affine_parameters, begin_epoch, finish_epoch, initial_local,
-                                 start_arrays, start_from_arrays, start_parameters, window_parameters)
+                                 start_arrays, start_from_arrays, settle_start, start_parameters, window_parameters)
 from .device_state import fetch_host_state
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
@@ -116,7 +116,10 @@ class LSQMLAdapter:
     def end_epoch(self, state):
         if self.positions is not None:
             finish_epoch(state, self.positions, lsqml.resample_object_state)
-        return lsqml.end_epoch(state, self.options)
+        state = lsqml.end_epoch(state, self.options)
+        if self.positions is not None:
+            settle_start(state, self.positions)
+        return state
 
     def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
         """A state from an object, a probe and (when resuming) the saved engine arrays."""
