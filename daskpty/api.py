@@ -160,8 +160,9 @@ def _warn_late_start(epochs: int, positions, model) -> None:
     for what, options, key in (("position refinement", positions, "refine_positions"),
                                ("the varying-probe fit", model, "probe_model")):
         start = options.start_bounds()[0] if isinstance(options, PositionOptions) else getattr(options, "start_epoch", 0)
+        earliest = " at the earliest ('auto')" if getattr(options, "start_epoch", None) == "auto" else ""
         if options is not None and epochs and start >= epochs:
-            warnings.warn(f"daskpty: {what} starts at epoch {start} but the run has {epochs} "
+            warnings.warn(f"daskpty: {what} starts at epoch {start}{earliest} but the run has {epochs} "
                           f"epochs, so it never runs; pass more epochs or {key}={{'start_epoch': ...}}",
                           UserWarning, stacklevel=4)  # past reconstruct and its lock wrapper
 

@@ -213,7 +213,7 @@ def test_a_fit_that_would_start_after_the_run_warns(client):
     ds = simulate_variable_probe(grid=6)
     with pytest.warns(UserWarning, match="varying-probe fit starts at epoch 15 but the run has 3 epochs"):
         _run(ds, client, epochs=3, opr_modes=2)
-    with pytest.warns(UserWarning, match="position refinement starts at epoch 10"):
+    with pytest.warns(UserWarning, match=r"position refinement starts at epoch 3 at the earliest \('auto'\)"):
         _run(ds, client, epochs=3, refine_positions=True)
 
 
