@@ -233,3 +233,11 @@ def _chunk_to_user(chunk_order, user_order):
 def median_seconds(seconds, start=1) -> float:
     s = np.asarray(seconds)
     return float(np.median(s[start:] if len(s) > start else s))
+
+
+def fastest_seconds(seconds, start=1, fraction=0.2) -> float:
+    """Mean of the fastest ``fraction`` of the epochs from ``start`` on: a machine whose
+    neighbours steal time only ever adds to an epoch, so the fastest epochs show what the work
+    itself costs (the median carries the neighbours too)."""
+    s = np.sort(np.asarray(seconds)[start:] if len(seconds) > start else np.asarray(seconds))
+    return float(s[:max(1, int(round(fraction * len(s))))].mean())
