@@ -33,7 +33,11 @@ def window_sum_stride(positions) -> int:
     needs every pattern for the scale as LSQML does: every 4th or 2nd left 0.184 / 0.161 px
     where every one left 0.056 px (576 × 64², 1 px + 1.5 % + 0.5°, noise draw 2, 150 epochs),
     and forming the sums only every other epoch 0.124 px where every epoch left 0.061 (draw 1,
-    from the store's probe)."""
+    from the store's probe). Re-measured with the sums as one product (thirteenth session),
+    every 2nd pattern: AD draws 1 / 2 unchanged (1.12 / 1.14×), but from the store's probe
+    1.20× / 0.081 px against 1.15× / 0.070; LSQML draws 1 / 2 / 3 (calibration probe)
+    1.30 / 1.20 / 1.17× against 1.08 / 1.10 / 1.02×. The estimate's noise is applied every
+    epoch (``window_gain``), so its global warps add up."""
     if not positions.window_gain:
         return 0
     return 1 if positions.window_scale else WINDOW_STRIDE
