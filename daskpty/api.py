@@ -159,9 +159,11 @@ def _warn_late_start(epochs: int, positions, model) -> None:
 
     for what, options, key in (("position refinement", positions, "refine_positions"),
                                ("the varying-probe fit", model, "probe_model")):
-        start = options.start_bounds()[0] if isinstance(options, PositionOptions) else getattr(options, "start_epoch", 0)
-        earliest = " at the earliest ('auto')" if getattr(options, "start_epoch", None) == "auto" else ""
-        if options is not None and epochs and start >= epochs:
+        if options is None:
+            continue
+        start = options.start_bounds()[0] if isinstance(options, PositionOptions) else options.start_epoch
+        earliest = " at the earliest ('auto')" if options.start_epoch == "auto" else ""
+        if epochs and start >= epochs:
             warnings.warn(f"daskpty: {what} starts at epoch {start}{earliest} but the run has {epochs} "
                           f"epochs, so it never runs; pass more epochs or {key}={{'start_epoch': ...}}",
                           UserWarning, stacklevel=4)  # past reconstruct and its lock wrapper

@@ -290,9 +290,9 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
             if deform is not None:  # the shift numerators with the windows' first moments, one product each
                 shift_num[batch] = deform.numerators(grads, g, batch.start)
                 deform.add_gram(grads, w, batch.start)
+            else:
+                shift_num[batch] = xp.stack([real_dots(d, g) for d in grads], axis=1)
             for axis, d in enumerate(grads):
-                if deform is None:
-                    shift_num[batch, axis] = real_dots(d, g)
                 d2 = xp.square(d.real)
                 d2 += xp.square(d.imag)
                 shift_den[batch, axis] = real_dots(d2, w)

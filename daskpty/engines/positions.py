@@ -476,7 +476,7 @@ def decide_start(epoch: int, change: float) -> int | None:
     return None
 
 
-def begin_epoch(state, options: PositionOptions) -> None:
+def note_epoch_start(state, options: PositionOptions) -> None:
     """Start of an epoch, both engines: keep the probe for ``"auto"``'s start rule while undecided."""
     if options.start_epoch == AUTO_START and state.positions_start is None:
         state.epoch_start_probe = np.array(to_numpy(state.probe), copy=True)

@@ -17,7 +17,7 @@ import numpy as np
 
 from ..engines import ad
 from ..engines.lsqml import warp_object
-from ..engines.positions import (PositionOptions, affine_parameters, begin_epoch, finish_epoch, initial_local,
+from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
                                  positions_for_step, settle_start, start_parameters, window_parameters)
 from .rounds import ChunkedData, map_reduce
 
@@ -112,7 +112,7 @@ class ADAdapter:
     def begin_epoch(self, state):
         state = ad.begin_epoch(state, self.options)
         if self.positions is not None:
-            begin_epoch(state, self.positions)
+            note_epoch_start(state, self.positions)
         return state
 
     def end_epoch(self, state):

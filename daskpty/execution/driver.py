@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..engines import lsqml
-from ..engines.positions import (PositionOptions, affine_parameters, begin_epoch, finish_epoch, initial_local,
+from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
                                  start_arrays, start_from_arrays, settle_start, start_parameters, window_parameters)
 from .device_state import fetch_host_state
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
@@ -110,7 +110,7 @@ class LSQMLAdapter:
     def begin_epoch(self, state):
         state = lsqml.begin_epoch(state, self.options)
         if self.positions is not None:
-            begin_epoch(state, self.positions)
+            note_epoch_start(state, self.positions)
         return state
 
     def end_epoch(self, state):
