@@ -34,7 +34,7 @@ from ..physics.patches import PatchIndex
 from ..physics.shifts import outer_ramps, shift_ramp_factors
 from ..physics import kernels
 from .partials import BoxedArray, Partial
-from .window_deformation import WINDOW_STRIDE, WindowDeformation, window_sum_stride
+from .window_deformation import WindowDeformation, wants_window_sums
 from .positions import (
     PositionOptions,
     accumulate_affine,
@@ -178,7 +178,7 @@ def _fft_in_place(buf, inverse: bool = False):
 
 
 def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, update_probe: bool = True,
-               valid=None, position_terms: bool = False, variable=None, window_stride: int = WINDOW_STRIDE) -> Partial:
+               valid=None, position_terms: bool = False, variable=None, window_sums: bool = True) -> Partial:
     """One LSQML step for one chunk of patterns, returned as an additive partial.
 
     obj: (H, W) complex64 (whole object; only the chunk's bounding box is read).
@@ -200,8 +200,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     Re Σ_k conj(S_f P_k ∂_a O_j) χ_jk and Σ_k |S_f P_k ∂_a O_j|², formed in pass 1 as
     Re⟨∂_a O_j, g_j⟩ and ⟨|∂_a O_j|², Σ_k |S_f P_k|²⟩ (∂_a O by central differences on the
     box): two gathers and four dot products per pattern, no FFT. With them the window
-    deformation's sums (:class:`WindowDeformation`, every ``window_stride``-th pattern; 0: none)
-    in ``arrays``.
+    deformation's sums (:class:`WindowDeformation`; ``window_sums``) in ``arrays``.
 
     ``variable``: a :class:`~daskpty.engines.probe_model.PatternProbes` when the probe varies from
     pattern to pattern (OPR weights, intensity factors, background; None: one probe for all, this
@@ -258,7 +257,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         shift_num = xp.empty((n_patterns, 2))
         shift_den = xp.empty((n_patterns, 2))
         d_patch = xp.empty((2, step, n, n), np.complex64)      # ∂_y O, ∂_x O windows of a sub-batch
-        deform = WindowDeformation(n, xp, window_stride) if window_stride else None
+        deform = WindowDeformation(n, xp) if window_sums else None
 
     # Pass 1.
     for batch in blocks:
@@ -287,12 +286,10 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
             variable.pattern_terms(batch, o, g, w, intensity=not variable.steps_brightness_first)
         if position_terms:
             grads = [index.extract(box_d, batch, out=d_patch[axis, :b]) for axis, box_d in enumerate((box_dy, box_dx))]
-            if deform is not None:  # the shift numerators with the windows' first moments, one product each
-                shift_num[batch] = deform.numerators(grads, g, batch.start)
+            if deform is not None:
                 deform.add_gram(grads, w, batch.start)
-            else:
-                shift_num[batch] = xp.stack([real_dots(d, g) for d in grads], axis=1)
             for axis, d in enumerate(grads):
+                shift_num[batch, axis] = real_dots(d, g)
                 d2 = xp.square(d.real)
                 d2 += xp.square(d.imag)
                 shift_den[batch, axis] = real_dots(d2, w)
@@ -308,6 +305,8 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
                 variable.probe_terms(batch, spec, spectra_sum.reshape(n_modes, -1))
         else:
             illum_patches[batch] = w
+    if position_terms and deform is not None:   # b on the box, from Σ_j g_j (obj_num, not yet scaled)
+        deform.add_first((box_dy, box_dx), obj_num, index.corners, shift_num)
     inv_precond = _preconditioner(illum, options.delta)
     xp.divide(np.float32(1.0), inv_precond, out=inv_precond)
     obj_dir = obj_num * inv_precond  # ΔÔ = num / p, as num · (1/p): complex ÷ real is 5× slower
@@ -391,7 +390,7 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     active = positions.active(epoch)
     part = chunk_step(obj, probe, intensities, refined, options=options, update_probe=update_probe,
                       valid=valid, position_terms=active, variable=variable,
-                      window_stride=window_sum_stride(positions))
+                      window_sums=wants_window_sums(positions))
     if not active or not part.scalars:
         part.local = {}
         return part

@@ -10,42 +10,31 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..physics.backend import real_dots, to_numpy
+from ..physics.backend import to_numpy
 
-#: The window deformation's sums take every WINDOW_STRIDE-th pattern of a chunk when only the
-#: rotation is corrected (its estimate is robust: stride 4 leaves 0.747 px where 1 left 0.741
-#: on the 576 × 64² case); the scale (``window_scale``) needs every pattern (stride 2 and 4 left
-#: 0.66 and 0.85 px where 1 left 0.52).
-WINDOW_STRIDE = 4
-
-#: The normal matrix (the curvature, no data residual in it) takes every GRAM_STRIDE-th pattern
-#: at least, scaled to the patterns of the right-hand side: it is a smooth average, and its
-#: products were three fifths of the sums' cost.
+#: The normal matrix (the curvature, no data residual in it) takes every GRAM_STRIDE-th pattern,
+#: scaled to all of them: it is a smooth average (every 1st / 2nd pattern left LSQML's three noise
+#: draws at 1.10 / 1.11 / 1.01× the true-position NRMSE, every 4th at 1.08 / 1.10 / 1.02×, every
+#: 8th at 1.13 / 1.12 / 1.01×; thirteenth session).
 GRAM_STRIDE = 4
 
 #: The (a, c) pairs of the normal matrix's distinct rows: yy, yx, xx.
 _PAIRS = ((0, 0), (0, 1), (1, 1))
 
 
-def window_sum_stride(positions) -> int:
-    """Every how many patterns a refining chunk step forms the window sums (both engines): 0
-    without the window correction, 1 with ``window_scale``, else :data:`WINDOW_STRIDE`. AD
-    needs every pattern for the scale as LSQML does: every 4th or 2nd left 0.184 / 0.161 px
-    where every one left 0.056 px (576 × 64², 1 px + 1.5 % + 0.5°, noise draw 2, 150 epochs),
-    and forming the sums only every other epoch 0.124 px where every epoch left 0.061 (draw 1,
-    from the store's probe). Re-measured with the sums as one product (thirteenth session),
-    every 2nd pattern: AD draws 1 / 2 unchanged (1.12 / 1.14×), but from the store's probe
-    1.20× / 0.081 px against 1.15× / 0.070; LSQML draws 1 / 2 / 3 (calibration probe)
-    1.30 / 1.20 / 1.17× against 1.08 / 1.10 / 1.02×. The estimate's noise is applied every
-    epoch (``window_gain``), so its global warps add up."""
-    if not positions.window_gain:
-        return 0
-    return 1 if positions.window_scale else WINDOW_STRIDE
+def wants_window_sums(positions) -> bool:
+    """Whether a refining chunk step forms the window sums (both engines): with the window
+    correction on (``window_gain`` > 0). They take every pattern's right-hand side: on every 2nd
+    pattern (with ``window_scale``, twelfth and thirteenth sessions) AD from the store's probe
+    reached 1.20× / 0.081 px against 1.15× / 0.070 and LSQML's three noise draws 1.30 / 1.20 /
+    1.17× against 1.08 / 1.10 / 1.02× (576 × 64², 1 px + 1.5 % + 0.5°): the estimate's noise is
+    applied every epoch (``window_gain``), so its global warps add up."""
+    return bool(positions.window_gain)
 
 
 def _real_view(a):
-    """(B, n, n) complex64 as (B, 2n²) float32, (re, im) interleaved, without a copy."""
-    return a.view(np.float32).reshape(a.shape[0], -1)
+    """(B, n, n) complex as (B, 2n²) real, (re, im) interleaved, without a copy."""
+    return a.view(a.real.dtype).reshape(a.shape[0], -1)
 
 
 class WindowDeformation:
@@ -57,90 +46,65 @@ class WindowDeformation:
     shift already forms, b_ab = Re Σ_j Σ_u u_b conj(∂_a O_j) g_j and
     G_(ab),(cd) = Σ_j Σ_u u_b u_d Re(conj(∂_a O_j) ∂_c O_j) Σ_k |S_f P_jk|².
 
-    Both are one element-wise product of real views and one matrix product with fixed pixel
-    weights: for b, ∂_a O_j · g_j against the columns (1, u_y, u_x), which also gives LSQML's
-    shift numerator Re⟨∂_a O_j, g_j⟩ (:meth:`numerators`); for G, ∂_a O_j · (w_j ∂_c O_j)
-    summed over patterns first, against (u_y², u_y u_x, u_x²), on every ``gram_stride``-th
-    pattern only. The sums stay where the arrays are (no host sync until :meth:`sums`).
+    b needs no per-pattern product: with x = c_j + u the box pixel of window j (centre c_j),
+    u_b = x_b − c_jb, so b_ab = Re Σ_x x_b conj(∂_a O(x)) Σ_j g_j(x) − Σ_j c_jb s_ja, where
+    Σ_j g_j is the chunk's scattered object gradient and s_ja = Re⟨∂_a O_j, g_j⟩ the shift
+    numerator (:meth:`add_first`, once per chunk on the box). G is ∂_a O_j · (w_j ∂_c O_j),
+    summed over patterns first, against the fixed weights (u_y², u_y u_x, u_x²), on every
+    ``gram_stride``-th pattern (:meth:`add_gram`). The sums stay where the arrays are (no host
+    sync until :meth:`sums`).
     """
 
-    def __init__(self, n: int, xp, stride: int = WINDOW_STRIDE, gram_stride: int = GRAM_STRIDE):
+    def __init__(self, n: int, xp, gram_stride: int = GRAM_STRIDE):
         self.xp = xp
-        self.stride = max(1, int(stride))
-        self.gram_stride = max(self.stride, int(gram_stride))
+        self.n = n
+        self.gram_stride = max(1, int(gram_stride))
         c = np.arange(n) - (n - 1) / 2.0
         uy, ux = (u.ravel() for u in np.meshgrid(c, c, indexing="ij"))
         # every weight twice: the real views interleave (re, im), and Re(conj a b) = a.re b.re + a.im b.im
-        moments = np.stack([np.ones_like(uy), uy, ux], 1)                         # (1, u_y, u_x)
-        self.moments = xp.asarray(np.repeat(moments, 2, axis=0), dtype=np.float32)          # (2n², 3)
         self.second_weights = xp.asarray(np.repeat(np.stack([uy * uy, uy * ux, ux * ux], 1), 2, axis=0),
                                          dtype=np.float32)                                  # (2n², 3)
         self.first = xp.zeros((2, 2))    # b_ab, float64
         self.second = xp.zeros((3, 3))   # rows (a, c) = yy, yx, xx; columns (b, d) = yy, yx, xx
-        self._product = None
 
-    def _pick(self, start: int, b: int, stride: int) -> slice:
-        return slice((-start) % stride, b, stride)
-
-    def _products(self, d, g):
-        """(2, B, 3) float32: Re Σ_u (1, u_y, u_x) conj(∂_a O_j) g_j for a = y, x."""
-        b = g.shape[0]
-        gv = _real_view(g)
-        if self._product is None or self._product.shape[1] < gv.shape[1] or self._product.shape[0] < b:
-            self._product = self.xp.empty((max(b, 1), gv.shape[1]), np.float32)
-        prod = self._product[:b]
-        out = []
+    def add_first(self, box_d, scattered, corners, numerators) -> None:
+        """The first moments b of a chunk, on its box: ``box_d`` (∂_y O, ∂_x O) on the box,
+        ``scattered`` Σ_j g_j on the same box, ``corners`` (B, 2) the windows' corners in it and
+        ``numerators`` (B, 2) every pattern's s_ja = Re⟨∂_a O_j, g_j⟩. Float64, about the box
+        centre (the two terms nearly cancel)."""
+        xp = self.xp
+        h, w = scattered.shape[-2:]
+        origin = np.array([(h - 1) / 2.0, (w - 1) / 2.0])
+        centres = xp.asarray(np.asarray(corners, np.float64) + (self.n - 1) / 2.0 - origin)       # c_j
+        ys = xp.arange(h, dtype=np.float64) - origin[0]
+        xs = xp.arange(w, dtype=np.float64) - origin[1]
+        g = scattered.astype(np.complex128, copy=False)
+        s = xp.asarray(numerators, dtype=np.float64)
         for a in range(2):
-            self.xp.multiply(_real_view(d[a]), gv, out=prod)
-            out.append(prod @ self.moments)
-        return out
-
-    def numerators(self, d, g, start: int = 0):
-        """LSQML's shift numerators Re⟨∂_a O_j, g_j⟩ of every pattern of one sub-batch starting at
-        pattern ``start`` of the chunk ((B, 2) float64; ``d`` the windows of (∂_y O, ∂_x O)), and
-        the first moments b of every ``stride``-th pattern added on the way."""
-        if self.stride > 1:  # batched BLAS dots for all, the moments' products on the picked only
-            self.add_first(d, g, start)
-            return self.xp.stack([real_dots(d[0], g), real_dots(d[1], g)], axis=1)
-        out = self._products(d, g)
-        for a in range(2):
-            self.first[a] += out[a][:, 1:].sum(axis=0, dtype=np.float64)
-        return self.xp.stack([out[0][:, 0], out[1][:, 0]], axis=1).astype(np.float64)
-
-    def add_first(self, d, g, start: int = 0) -> None:
-        """The first moments b of every ``stride``-th pattern of one sub-batch."""
-        pick = self._pick(start, g.shape[0], self.stride)
-        if pick.start < g.shape[0]:
-            out = self._products((d[0][pick], d[1][pick]), g[pick])
-            for a in range(2):
-                self.first[a] += out[a][:, 1:].sum(axis=0, dtype=np.float64)
-
-    def add(self, d, g, w, start: int = 0) -> None:
-        """One sub-batch starting at pattern ``start`` of the chunk: ``d`` the windows of
-        (∂_y O, ∂_x O), ``g`` and ``w`` as in the shift. Only every ``stride``-th
-        pattern of the chunk is summed (every ``gram_stride``-th for the normal matrix): L is
-        one global quantity."""
-        self.add_first(d, g, start)
-        self.add_gram(d, w, start)
+            r = (xp.conj(box_d[a].astype(np.complex128, copy=False)) * g).real    # Re conj(∂_a O) Σ g
+            self.first[a, 0] += ys @ r.sum(axis=1) - centres[:, 0] @ s[:, a]
+            self.first[a, 1] += r.sum(axis=0) @ xs - centres[:, 1] @ s[:, a]
 
     def add_gram(self, d, w, start: int = 0) -> None:
-        """The normal matrix's share of one sub-batch (every ``gram_stride``-th pattern)."""
-        pick = self._pick(start, w.shape[0], self.gram_stride)
+        """The normal matrix's share of one sub-batch starting at pattern ``start`` of the chunk
+        (every ``gram_stride``-th pattern): ``d`` the windows of (∂_y O, ∂_x O), ``w`` Σ_k |S_f P_k|²."""
+        pick = slice((-start) % self.gram_stride, w.shape[0], self.gram_stride)
         if pick.start >= w.shape[0]:
             return
         d = (d[0][pick], d[1][pick])
         w = w[pick]
-        ones = self.xp.ones(w.shape[0], np.float32)
+        ones = self.xp.ones(w.shape[0], w.dtype)
         views = [_real_view(x) for x in d]
         weighted = [_real_view(x * w) for x in d]             # w_j ∂_c O_j (w real: scales re and im)
+        weights = self.second_weights.astype(w.dtype, copy=False)
         for row, (a, c) in enumerate(_PAIRS):
             per_pixel = ones @ (views[a] * weighted[c])        # Σ_j over the picked patterns
-            self.second[row] += per_pixel @ self.second_weights
+            self.second[row] += per_pixel @ weights
 
     def sums(self, positions) -> dict:
         """The chunk's additive sums (host, float64), with Σ positions and their count."""
         first = np.asarray(to_numpy(self.first), np.float64)                       # (a, b)
-        second = np.asarray(to_numpy(self.second), np.float64) * (self.gram_stride / self.stride)
+        second = np.asarray(to_numpy(self.second), np.float64) * self.gram_stride
         pair = {(0, 0): 0, (0, 1): 1, (1, 0): 1, (1, 1): 2}
         gram = np.empty((4, 4))
         for a in range(2):

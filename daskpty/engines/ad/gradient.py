@@ -11,7 +11,7 @@ from ..lsqml import _fft_in_place
 from ...physics import kernels
 from ..partials import BoxedArray, Partial
 from ..positions import central_gradients, finish_step, positions_for_step, step_with_optimizer
-from ..window_deformation import WindowDeformation, window_sum_stride
+from ..window_deformation import WindowDeformation, wants_window_sums
 from .losses import _far_field_loss
 from .state import ADOptions
 
@@ -130,7 +130,7 @@ def _check_chunk_inputs(intensities, positions):
 
 def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | None" = None, valid=None,
                    want_object: bool = True, want_probe: bool = True,
-                   want_positions: bool = False, variable=None, window_stride: int = 0) -> Partial:
+                   want_positions: bool = False, variable=None, window_sums: bool = False) -> Partial:
     """Loss and its gradients for one chunk of patterns, as an additive partial.
 
     obj (H, W) complex (only the chunk's bounding box is read); probe (M, n, n) complex;
@@ -145,8 +145,8 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     * ``arrays["position_grad"]`` (B, 2) float64 ∂L/∂(y, x) per pattern of *this* chunk, when
       ``want_positions`` (not additive across chunks: for single-chunk use);
     * ``arrays["window_num"]``, ``["window_gram"]``, ``["window_positions"]``: the windows'
-      deformation sums (:class:`~daskpty.engines.window_deformation.WindowDeformation`, every
-      ``window_stride``-th pattern; 0: none) with the exit-wave update χ of LSQML taken as
+      deformation sums (:class:`~daskpty.engines.window_deformation.WindowDeformation`, with
+      ``window_sums``) with the exit-wave update χ of LSQML taken as
       −∂L/∂ψ* over the loss's Gauss–Newton curvature (:data:`WINDOW_CHI_FACTOR`), when the
       object gradient is formed;
     * ``scalars``: ``loss`` (float64 sum), ``n``, ``sum_measured``, ``sum_model``.
@@ -196,10 +196,12 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     model = xp.zeros(n * n)
     loss = 0.0
     deform = None
-    if window_stride and want_object_grad and opts.loss in WINDOW_CHI_FACTOR:
-        deform = WindowDeformation(n, xp, window_stride)
+    if window_sums and want_object_grad and opts.loss in WINDOW_CHI_FACTOR:
+        deform = WindowDeformation(n, xp)
         box_d = central_gradients(c.obj_box, xp)                           # ∂_y O, ∂_x O on the box
         d_patch = xp.empty((2, c.step, n, n), cdtype)
+        shift_num = xp.empty((n_patterns, 2))                              # Re⟨∂_a O_j, g_j⟩
+        scattered = obj_grad if want_object else xp.zeros(c.obj_box.shape, dtype=cdtype)  # Σ_j g_j
 
     for batch in c.blocks:
         b = batch.stop - batch.start
@@ -217,8 +219,12 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
         if want_object_grad:                            # Σ_k conj(Q_jk) g_ψjk (in Q's buffer), Σ_k |Q_jk|²
             g, q_power = kernels.object_gradient(q, g_psi, overwrite=True)
             if deform is not None:
-                deform.add([c.index.extract(box_d[a], batch, out=d_patch[a, :b]) for a in range(2)],
-                           g, q_power, batch.start)
+                d = [c.index.extract(box_d[a], batch, out=d_patch[a, :b]) for a in range(2)]
+                for a in range(2):
+                    shift_num[batch, a] = real_dots(d[a], g)
+                deform.add_gram(d, q_power, batch.start)
+                if not want_object:
+                    c.index.scatter_add(scattered, g, batch)
         else:
             q_power = model_intensity(q)
         c.index.scatter_add(illum, q_power, batch)
@@ -259,6 +265,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     if want_positions:
         part.arrays["position_grad"] = position_grad
     if deform is not None:
+        deform.add_first(box_d, scattered, c.index.corners, shift_num)
         sums = deform.sums(positions)
         sums["window_num"] = sums["window_num"] * WINDOW_CHI_FACTOR[opts.loss]
         part.arrays.update(sums)
@@ -301,7 +308,7 @@ def refining_chunk_gradient(obj, probe, intensities, nominal, local: dict, *, op
     active = positions.active(epoch)
     part = chunk_gradient(obj, probe, intensities, used, options=options, valid=valid,
                           want_object=want_object, want_probe=want_probe, want_positions=active,
-                          variable=variable, window_stride=window_sum_stride(positions) if active else 0)
+                          variable=variable, window_sums=active and wants_window_sums(positions))
     if not active or not part.scalars:
         part.local = {}
         return part
