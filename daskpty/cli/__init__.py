@@ -14,7 +14,7 @@ import warnings
 from ..execution.watchdog import ReconstructionDiverged, ReconstructionStalled
 from ..io.safety import StoreWriteError
 from . import export, import_data, info, reconstruct, show, simulate
-from .interrupts import InterruptGuard
+from .interrupts import INTERRUPTED, InterruptGuard, forget_handled_interrupt
 
 #: subcommand modules, in the order ``daskpty --help`` lists them
 COMMANDS = [simulate, info, import_data, reconstruct, show, export]
@@ -61,7 +61,10 @@ def main(argv=None) -> int:
         return 2
     # as a command of its own (not called from Python code): Ctrl-C ends it even when stuck
     with InterruptGuard() if argv is None else contextlib.nullcontext():
-        return _run_command(args)
+        code = _run_command(args)
+    if code == INTERRUPTED:
+        forget_handled_interrupt()
+    return code
 
 
 def _run_command(args) -> int:
