@@ -222,17 +222,19 @@ class PositionOptions:
             return AUTO_EARLIEST, AUTO_LATEST
         return int(self.start_epoch), int(self.start_epoch)
 
-    def for_epoch(self, epoch: int, decided: int | None) -> "PositionOptions":
-        """These options as the chunk steps of ``epoch`` use them: ``"auto"`` replaced by the start
-        epoch ``decided`` so far (:func:`decide_start`), or by ``epoch + 1`` while undecided."""
+    def for_state(self, state) -> "PositionOptions":
+        """These options as the chunk steps of ``state``'s epoch use them: ``"auto"`` replaced by
+        the start epoch decided so far (``state.positions_start``, :func:`settle_start`), or by the
+        next epoch while undecided."""
         if self.start_epoch != AUTO_START:
             return self
-        return dataclasses.replace(self, start_epoch=int(decided) if decided is not None else epoch + 1)
+        decided = state.positions_start
+        return dataclasses.replace(self, start_epoch=int(decided) if decided is not None else state.epoch + 1)
 
     def active(self, epoch: int) -> bool:
         if self.start_epoch is None or self.start_epoch == AUTO_START:
             raise ValueError(f"start_epoch is {self.start_epoch!r}: resolve the options first "
-                             "(PositionOptions.for_engine, then for_epoch)")
+                             "(PositionOptions.for_engine, then for_state)")
         return epoch >= self.start_epoch
 
 
@@ -476,6 +478,11 @@ def decide_start(epoch: int, change: float) -> int | None:
     return None
 
 
+def options_for(options: PositionOptions | None, state) -> PositionOptions | None:
+    """The refinement's options for the chunk steps of ``state``'s epoch (None: no refinement)."""
+    return None if options is None else options.for_state(state)
+
+
 def note_epoch_start(state, options: PositionOptions) -> None:
     """Start of an epoch, both engines: keep the probe for ``"auto"``'s start rule while undecided."""
     if options.start_epoch == AUTO_START and state.positions_start is None:
@@ -503,7 +510,7 @@ def finish_epoch(state, options: PositionOptions, move_object) -> None:
     (:func:`fit_window`; ``move_object(state, matrix, offset)`` resamples the engine's object
     and its memory with it), then the affine fit (:func:`fit_affine`), which leaves out the
     window correction this epoch applied."""
-    options = options.for_epoch(state.epoch, state.positions_start)
+    options = options.for_state(state)
     applied = state.window_map if options.active(state.epoch) else None
     warp = fit_window(state, options)
     if warp is not None:

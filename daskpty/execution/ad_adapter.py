@@ -18,7 +18,7 @@ import numpy as np
 from ..engines import ad
 from ..engines.lsqml import warp_object
 from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
-                                 positions_for_step, settle_start, start_parameters, window_parameters)
+                                 options_for, positions_for_step, settle_start, start_parameters, window_parameters)
 from .rounds import ChunkedData, map_reduce
 
 
@@ -100,8 +100,7 @@ class ADAdapter:
                          state.probe if probe is None else probe, self.options,
                          state.active("object", self.options), state.active("probe", self.options),
                          self.valid,
-                         None if self.positions is None else self.positions.for_epoch(state.epoch,
-                                                                                      state.positions_start),
+                         options_for(self.positions, state),
                          state.epoch,
                          None if state.affine is None and state.window_map is None
                          else (state.affine, state.affine_boost, state.window_map))

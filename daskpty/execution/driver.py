@@ -26,7 +26,8 @@ import numpy as np
 
 from ..engines import lsqml
 from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
-                                 start_arrays, start_from_arrays, settle_start, start_parameters, window_parameters)
+                                 options_for, settle_start, start_arrays, start_from_arrays, start_parameters,
+                                 window_parameters)
 from .device_state import fetch_host_state
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
@@ -88,8 +89,7 @@ class LSQMLAdapter:
 
     def payload(self, state: lsqml.LSQMLState) -> LSQMLPayload:
         return LSQMLPayload(state.object, state.probe, self.options, state.update_probe(self.options), self.valid,
-                            None if self.positions is None else self.positions.for_epoch(state.epoch,
-                                                                                         state.positions_start),
+                            options_for(self.positions, state),
                             state.epoch,
                             None if state.affine is None and state.window_map is None
                             else (state.affine, state.affine_boost, state.window_map))
