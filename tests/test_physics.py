@@ -798,6 +798,30 @@ def test_real_dots(dtype, shape):
                                rtol=1e-5, atol=1e-6 * scale.max())
 
 
+@pytest.mark.parametrize("shape", [(5, 3, 7), (4, 2, 1500), (3, 32, 64)])  # one product; chunks plus a tail; exact chunks
+def test_channel_dots_and_real_dots_with(shape):
+    """The two batched forms of real_dots equal float64 sums: channel_dots (real weights against two
+    real images packed as one complex array) and real_dots_with (every item against a few fixed
+    arrays), to the precision real_dots promises."""
+    from daskpty.physics.backend import channel_dots, real_dots_with
+
+    rng = np.random.default_rng(33)
+    w = rng.random(shape).astype(np.float32)
+    packed = crandn(rng, shape, np.complex64)
+    ref = np.stack([(w * packed.real.astype(np.float64)).sum(axis=(1, 2)),
+                    (w * packed.imag.astype(np.float64)).sum(axis=(1, 2))], 1)
+    got = channel_dots(w, packed)
+    assert got.dtype == np.float64 and got.shape == (shape[0], 2)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * np.abs(w[..., None] * np.abs(packed)[..., None]).sum())
+    x = crandn(rng, (shape[0], 2) + shape[1:], np.complex64)       # items of two modes
+    fixed = [crandn(rng, x.shape[1:], np.complex64) for _ in range(3)]
+    ref = np.stack([(np.conj(x.astype(np.complex128)) * f).real.sum(axis=(1, 2, 3)) for f in fixed], 1)
+    scale = max(np.abs(x.astype(np.complex128) * f).sum() for f in fixed)
+    got = real_dots_with(x, fixed)
+    assert got.dtype == np.float64 and got.shape == (shape[0], 3)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6 * scale)
+
+
 @pytest.mark.parametrize("noise", ["gaussian", "poisson"])
 def test_far_field_update_overwrite_writes_in_place(noise):
     from daskpty.physics.noise import far_field_update

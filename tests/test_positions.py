@@ -141,7 +141,7 @@ def test_window_deformation_recovers_a_known_deformation():
     from daskpty.engines.positions import central_gradients, solve_window_deformation
     from daskpty.engines.window_deformation import WindowDeformation
     from daskpty.physics.backend import real_dots
-    from daskpty.physics.patches import scatter_add_patches
+    from daskpty.physics.patches import PatchIndex, scatter_add_patches
 
     rng = np.random.default_rng(4)
     n, size = 32, 128
@@ -152,7 +152,7 @@ def test_window_deformation_recovers_a_known_deformation():
     true_l = np.array([[0.004, -0.003], [0.002, 0.005]])
     corners = np.stack(np.meshgrid(np.arange(20, 80, 6), np.arange(20, 80, 6), indexing="ij"), -1).reshape(-1, 2)
     dy, dx = central_gradients(obj, np)
-    deform = WindowDeformation(n, np)
+    deform = WindowDeformation(n, np, (dy, dx))
 
     def sample(a, cy, cx):
         return map_coordinates(a.real, [cy, cx], order=3) + 1j * map_coordinates(a.imag, [cy, cx], order=3)
@@ -172,8 +172,8 @@ def test_window_deformation_recovers_a_known_deformation():
     scattered = np.zeros(obj.shape, np.complex64)
     scatter_add_patches(scattered, corners, g)
     grads = [np.asarray(v, np.complex64) for v in grads]
-    deform.add_first((dy, dx), scattered, corners, np.stack([real_dots(d, g) for d in grads], 1))
-    deform.add_gram(grads, np.asarray(w, np.float32))
+    deform.add_first(scattered, corners, np.stack([real_dots(d, g) for d in grads], 1))
+    deform.add_gram(PatchIndex(corners, n, obj.shape), slice(0, len(corners)), np.asarray(w, np.float32))
     sums = deform.sums(corners + n / 2)
     got = solve_window_deformation(sums["window_num"], sums["window_gram"])
     np.testing.assert_allclose(got, true_l, rtol=0, atol=0.1 * np.abs(true_l).max())
@@ -184,10 +184,13 @@ def test_window_sums_on_the_box_equal_the_double_sums():
     """WindowDeformation's cheap forms equal the direct double sums (float64 reference): the first
     moments b from the box identity (Σ_j g_j scattered on the box, minus the window centres times
     the shift numerators), the normal matrix G from products summed over patterns first (every
-    4th pattern, scaled), on windows that overlap and reach the box's edges."""
+    4th pattern of the chunk, scaled; here a sub-batch that starts at the chunk's pattern 3), from the
+    box images' windows or from the gradient windows (and squares) the chunk step gathered, on
+    windows that overlap and reach the box's edges."""
     from daskpty.engines.positions import central_gradients
     from daskpty.engines.window_deformation import WindowDeformation
-    from daskpty.physics.patches import extract_patches, scatter_add_patches
+    from daskpty.engines.window_deformation import squared_gradients
+    from daskpty.physics.patches import PatchIndex, extract_patches, scatter_add_patches
 
     rng = np.random.default_rng(3)
     n, b, start, size = 16, 11, 3, 40
@@ -202,10 +205,17 @@ def test_window_sums_on_the_box_equal_the_double_sums():
     scatter_add_patches(scattered, corners, g)
     d64, g64, w64 = [x.astype(np.complex128) for x in d], g.astype(np.complex128), w.astype(np.float64)
     s = np.array([[np.real(np.vdot(d64[a][j], g64[j])) for a in range(2)] for j in range(b)])
-    deform = WindowDeformation(n, np, gram_stride=4)
-    deform.add_first(box_d, scattered, corners, s)
-    deform.add_gram(d, w, start)
+    # the chunk: ``start`` patterns before the sub-batch (elsewhere on the box), then the b tested
+    index = PatchIndex(np.vstack([np.zeros((start, 2), int), corners]), n, box.shape)
+    batch = slice(start, start + b)
+    deform = WindowDeformation(n, np, box_d, gram_stride=4)
+    deform.add_first(scattered, corners, s)
+    deform.add_gram(index, batch, w)                       # gathers the box images' windows
     sums = deform.sums(np.zeros((b, 2)))
+    for given in ({"windows": d}, {"windows": d, "squares": index.extract(squared_gradients(box_d, np), batch)}):
+        other = WindowDeformation(n, np, box_d, gram_stride=4)
+        other.add_gram(index, batch, w, **given)           # from the windows the chunk step has
+        np.testing.assert_allclose(other.sums(np.zeros((b, 2)))["window_gram"], sums["window_gram"], rtol=1e-6)
     c = np.arange(n) - (n - 1) / 2
     u = np.stack(np.meshgrid(c, c, indexing="ij"))                      # u_y, u_x
     second = [j for j in range(b) if (start + j) % 4 == 0]

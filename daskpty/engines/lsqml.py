@@ -29,12 +29,12 @@ from ..physics import (
     shift_ramps,
     split_positions,
 )
-from ..physics.backend import asarray_like, is_cupy, real_dots, shares_memory, to_numpy
+from ..physics.backend import asarray_like, channel_dots, is_cupy, real_dots, shares_memory, to_numpy
 from ..physics.patches import PatchIndex
 from ..physics.shifts import outer_ramps, shift_ramp_factors
 from ..physics import kernels
 from .partials import BoxedArray, Partial
-from .window_deformation import WindowDeformation, wants_window_sums
+from .window_deformation import WindowDeformation, squared_gradients, wants_window_sums
 from .positions import (
     PositionOptions,
     accumulate_affine,
@@ -199,7 +199,8 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     ``local["shift_terms"]`` (each (B, 2); see :func:`~.positions.lsqml_shift`):
     Re Σ_k conj(S_f P_k ∂_a O_j) χ_jk and Σ_k |S_f P_k ∂_a O_j|², formed in pass 1 as
     Re⟨∂_a O_j, g_j⟩ and ⟨|∂_a O_j|², Σ_k |S_f P_k|²⟩ (∂_a O by central differences on the
-    box): two gathers and four dot products per pattern, no FFT. With them the window
+    box, |∂_y O|² and |∂_x O|² formed there once and packed in one complex image): three
+    gathers and four dot products per pattern, no FFT. With them the window
     deformation's sums (:class:`WindowDeformation`; ``window_sums``) in ``arrays``.
 
     ``variable``: a :class:`~daskpty.engines.probe_model.PatternProbes` when the probe varies from
@@ -253,11 +254,13 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     model = xp.zeros(n * n)
     loss = 0.0
     if position_terms:
-        box_dy, box_dx = central_gradients(obj_box, xp)
+        box_d = central_gradients(obj_box, xp)
+        box_squares = squared_gradients(box_d, xp)              # |∂_y O|² + i |∂_x O|²
         shift_num = xp.empty((n_patterns, 2))
         shift_den = xp.empty((n_patterns, 2))
         d_patch = xp.empty((2, step, n, n), np.complex64)      # ∂_y O, ∂_x O windows of a sub-batch
-        deform = WindowDeformation(n, xp) if window_sums else None
+        sq_patch = xp.empty((step, n, n), np.complex64)
+        deform = WindowDeformation(n, xp, box_d) if window_sums else None
 
     # Pass 1.
     for batch in blocks:
@@ -285,14 +288,13 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         if variable is not None:
             variable.pattern_terms(batch, o, g, w, intensity=not variable.steps_brightness_first)
         if position_terms:
-            grads = [index.extract(box_d, batch, out=d_patch[axis, :b]) for axis, box_d in enumerate((box_dy, box_dx))]
-            if deform is not None:
-                deform.add_gram(grads, w, batch.start)
+            grads = [index.extract(box_d[axis], batch, out=d_patch[axis, :b]) for axis in range(2)]
             for axis, d in enumerate(grads):
                 shift_num[batch, axis] = real_dots(d, g)
-                d2 = xp.square(d.real)
-                d2 += xp.square(d.imag)
-                shift_den[batch, axis] = real_dots(d2, w)
+            squares = index.extract(box_squares, batch, out=sq_patch[:b])
+            shift_den[batch] = channel_dots(w, squares)
+            if deform is not None:
+                deform.add_gram(index, batch, w, grads, squares)
         index.scatter_add(obj_num, g, batch)
         index.scatter_add(illum, w, batch)
         if update_probe:  # G_j = conj(ramp_j) · F(conj(O_j) χ_j), summed; χ stays for pass 2
@@ -306,7 +308,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         else:
             illum_patches[batch] = w
     if position_terms and deform is not None:   # b on the box, from Σ_j g_j (obj_num, not yet scaled)
-        deform.add_first((box_dy, box_dx), obj_num, index.corners, shift_num)
+        deform.add_first(obj_num, index.corners, shift_num)
     inv_precond = _preconditioner(illum, options.delta)
     xp.divide(np.float32(1.0), inv_precond, out=inv_precond)
     obj_dir = obj_num * inv_precond  # ΔÔ = num / p, as num · (1/p): complex ÷ real is 5× slower

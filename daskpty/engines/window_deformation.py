@@ -8,6 +8,8 @@ equations of L over a chunk's patterns (tiny, additive: they ride the tree reduc
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from ..physics.backend import to_numpy
@@ -17,9 +19,6 @@ from ..physics.backend import to_numpy
 #: draws at 1.10 / 1.11 / 1.01× the true-position NRMSE, every 4th at 1.08 / 1.10 / 1.02×, every
 #: 8th at 1.13 / 1.12 / 1.01×; thirteenth session).
 GRAM_STRIDE = 4
-
-#: The (a, c) pairs of the normal matrix's distinct rows: yy, yx, xx.
-_PAIRS = ((0, 0), (0, 1), (1, 1))
 
 
 def wants_window_sums(positions) -> bool:
@@ -32,9 +31,28 @@ def wants_window_sums(positions) -> bool:
     return bool(positions.window_gain)
 
 
-def _real_view(a):
-    """(B, n, n) complex as (B, 2n²) real, (re, im) interleaved, without a copy."""
-    return a.view(a.real.dtype).reshape(a.shape[0], -1)
+@functools.lru_cache(maxsize=8)
+def _offset_products(n: int) -> np.ndarray:
+    """(n², 3) float64: u_y², u_y u_x, u_x² of every window pixel's offset from the centre."""
+    c = np.arange(n) - (n - 1) / 2.0
+    uy, ux = (u.ravel() for u in np.meshgrid(c, c, indexing="ij"))
+    weights = np.stack([uy * uy, uy * ux, ux * ux], 1)
+    weights.flags.writeable = False
+    return weights
+
+
+def squared_gradients(box_d, xp):
+    """|∂_y O|² + i |∂_x O|² on a chunk's box, from ``box_d`` (∂_y O, ∂_x O): two real images
+    packed in one complex64 array, so that one gather per pattern takes both (LSQML's shift
+    denominators, :func:`~daskpty.physics.backend.channel_dots`, and the normal matrix)."""
+    dy, dx = box_d
+    packed = xp.empty(dy.shape, np.complex64)
+    parts = packed.view(np.float32).reshape(dy.shape + (2,))     # (re, im): NumPy and CuPy alike
+    for channel, d in enumerate((dy, dx)):
+        part = xp.square(d.real)
+        part += xp.square(d.imag)
+        parts[..., channel] = part
+    return packed
 
 
 class WindowDeformation:
@@ -49,62 +67,87 @@ class WindowDeformation:
     b needs no per-pattern product: with x = c_j + u the box pixel of window j (centre c_j),
     u_b = x_b − c_jb, so b_ab = Re Σ_x x_b conj(∂_a O(x)) Σ_j g_j(x) − Σ_j c_jb s_ja, where
     Σ_j g_j is the chunk's scattered object gradient and s_ja = Re⟨∂_a O_j, g_j⟩ the shift
-    numerator (:meth:`add_first`, once per chunk on the box). G is ∂_a O_j · (w_j ∂_c O_j),
-    summed over patterns first, against the fixed weights (u_y², u_y u_x, u_x²), on every
-    ``gram_stride``-th pattern (:meth:`add_gram`). The sums stay where the arrays are (no host
-    sync until :meth:`sums`).
+    numerator (:meth:`add_first`, once per chunk on the box). G needs only the three real box
+    images Re(conj(∂_a O) ∂_c O) (|∂_y O|², |∂_x O|² packed in one complex array, and the cross
+    term): their windows times w_j, summed over patterns pixel by pixel, on every
+    ``gram_stride``-th pattern (:meth:`add_gram`), against the fixed weights (u_y², u_y u_x,
+    u_x²) once per chunk (:meth:`sums`). The sums stay where the arrays are (no host sync until
+    :meth:`sums`).
+
+    ``box_d``: (∂_y O, ∂_x O) on the chunk's box.
     """
 
-    def __init__(self, n: int, xp, gram_stride: int = GRAM_STRIDE):
+    def __init__(self, n: int, xp, box_d, gram_stride: int = GRAM_STRIDE):
         self.xp = xp
         self.n = n
         self.gram_stride = max(1, int(gram_stride))
-        c = np.arange(n) - (n - 1) / 2.0
-        uy, ux = (u.ravel() for u in np.meshgrid(c, c, indexing="ij"))
-        # every weight twice: the real views interleave (re, im), and Re(conj a b) = a.re b.re + a.im b.im
-        self.second_weights = xp.asarray(np.repeat(np.stack([uy * uy, uy * ux, ux * ux], 1), 2, axis=0),
-                                         dtype=np.float32)                                  # (2n², 3)
+        self.box_d = box_d
+        self._squares = self._cross = None   # box images, made when a sub-batch brings no windows
         self.first = xp.zeros((2, 2))    # b_ab, float64
-        self.second = xp.zeros((3, 3))   # rows (a, c) = yy, yx, xx; columns (b, d) = yy, yx, xx
+        self.per_pixel = xp.zeros((n * n, 3), np.float32)   # Σ_j w_j · (|∂_y O|², cross, |∂_x O|²) windows
 
-    def add_first(self, box_d, scattered, corners, numerators) -> None:
-        """The first moments b of a chunk, on its box: ``box_d`` (∂_y O, ∂_x O) on the box,
-        ``scattered`` Σ_j g_j on the same box, ``corners`` (B, 2) the windows' corners in it and
-        ``numerators`` (B, 2) every pattern's s_ja = Re⟨∂_a O_j, g_j⟩. Float64, about the box
-        centre (the two terms nearly cancel)."""
+    def _box_images(self):
+        if self._squares is None:
+            dy, dx = self.box_d
+            self._squares = squared_gradients(self.box_d, self.xp)
+            self._cross = (dy.real * dx.real + dy.imag * dx.imag).astype(np.float32)  # Re conj(∂_y O) ∂_x O
+        return self._squares, self._cross
+
+    def add_first(self, scattered, corners, numerators) -> None:
+        """The first moments b of a chunk, on its box: ``scattered`` Σ_j g_j on the box,
+        ``corners`` (B, 2) the windows' corners in it and ``numerators`` (B, 2) every pattern's
+        s_ja = Re⟨∂_a O_j, g_j⟩. About the box centre (the two terms nearly cancel): the
+        products in single precision like the numerators' own, every sum in float64."""
         xp = self.xp
         h, w = scattered.shape[-2:]
         origin = np.array([(h - 1) / 2.0, (w - 1) / 2.0])
         centres = xp.asarray(np.asarray(corners, np.float64) + (self.n - 1) / 2.0 - origin)       # c_j
         ys = xp.arange(h, dtype=np.float64) - origin[0]
         xs = xp.arange(w, dtype=np.float64) - origin[1]
-        g = scattered.astype(np.complex128, copy=False)
         s = xp.asarray(numerators, dtype=np.float64)
+        r = xp.empty((h, w), scattered.real.dtype)
         for a in range(2):
-            r = (xp.conj(box_d[a].astype(np.complex128, copy=False)) * g).real    # Re conj(∂_a O) Σ g
-            self.first[a, 0] += ys @ r.sum(axis=1) - centres[:, 0] @ s[:, a]
-            self.first[a, 1] += r.sum(axis=0) @ xs - centres[:, 1] @ s[:, a]
+            d = self.box_d[a]
+            xp.multiply(d.real, scattered.real, out=r)                     # Re conj(∂_a O) Σ g
+            r += d.imag * scattered.imag
+            self.first[a, 0] += ys @ r.sum(axis=1, dtype=np.float64) - centres[:, 0] @ s[:, a]
+            self.first[a, 1] += r.sum(axis=0, dtype=np.float64) @ xs - centres[:, 1] @ s[:, a]
 
-    def add_gram(self, d, w, start: int = 0) -> None:
-        """The normal matrix's share of one sub-batch starting at pattern ``start`` of the chunk
-        (every ``gram_stride``-th pattern): ``d`` the windows of (∂_y O, ∂_x O), ``w`` Σ_k |S_f P_k|²."""
-        pick = slice((-start) % self.gram_stride, w.shape[0], self.gram_stride)
-        if pick.start >= w.shape[0]:
+    def add_gram(self, index, batch: slice, w, windows=None, squares=None) -> None:
+        """The normal matrix's share of the sub-batch ``batch`` of the chunk's patterns (a slice
+        of ``index``, the chunk's :class:`~daskpty.physics.patches.PatchIndex` on the box): its
+        every-``gram_stride``-th patterns of the chunk. ``w`` (b, n, n) Σ_k |S_f P_k|² of the
+        sub-batch. ``windows``: the sub-batch's (∂_y O, ∂_x O) windows, if gathered already (the
+        products are then formed from them), ``squares`` their :func:`squared_gradients`;
+        without them the windows of the box images are gathered."""
+        first = batch.start + (-batch.start) % self.gram_stride
+        if first >= batch.stop:
             return
-        d = (d[0][pick], d[1][pick])
-        w = w[pick]
-        ones = self.xp.ones(w.shape[0], w.dtype)
-        views = [_real_view(x) for x in d]
-        weighted = [_real_view(x * w) for x in d]             # w_j ∂_c O_j (w real: scales re and im)
-        weights = self.second_weights.astype(w.dtype, copy=False)
-        for row, (a, c) in enumerate(_PAIRS):
-            per_pixel = ones @ (views[a] * weighted[c])        # Σ_j over the picked patterns
-            self.second[row] += per_pixel @ weights
+        xp = self.xp
+        offset = first - batch.start
+        picked = slice(first, batch.stop, self.gram_stride)
+        w = w[offset::self.gram_stride].reshape(-1, self.n * self.n)
+        if windows is not None:
+            dy, dx = (d[offset::self.gram_stride].reshape(w.shape) for d in windows)
+            cross = dy.real * dx.real
+            cross += dy.imag * dx.imag
+            if squares is None:
+                squares = squared_gradients((dy, dx), xp)
+            else:
+                squares = squares[offset::self.gram_stride]
+        else:
+            squares, cross = (index.extract(image, picked) for image in self._box_images())
+        sq = squares.view(np.float32).reshape(w.shape[0], -1, 2)
+        cross = cross.reshape(w.shape)
+        ones = xp.ones(w.shape[0], np.float32)
+        self.per_pixel[:, 0] += ones @ (sq[..., 0] * w)
+        self.per_pixel[:, 1] += ones @ (cross * w)
+        self.per_pixel[:, 2] += ones @ (sq[..., 1] * w)
 
     def sums(self, positions) -> dict:
         """The chunk's additive sums (host, float64), with Σ positions and their count."""
+        second = np.asarray(to_numpy(self.per_pixel), np.float64).T @ _offset_products(self.n) * self.gram_stride
         first = np.asarray(to_numpy(self.first), np.float64)                       # (a, b)
-        second = np.asarray(to_numpy(self.second), np.float64) * self.gram_stride
         pair = {(0, 0): 0, (0, 1): 1, (1, 0): 1, (1, 1): 2}
         gram = np.empty((4, 4))
         for a in range(2):

@@ -162,3 +162,53 @@ def real_dots(x, y, chunk: int = 1024):
     if m < size:
         out += (x[:, None, m:] @ y[:, m:, None]).reshape(b)
     return out
+
+
+def _real_items(a):
+    """(B, ...) complex or real → (B, N) real view (re, im interleaved for complex), no copy."""
+    if a.dtype.kind == "c":
+        a = a.view(np.float32 if a.dtype == np.complex64 else np.float64)
+    return a.reshape(a.shape[0], -1)
+
+
+def _chunked_sums(x, y, chunk: int, batched: bool):
+    """Σ_p x_jp y_(j)pc → (B, C) float64, accumulated in x's precision over ``chunk`` elements and
+    in float64 across them (see :func:`real_dots`). ``x`` (B, N); ``y`` (B, N, C) if ``batched``
+    else (N, C), shared by every item."""
+    b, size = x.shape
+    k = size // chunk if x.dtype == np.float32 else 0
+    if k <= 1:
+        out = (x[:, None, :] @ y)[:, 0] if batched else x @ y
+        return out.astype(np.float64)
+    m = k * chunk
+    c = y.shape[-1]
+    if batched:
+        out = (x[:, :m].reshape(b, k, 1, chunk) @ y[:, :m].reshape(b, k, chunk, c)).reshape(b, k, c)
+        out = out.sum(axis=1, dtype=np.float64)
+        if m < size:
+            out += (x[:, None, m:] @ y[:, m:])[:, 0]
+    else:   # one matrix product per chunk of the items' axis: (k, B, chunk) @ (k, chunk, C)
+        out = (x[:, :m].reshape(b, k, chunk).transpose(1, 0, 2) @ y[:m].reshape(k, chunk, c)).sum(
+            axis=0, dtype=np.float64)
+        if m < size:
+            out += x[:, m:] @ y[m:]
+    return out
+
+
+def channel_dots(w, packed, chunk: int = 1024):
+    """Σ_p w_jp (Re, Im)(packed_jp) per item → (B, 2) float64: two real images packed as the real
+    and imaginary parts of one complex array (one gather takes both), each dotted with the real
+    weights ``w`` (B, ...) of the same shape; precision as :func:`real_dots`."""
+    b = w.shape[0]
+    x = w.reshape(b, -1)
+    return _chunked_sums(x, packed.view(x.dtype).reshape(b, x.shape[1], 2), chunk, batched=True)
+
+
+def real_dots_with(x, fixed, chunk: int = 1024):
+    """Re⟨x_j, f_m⟩ for every item j of ``x`` (B, ...) and each of the arrays ``fixed`` (a
+    sequence of M arrays shaped like one item) → (B, M) float64: one matrix product per chunk of
+    elements, not M broadcast passes; precision as :func:`real_dots`."""
+    xp = get_xp(x)
+    x = _real_items(x)
+    f = xp.stack([_real_items(a[None])[0] for a in fixed], axis=1)   # (N, M)
+    return _chunked_sums(x, f, chunk, batched=False)

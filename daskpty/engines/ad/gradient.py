@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...physics import fft2, get_xp, ifft2, model_intensity
-from ...physics.backend import asarray_like, is_cupy, real_dots, to_numpy
+from ...physics.backend import asarray_like, is_cupy, real_dots, real_dots_with, to_numpy
 from ...physics.patches import PatchIndex
 from ...physics.shifts import outer_ramps, shift_ramp_factors
 from ..lsqml import _fft_in_place
@@ -197,8 +197,8 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     loss = 0.0
     deform = None
     if window_sums and want_object_grad and opts.loss in WINDOW_CHI_FACTOR:
-        deform = WindowDeformation(n, xp)
         box_d = central_gradients(c.obj_box, xp)                           # ∂_y O, ∂_x O on the box
+        deform = WindowDeformation(n, xp, box_d)
         d_patch = xp.empty((2, c.step, n, n), cdtype)
         shift_num = xp.empty((n_patterns, 2))                              # Re⟨∂_a O_j, g_j⟩
         scattered = obj_grad if want_object else xp.zeros(c.obj_box.shape, dtype=cdtype)  # Σ_j g_j
@@ -222,7 +222,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
                 d = [c.index.extract(box_d[a], batch, out=d_patch[a, :b]) for a in range(2)]
                 for a in range(2):
                     shift_num[batch, a] = real_dots(d[a], g)
-                deform.add_gram(d, q_power, batch.start)
+                deform.add_gram(c.index, batch, q_power, d)
                 if not want_object:
                     c.index.scatter_add(scattered, g, batch)
         else:
@@ -246,8 +246,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
             elif want_probe:
                 spectra_sum += ones_c[:b] @ spectra.reshape(b, -1)
             if want_positions:
-                position_grad[batch, 0] = real_dots(spectra, xp.broadcast_to(dq_y, spectra.shape))
-                position_grad[batch, 1] = real_dots(spectra, xp.broadcast_to(dq_x, spectra.shape))
+                position_grad[batch] = real_dots_with(spectra, (dq_y, dq_x))
 
     if c.valid is None:
         sum_measured, sum_model = float(measured.sum()), float(model.sum())
@@ -265,7 +264,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     if want_positions:
         part.arrays["position_grad"] = position_grad
     if deform is not None:
-        deform.add_first(box_d, scattered, c.index.corners, shift_num)
+        deform.add_first(scattered, c.index.corners, shift_num)
         sums = deform.sums(positions)
         sums["window_num"] = sums["window_num"] * WINDOW_CHI_FACTOR[opts.loss]
         part.arrays.update(sums)
