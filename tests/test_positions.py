@@ -336,10 +336,12 @@ def test_resume_with_refinement_is_bit_identical(scan, client, tmp_path, engine)
     ds, nominal = scan
     kw = dict(engine=engine, rounds_per_epoch=2, refine_positions={"start_epoch": 1, "momentum": 0.5})
     straight = _run(ds, nominal, client, epochs=6, **kw)
-    _run(ds, nominal, client, epochs=3, checkpoint=tmp_path / "c.zarr", **kw)
+    # stop after an epoch that took the window sums (LSQML every epoch, AD every 2nd from the start)
+    stop = 3 if engine == "lsqml" else 2
+    _run(ds, nominal, client, epochs=stop, checkpoint=tmp_path / "c.zarr", **kw)
     stored = daskpty.Reconstruction.from_zarr(tmp_path / "c.zarr")
     assert "position_velocity" in stored.engine_state and stored.nominal_positions is not None
-    assert "window_map" in stored.engine_state        # the window correction pending for epoch 4
+    assert "window_map" in stored.engine_state        # the window correction pending for the next epoch
     resumed = _run(ds, nominal, client, epochs=6, resume=tmp_path / "c.zarr", **kw)
     np.testing.assert_array_equal(resumed.positions, straight.positions)
     np.testing.assert_array_equal(resumed.object, straight.object)
@@ -414,11 +416,30 @@ def test_diverging_refinement_stops_with_one_message(scan, client, tmp_path):
     ({"steps": 3}, "unknown option"),
     ("yes", "must be True, False"),
     ({"window_scale": "yes"}, "window_scale"),
+    ({"window_every": 0}, "window_every must be a whole number of epochs in"),
+    ({"window_every": 1.5}, "window_every"),
 ])
 def test_bad_refinement_options_are_one_line_errors(value, message):
     with pytest.raises((ValueError, TypeError), match=message) as info:
         PositionOptions.from_argument(value)
     assert "\n" not in str(info.value)
+
+
+def test_window_sums_are_taken_every_window_every_epochs_of_refinement():
+    """The window sums come in the first epoch of refinement and every window_every-th after it
+    (AD's default every 2nd), none before the start or with the correction off."""
+    from daskpty.engines.window_deformation import wants_window_sums
+
+    def epochs(**kw):
+        options = PositionOptions(**kw)
+        return [e for e in range(12) if wants_window_sums(options, e)]
+
+    assert epochs(start_epoch=3) == list(range(3, 12))
+    assert epochs(start_epoch=3, window_every=2) == [3, 5, 7, 9, 11]
+    assert PositionOptions().for_engine("ad").window_every == 2
+    assert PositionOptions().for_engine("lsqml").window_every == 1
+    assert epochs(start_epoch=4, window_every=3) == [4, 7, 10]
+    assert epochs(start_epoch=0, window_gain=0) == []
 
 
 def test_window_scale_follows_the_start_probe(scan, client):

@@ -392,7 +392,7 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     active = positions.active(epoch)
     part = chunk_step(obj, probe, intensities, refined, options=options, update_probe=update_probe,
                       valid=valid, position_terms=active, variable=variable,
-                      window_sums=wants_window_sums(positions))
+                      window_sums=wants_window_sums(positions, epoch))
     if not active or not part.scalars:
         part.local = {}
         return part

@@ -21,14 +21,18 @@ from ..physics.backend import to_numpy
 GRAM_STRIDE = 4
 
 
-def wants_window_sums(positions) -> bool:
-    """Whether a refining chunk step forms the window sums (both engines): with the window
-    correction on (``window_gain`` > 0). They take every pattern's right-hand side: on every 2nd
+def wants_window_sums(positions, epoch: int) -> bool:
+    """Whether a refining chunk step of ``epoch`` forms the window sums (both engines): with the
+    window correction on (``window_gain`` > 0), in the first epoch of refinement and every
+    ``window_every``-th after it. They take every pattern's right-hand side: on every 2nd
     pattern (with ``window_scale``, twelfth and thirteenth sessions) AD from the store's probe
     reached 1.20× / 0.081 px against 1.15× / 0.070 and LSQML's three noise draws 1.30 / 1.20 /
     1.17× against 1.08 / 1.10 / 1.02× (576 × 64², 1 px + 1.5 % + 0.5°): the estimate's noise is
-    applied every epoch (``window_gain``), so its global warps add up."""
-    return bool(positions.window_gain)
+    applied every epoch (``window_gain``), so its global warps add up. Every 2nd *epoch* with
+    twice the gain keeps AD's figures (``PositionOptions.window_every``)."""
+    if not positions.window_gain or not positions.active(epoch):
+        return False
+    return (epoch - positions.start_epoch) % (positions.window_every or 1) == 0
 
 
 @functools.lru_cache(maxsize=8)

@@ -307,7 +307,7 @@ def refining_chunk_gradient(obj, probe, intensities, nominal, local: dict, *, op
     active = positions.active(epoch)
     part = chunk_gradient(obj, probe, intensities, used, options=options, valid=valid,
                           want_object=want_object, want_probe=want_probe, want_positions=active,
-                          variable=variable, window_sums=active and wants_window_sums(positions))
+                          variable=variable, window_sums=wants_window_sums(positions, epoch))
     if not active or not part.scalars:
         part.local = {}
         return part
