@@ -71,11 +71,11 @@ class WindowDeformation:
     b needs no per-pattern product: with x = c_j + u the box pixel of window j (centre c_j),
     u_b = x_b − c_jb, so b_ab = Re Σ_x x_b conj(∂_a O(x)) Σ_j g_j(x) − Σ_j c_jb s_ja, where
     Σ_j g_j is the chunk's scattered object gradient and s_ja = Re⟨∂_a O_j, g_j⟩ the shift
-    numerator (:meth:`add_first`, once per chunk on the box). G needs only the three real box
-    images Re(conj(∂_a O) ∂_c O) (|∂_y O|², |∂_x O|² packed in one complex array, and the cross
-    term): their windows times w_j, summed over patterns pixel by pixel, on every
-    ``gram_stride``-th pattern (:meth:`add_gram`), against the fixed weights (u_y², u_y u_x,
-    u_x²) once per chunk (:meth:`sums`). The sums stay where the arrays are (no host sync until
+    numerator (:meth:`add_first`, once per chunk on the box). G needs only the three real
+    products Re(conj(∂_a O) ∂_c O) (|∂_y O|², |∂_x O|² and the cross term) of each window, times
+    w_j, summed over patterns pixel by pixel on every ``gram_stride``-th pattern
+    (:meth:`add_gram`, from the windows the chunk step gathered, or from box images), and
+    weighted by (u_y², u_y u_x, u_x²) once per chunk (:meth:`sums`). The sums stay where the arrays are (no host sync until
     :meth:`sums`).
 
     ``box_d``: (∂_y O, ∂_x O) on the chunk's box.
