@@ -591,7 +591,8 @@ def fit_window(state, options: PositionOptions):
     for the history) and, with ``window_gain``, the next epoch's map of the positions
     (``state.window_map``); returns the object's resampling ``(matrix, offset)`` or None."""
     sums, state.window_sums, state.window_map = state.window_sums, None, None
-    if sums is None:
+    if sums is None:                      # an epoch without the sums (window_every): no L to report
+        state.window_deformation = None
         return None
     state.window_deformation = solve_window_deformation(sums["window_num"], sums["window_gram"])
     count = sums["window_positions"][2]

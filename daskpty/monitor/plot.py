@@ -284,9 +284,11 @@ def plot_positions(ax, rec, *, max_arrows: int = 4000):
     if "affine_scale_x" in last:
         title += (f"\naffine: scale {last['affine_scale_y']:.4f}/{last['affine_scale_x']:.4f}, "
                   f"rotation {last['affine_rotation_deg']:.2f}°")
-    if "affine_window_scale" in last:  # what the windows still ask for (LSQML window correction)
-        title += (f"; windows ask {100 * last['affine_window_scale']:+.2f} %, "
-                  f"{last['affine_window_rotation_deg']:+.3f}°")
+    # what the windows still asked for at their last sums (AD takes them every 2nd epoch)
+    windows = next((h for h in reversed(rec.history) if "affine_window_scale" in h), None)
+    if windows is not None:
+        title += (f"; windows ask {100 * windows['affine_window_scale']:+.2f} %, "
+                  f"{windows['affine_window_rotation_deg']:+.3f}°")
     ax.set_title(title, fontsize=9)
     return distance
 
