@@ -248,11 +248,11 @@ def chunk_cost(n: int, patterns: int, calls: int = 25) -> None:
     from daskpty.engines import lsqml
     from daskpty.engines.ad import ADOptions
     from daskpty.engines.ad.gradient import chunk_gradient, refining_chunk_gradient
+    from daskpty.engines.positions import PositionOptions, initial_local
     from daskpty.execution.tuning import tune_allocator
+    from daskpty.simulate_variable_probe import simulate_variable_probe
 
     tune_allocator()  # glibc's thresholds as in a worker process (see daskpty.execution.tuning)
-    from daskpty.engines.positions import PositionOptions, initial_local
-    from daskpty.simulate_variable_probe import simulate_variable_probe
 
     grid = int(np.ceil(np.sqrt(patterns)))
     ds = simulate_variable_probe(n=n, grid=grid, step=n / 8, photons=1e7, constant=True)

@@ -602,5 +602,6 @@ def fit_window(state, options: PositionOptions):
     L = state.window_deformation
     if not options.window_scale:          # the rotation only: the antisymmetric part of L
         L = (L - L.T) / 2
-    state.window_map, matrix, offset = window_correction(L, centre, options.window_gain * (options.window_every or 1))
+    gain = options.window_gain * (options.window_every or 1)   # the per-epoch gain, taken every window_every
+    state.window_map, matrix, offset = window_correction(L, centre, gain)
     return matrix, offset
