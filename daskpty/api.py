@@ -314,8 +314,9 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         ``max_step`` 0.3 px per epoch, ``gain``, ``regularization``, ``momentum``,
         ``optimizer``/``lr`` for AD; the affine fit (``affine``, ``affine_gain``: LSQML 6, AD 2,
         ``affine_blend``), the window correction of both engines (``window_gain``;
-        ``window_every``: LSQML every epoch, AD every 2nd; ``window_scale``, by default on when the run starts from a given or stored probe and off
-        when the probe is guessed from the data), ``remove_drift``,
+        ``window_every``: LSQML every epoch, AD every 2nd; ``window_scale``, by default on when
+        the run starts from a given or stored probe and off when the probe is guessed from the
+        data), ``remove_drift``,
         ``max_displacement``). Each chunk's positions are updated on the worker holding its data;
         ``result.positions`` are the refined ones, ``result.nominal_positions`` the measured ones.
     opr_modes, fit_intensity, background : int, bool, {None, "constant", "pixel"}

@@ -141,7 +141,7 @@ def test_window_deformation_recovers_a_known_deformation():
     from daskpty.engines.positions import central_gradients, solve_window_deformation
     from daskpty.engines.window_deformation import WindowDeformation
     from daskpty.physics.backend import real_dots
-    from daskpty.physics.patches import PatchIndex, scatter_add_patches
+    from daskpty.physics.patches import scatter_add_patches
 
     rng = np.random.default_rng(4)
     n, size = 32, 128
@@ -173,7 +173,7 @@ def test_window_deformation_recovers_a_known_deformation():
     scatter_add_patches(scattered, corners, g)
     grads = [np.asarray(v, np.complex64) for v in grads]
     deform.add_first(scattered, corners, np.stack([real_dots(d, g) for d in grads], 1))
-    deform.add_gram(PatchIndex(corners, n, obj.shape), slice(0, len(corners)), np.asarray(w, np.float32))
+    deform.add_gram(slice(0, len(corners)), np.asarray(w, np.float32), grads)
     sums = deform.sums(corners + n / 2)
     got = solve_window_deformation(sums["window_num"], sums["window_gram"])
     np.testing.assert_allclose(got, true_l, rtol=0, atol=0.1 * np.abs(true_l).max())
@@ -185,8 +185,8 @@ def test_window_sums_on_the_box_equal_the_double_sums():
     moments b from the box identity (Σ_j g_j scattered on the box, minus the window centres times
     the shift numerators), the normal matrix G from products summed over patterns first (every
     4th pattern of the chunk, scaled; here a sub-batch that starts at the chunk's pattern 3), from the
-    box images' windows or from the gradient windows (and squares) the chunk step gathered, on
-    windows that overlap and reach the box's edges."""
+    gradient windows alone or with their squares gathered from the box, on windows that overlap and
+    reach the box's edges."""
     from daskpty.engines.positions import central_gradients
     from daskpty.engines.window_deformation import WindowDeformation
     from daskpty.engines.window_deformation import squared_gradients
@@ -210,12 +210,11 @@ def test_window_sums_on_the_box_equal_the_double_sums():
     batch = slice(start, start + b)
     deform = WindowDeformation(n, np, box_d, gram_stride=4)
     deform.add_first(scattered, corners, s)
-    deform.add_gram(index, batch, w)                       # gathers the box images' windows
+    deform.add_gram(batch, w, d)                           # squares formed from the windows
     sums = deform.sums(np.zeros((b, 2)))
-    for given in ({"windows": d}, {"windows": d, "squares": index.extract(squared_gradients(box_d, np), batch)}):
-        other = WindowDeformation(n, np, box_d, gram_stride=4)
-        other.add_gram(index, batch, w, **given)           # from the windows the chunk step has
-        np.testing.assert_allclose(other.sums(np.zeros((b, 2)))["window_gram"], sums["window_gram"], rtol=1e-6)
+    other = WindowDeformation(n, np, box_d, gram_stride=4)  # squares gathered from the box, as LSQML does
+    other.add_gram(batch, w, d, index.extract(squared_gradients(box_d, np), batch))
+    np.testing.assert_allclose(other.sums(np.zeros((b, 2)))["window_gram"], sums["window_gram"], rtol=1e-6)
     c = np.arange(n) - (n - 1) / 2
     u = np.stack(np.meshgrid(c, c, indexing="ij"))                      # u_y, u_x
     second = [j for j in range(b) if (start + j) % 4 == 0]

@@ -294,7 +294,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
             squares = index.extract(box_squares, batch, out=sq_patch[:b])
             shift_den[batch] = channel_dots(w, squares)
             if deform is not None:
-                deform.add_gram(index, batch, w, grads, squares)
+                deform.add_gram(batch, w, grads, squares)
         index.scatter_add(obj_num, g, batch)
         index.scatter_add(illum, w, batch)
         if update_probe:  # G_j = conj(ramp_j) · F(conj(O_j) χ_j), summed; χ stays for pass 2

@@ -48,7 +48,8 @@ def _offset_products(n: int) -> np.ndarray:
 def squared_gradients(box_d, xp):
     """|∂_y O|² + i |∂_x O|² on a chunk's box, from ``box_d`` (∂_y O, ∂_x O): two real images
     packed in one complex64 array, so that one gather per pattern takes both (LSQML's shift
-    denominators, :func:`~daskpty.physics.backend.channel_dots`, and the normal matrix)."""
+    denominators, :func:`~daskpty.physics.backend.channel_dots`, and the normal matrix); also
+    of a sub-batch's windows."""
     dy, dx = box_d
     packed = xp.empty(dy.shape, np.complex64)
     parts = packed.view(np.float32).reshape(dy.shape + (2,))     # (re, im): NumPy and CuPy alike
@@ -74,7 +75,7 @@ class WindowDeformation:
     numerator (:meth:`add_first`, once per chunk on the box). G needs only the three real
     products Re(conj(∂_a O) ∂_c O) (|∂_y O|², |∂_x O|² and the cross term) of each window, times
     w_j, summed over patterns pixel by pixel on every ``gram_stride``-th pattern
-    (:meth:`add_gram`, from the windows the chunk step gathered, or from box images), and
+    (:meth:`add_gram`, from the windows the chunk step gathered), and
     weighted by (u_y², u_y u_x, u_x²) once per chunk (:meth:`sums`). The sums stay where the arrays are (no host sync until
     :meth:`sums`).
 
@@ -86,16 +87,8 @@ class WindowDeformation:
         self.n = n
         self.gram_stride = max(1, int(gram_stride))
         self.box_d = box_d
-        self._squares = self._cross = None   # box images, made when a sub-batch brings no windows
         self.first = xp.zeros((2, 2))    # b_ab, float64
         self.per_pixel = xp.zeros((n * n, 3), np.float32)   # Σ_j w_j · (|∂_y O|², cross, |∂_x O|²) windows
-
-    def _box_images(self):
-        if self._squares is None:
-            dy, dx = self.box_d
-            self._squares = squared_gradients(self.box_d, self.xp)
-            self._cross = (dy.real * dx.real + dy.imag * dx.imag).astype(np.float32)  # Re conj(∂_y O) ∂_x O
-        return self._squares, self._cross
 
     def add_first(self, scattered, corners, numerators) -> None:
         """The first moments b of a chunk, on its box: ``scattered`` Σ_j g_j on the box,
@@ -117,33 +110,25 @@ class WindowDeformation:
             self.first[a, 0] += ys @ r.sum(axis=1, dtype=np.float64) - centres[:, 0] @ s[:, a]
             self.first[a, 1] += r.sum(axis=0, dtype=np.float64) @ xs - centres[:, 1] @ s[:, a]
 
-    def add_gram(self, index, batch: slice, w, windows=None, squares=None) -> None:
-        """The normal matrix's share of the sub-batch ``batch`` of the chunk's patterns (a slice
-        of ``index``, the chunk's :class:`~daskpty.physics.patches.PatchIndex` on the box): its
-        every-``gram_stride``-th patterns of the chunk. ``w`` (b, n, n) Σ_k |S_f P_k|² of the
-        sub-batch. ``windows``: the sub-batch's (∂_y O, ∂_x O) windows, if gathered already (the
-        products are then formed from them), ``squares`` their :func:`squared_gradients`;
-        without them the windows of the box images are gathered."""
+    def add_gram(self, batch: slice, w, windows, squares=None) -> None:
+        """The normal matrix's share of the sub-batch ``batch`` of the chunk's patterns: its
+        every-``gram_stride``-th patterns of the chunk. ``w`` (b, n, n) Σ_k |S_f P_k|² and
+        ``windows`` the (∂_y O, ∂_x O) windows of the sub-batch; ``squares`` their
+        :func:`squared_gradients`, if the chunk step has them already."""
         first = batch.start + (-batch.start) % self.gram_stride
         if first >= batch.stop:
             return
-        xp = self.xp
         offset = first - batch.start
-        picked = slice(first, batch.stop, self.gram_stride)
         w = w[offset::self.gram_stride].reshape(-1, self.n * self.n)
-        if windows is not None:
-            dy, dx = (d[offset::self.gram_stride].reshape(w.shape) for d in windows)
-            cross = dy.real * dx.real
-            cross += dy.imag * dx.imag
-            if squares is None:
-                squares = squared_gradients((dy, dx), xp)
-            else:
-                squares = squares[offset::self.gram_stride]
+        dy, dx = (d[offset::self.gram_stride].reshape(w.shape) for d in windows)
+        cross = dy.real * dx.real
+        cross += dy.imag * dx.imag                                   # Re conj(∂_y O) ∂_x O
+        if squares is None:
+            squares = squared_gradients((dy, dx), self.xp)
         else:
-            squares, cross = (index.extract(image, picked) for image in self._box_images())
+            squares = squares[offset::self.gram_stride]
         sq = squares.view(np.float32).reshape(w.shape[0], -1, 2)
-        cross = cross.reshape(w.shape)
-        ones = xp.ones(w.shape[0], np.float32)
+        ones = self.xp.ones(w.shape[0], np.float32)
         self.per_pixel[:, 0] += ones @ (sq[..., 0] * w)
         self.per_pixel[:, 1] += ones @ (cross * w)
         self.per_pixel[:, 2] += ones @ (sq[..., 1] * w)

@@ -146,22 +146,8 @@ def real_dots(x, y, chunk: int = 1024):
     precision is accumulated in float32 over ``chunk`` elements and in float64 across chunks, which
     keeps the error near that of a float64 sum of the float32 products (~1e-7 relative to Σ|x y|).
     """
-    b = x.shape[0]
-    if x.dtype.kind == "c":
-        x = x.view(np.float32 if x.dtype == np.complex64 else np.float64)
-        y = y.view(np.float32 if y.dtype == np.complex64 else np.float64)
-    x = x.reshape(b, -1)
-    y = y.reshape(b, -1)
-    size = x.shape[1]
-    k = size // chunk if x.dtype == np.float32 else 0
-    if k <= 1:
-        return (x[:, None, :] @ y[:, :, None]).reshape(b).astype(np.float64)
-    m = k * chunk
-    out = (x[:, :m].reshape(b, k, 1, chunk) @ y[:, :m].reshape(b, k, chunk, 1)).reshape(b, k)
-    out = out.sum(axis=1, dtype=np.float64)
-    if m < size:
-        out += (x[:, None, m:] @ y[:, m:, None]).reshape(b)
-    return out
+    x, y = _real_items(x), _real_items(y)
+    return _chunked_sums(x, y[:, :, None], chunk, batched=True)[:, 0]
 
 
 def _real_items(a):

@@ -222,7 +222,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
                 d = [c.index.extract(box_d[a], batch, out=d_patch[a, :b]) for a in range(2)]
                 for a in range(2):
                     shift_num[batch, a] = real_dots(d[a], g)
-                deform.add_gram(c.index, batch, q_power, d)
+                deform.add_gram(batch, q_power, d)
                 if not want_object:
                     c.index.scatter_add(scattered, g, batch)
         else:
