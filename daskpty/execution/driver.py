@@ -416,6 +416,11 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 watchdog.observe(seconds)
                 yield handle, scalars, seconds
                 done = reaches
+                if done >= epochs:
+                    # The last epoch: fetch it while its states are held. The finally below drops
+                    # the fused rounds' states on the workers, and a replica's end task may not
+                    # have run by then (run_epochs' get raised StaleRoundState, ~1 test run in 8).
+                    handle.get()
                 if handle.fetched:
                     base, base_done = handle.get(), done
             release(finished)
