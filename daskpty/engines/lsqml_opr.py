@@ -24,35 +24,29 @@ from ..physics import ifft2
 from . import lsqml
 from .probe_model import (
     INTENSITY_TIKHONOV,
-    PROBE_MODEL_KEYS,
     WEIGHT_TRUST,
     PatternProbes,
     ProbeModelOptions,
     centred_eigen_terms,
     check_finite,
     initial_eigen_probes,
+    model_local,
     orthonormalize,
     smooth_eigen_weights,
     solve_weight_steps,
     step_background,
+    step_weights,
 )
 
 
-def model_local(local: dict | None, transform) -> dict:
-    """The probe model's per-pattern arrays of ``local``, weights moved into the current basis."""
-    out = {k: local[k] for k in PROBE_MODEL_KEYS if local and k in local}
-    if "opr_weights" in out and transform is not None:
-        out["opr_weights"] = np.asarray(out["opr_weights"], np.float64) @ np.asarray(transform, np.float64)
-    return out
-
-
 def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: int, positions=None) -> dict:
-    """The patterns' weights and intensity factors after the step's least-squares updates
-    (the eigen-probe weights then smoothed over ``positions`` when ``model.weight_smoothing``)."""
+    """The patterns' weights (with their momentum) and intensity factors after the step's
+    least-squares updates (the eigen-probe weights then smoothed over ``positions`` when
+    ``model.weight_smoothing``)."""
     new = {}
     amp = variable._amp(slice(0, variable.n_patterns))
     if variable.weights is not None:
-        w = variable.weights.copy()
+        w, velocity = variable.weights.copy(), variable.velocity
         if variable.want_weights:
             stepped = variable.brightness if variable.amplitude is None else None
             if stepped is not None:           # the mode-0 step brightness_first took
@@ -61,10 +55,13 @@ def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: in
             if free.stop > free.start:
                 gram = variable.weight_curvature()[:, free, free] * (amp * amp)[:, None, None]
                 rhs = variable.rhs[:, free] * amp[:, None]
-                w[:, free] += model.weight_step * solve_weight_steps(gram, rhs, trust=WEIGHT_TRUST / model.weight_step)
+                step = model.weight_step * solve_weight_steps(gram, rhs, trust=WEIGHT_TRUST / model.weight_step)
+                w, velocity = step_weights(w, step, free, model, velocity)
                 if model.weight_smoothing and positions is not None:
                     w = smooth_eigen_weights(w, positions, model.weight_smoothing)
         new["opr_weights"] = w
+        if velocity is not None:
+            new["opr_velocity"] = velocity
     if variable.amplitude is not None:
         s = variable.amplitude.copy()
         if variable.brightness is not None:   # the step brightness_first took in the chunk step
@@ -72,7 +69,11 @@ def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: in
         elif variable.want_intensity:
             den = variable.int_den
             ds = s * variable.int_num / (den + INTENSITY_TIKHONOV * den.mean() + 1e-30)
-            s = np.maximum(s + model.weight_step * ds, 0.0)
+            s, v = step_weights(s[:, None], model.weight_step * ds[:, None], slice(0, 1), model,
+                                variable.intensity_velocity)
+            s = np.maximum(s[:, 0], 0.0)
+            if v is not None:
+                new["intensity_velocity"] = v
         new["intensity_scale"] = (s * s)[:, None]
     check_finite(new, model, epoch)
     return new

@@ -32,8 +32,11 @@ from ..physics.backend import asarray_like, real_dots, to_numpy
 from .engine_defaults import with_engine_defaults
 
 BACKGROUNDS = (None, "constant", "pixel")
-#: The probe model's per-pattern arrays (names in a chunk's per-pattern state).
-PROBE_MODEL_KEYS = ("opr_weights", "intensity_scale")
+#: The probe model's per-pattern arrays (names in a chunk's per-pattern state): the OPR weights
+#: and the intensity factors, each with its momentum (the last step taken, ``weight_momentum``).
+PROBE_MODEL_KEYS = ("opr_weights", "opr_velocity", "intensity_scale", "intensity_velocity")
+#: Per-pattern arrays in the eigen-probes' basis: the last orthonormalisation's T applies to them.
+BASIS_KEYS = ("opr_weights", "opr_velocity")
 #: Fewest patterns per OPR mode: K weights per pattern and K−1 eigen-probes need many more
 #: patterns than modes to be determined (PtychoShelves' variable-probe examples use K ≤ 5 over
 #: thousands of patterns).
@@ -52,12 +55,14 @@ INTENSITY_TIKHONOV = 1e-3
 #: Each engine's defaults of the settings left None (:meth:`ProbeModelOptions.for_engine`),
 #: measured on the drifting, flickering scan of benchmarks/bench_opr.py (docs/benchmarks.md,
 #: OPR). AD takes the nearly exact weight curvature (damping 0.002: 1.43× → 1.14× the
-#: constant-probe NRMSE) and full eigen-probe steps. LSQML's eigen-probe least-squares step
-#: regresses the residual, object errors included, on still-small weights, and overshoots: a
-#: step of 0.02 instead of 0.5 takes it from 1.88× to 1.49× (1.75× → 1.16× on a second seed);
-#: its weights need the stronger damping.
-ENGINE_DEFAULTS = {"lsqml": {"curvature_damping": 0.02, "eigen_step": 0.02},
-                   "ad": {"curvature_damping": 0.002, "eigen_step": 0.5}}
+#: constant-probe NRMSE); LSQML's weights need the stronger damping. LSQML's weights take
+#: heavy-ball momentum (0.5, its object's own): without it the flux that each pattern's object
+#: window took up before ``start_epoch`` comes back to the weight with a time constant of ~10
+#: epochs, and the eigen-probes had to creep (0.02) or they fitted the weights' lag. K = 2,
+#: 40 / 80 epochs, mean of five seeds: 1.33 / 1.43× the constant-probe NRMSE without momentum
+#: (eigen step 0.02), 1.05 / 1.04× with it and full eigen-probe steps (0.5, as AD's).
+ENGINE_DEFAULTS = {"lsqml": {"curvature_damping": 0.02, "eigen_step": 0.5, "weight_momentum": 0.5},
+                   "ad": {"curvature_damping": 0.002, "eigen_step": 0.5, "weight_momentum": 0.0}}
 
 
 class ProbeModelDiverged(ValueError):
@@ -84,13 +89,12 @@ class ProbeModelOptions:
         weight without one) takes its step before the object's in every round, and the object,
         probe and eigen-weight steps fit what it leaves (:meth:`PatternProbes.brightness_step`).
         The object then no longer takes up a flickering flux, but it learns the brightness-like
-        part of its own amplitude more slowly. On the drifting, flickering scan of bench_opr.py
-        (K = 2, ratio to the constant-probe NRMSE): 1.33 → 1.21× at 40 epochs (five seeds) but
-        1.23 → 1.31× at 80 (three seeds) and 1.58 → 1.81× at 150 (one, weight_step 1); flicker alone
-        (``fit_intensity``) 1.24 → 1.17× at 40 and 1.27 → 1.22× at 80; a drift without flicker
-        1.19 → 1.27× at 80. Off by default; for strong flicker and short runs.
+        part of its own amplitude more slowly. Since the weights take momentum (the default) it
+        is behind on the drifting, flickering scan of bench_opr.py (K = 2, five seeds, ratio to
+        the constant-probe NRMSE): 1.11 against 1.05× at 40 epochs, 1.30 against 1.04× at 80.
+        Off by default.
     eigen_step: damping of the eigen-probe updates, 0 < step ≤ 1 (None: the engine's own,
-        :data:`ENGINE_DEFAULTS`: LSQML 0.02, AD 0.5).
+        :data:`ENGINE_DEFAULTS`: 0.5).
     background_step: damping of the background update, 0 < step ≤ 1.
     max_weight: |weight| (relative to the mean probe) or intensity factor beyond which the run
         stops with :class:`ProbeModelDiverged`.
@@ -101,6 +105,9 @@ class ProbeModelOptions:
         (k ≥ 1) over neighbouring scan positions after each step (0: off). The probe's shape
         drifts slowly, so neighbours share it; the mean probe's weight (flux) is never smoothed.
         Within a chunk only (each chunk keeps its own weights).
+    weight_momentum: heavy-ball momentum μ of the OPR weights' steps, 0 ≤ μ < 1: each pattern's
+        step is Δw_j + μ v_j, v_j its last one (kept with the weights, ``opr_velocity``). None:
+        the engine's own (:data:`ENGINE_DEFAULTS`: LSQML 0.5, as its object's momentum; AD 0).
     """
 
     opr_modes: int | None = 0
@@ -114,6 +121,7 @@ class ProbeModelOptions:
     max_weight: float = 100.0
     curvature_damping: float | None = None
     weight_smoothing: float = 0.0
+    weight_momentum: float | None = None
 
     def __post_init__(self):
         def check(ok, message):
@@ -140,6 +148,8 @@ class ProbeModelOptions:
               f"curvature_damping must lie in [0, 1], got {self.curvature_damping!r}")
         check(_number(self.weight_smoothing) and self.weight_smoothing >= 0,
               f"weight_smoothing must be a number of pixels >= 0, got {self.weight_smoothing!r}")
+        check(self.weight_momentum is None or _number(self.weight_momentum) and 0 <= self.weight_momentum < 1,
+              f"weight_momentum must lie in [0, 1), got {self.weight_momentum!r}")
         check(_number(self.max_weight) and self.max_weight > 1,
               f"max_weight must be a number > 1, got {self.max_weight!r}")
 
@@ -211,16 +221,45 @@ def _number(v) -> bool:
 # --- per-pattern state -------------------------------------------------------------------------
 
 def initial_local(n_patterns: int, options: ProbeModelOptions) -> dict:
-    """The per-pattern state of one chunk: ``opr_weights`` (B, K) = [1, 0, …] and/or
-    ``intensity_scale`` (B, 1) = 1 (intensity factors s_j²), float64."""
+    """The per-pattern state of one chunk: ``opr_weights`` (B, K) = [1, 0, …] (with
+    ``weight_momentum`` also their last step ``opr_velocity`` (B, K) = 0) and/or
+    ``intensity_scale`` (B, 1) = 1 (intensity factors s_j²), float64. ``options`` resolved for
+    the engine (:meth:`ProbeModelOptions.for_engine`)."""
     local = {}
     if options.opr_modes:
         w = np.zeros((n_patterns, options.opr_modes))
         w[:, 0] = 1.0
         local["opr_weights"] = w
+        if options.weight_momentum:
+            local["opr_velocity"] = np.zeros_like(w)
     if options.fit_intensity:
         local["intensity_scale"] = np.ones((n_patterns, 1))
+        if options.weight_momentum:
+            local["intensity_velocity"] = np.zeros((n_patterns, 1))
     return local
+
+
+def model_local(local: dict | None, transform) -> dict:
+    """The probe model's per-pattern arrays of a chunk's ``local``, those in the eigen-probes'
+    basis (weights, their velocity) moved into the current one by the last epoch's T."""
+    out = {k: local[k] for k in PROBE_MODEL_KEYS if local and k in local}
+    if transform is not None:
+        out.update({k: effective_weights(out[k], transform) for k in BASIS_KEYS if k in out})
+    return out
+
+
+def step_weights(weights, step, free: slice, options: ProbeModelOptions, velocity=None):
+    """``weights`` (B, K) after the step ``step`` (B, len(free)) of their ``free`` columns, with
+    heavy-ball momentum: Δ = step + μ v (μ = ``options.weight_momentum``, v = ``velocity``, the
+    last Δ). Returns ``(weights, velocity)``, new arrays (velocity None without one)."""
+    weights = np.array(weights, dtype=np.float64)
+    move = np.asarray(step, np.float64)
+    if velocity is not None:
+        velocity = np.array(velocity, dtype=np.float64)
+        move = move + (options.weight_momentum or 0.0) * velocity[:, free]
+        velocity[:, free] = move
+    weights[:, free] += move
+    return weights, velocity
 
 
 def smooth_eigen_weights(weights, positions, sigma: float) -> np.ndarray:
@@ -393,6 +432,8 @@ class PatternProbes:
         probe = asarray_like(probe, like).astype(cdtype, copy=False)
         self.n_modes, self.n = probe.shape[0], probe.shape[-1]
         self.weights = None if "opr_weights" not in local else np.asarray(local["opr_weights"], np.float64)
+        self.velocity = None if "opr_velocity" not in local else np.asarray(local["opr_velocity"], np.float64)
+        self.intensity_velocity = local.get("intensity_velocity")   # of s_j (LSQML's momentum)
         scale = local.get("intensity_scale")
         self.amplitude = None if scale is None else np.sqrt(np.maximum(np.asarray(scale, np.float64)[:, 0], 0))
         n_patterns = len(next(iter(local.values()))) if local else 0

@@ -53,7 +53,7 @@ class _ProbeModelMixin:
 
     def initial_local(self, nominal) -> dict:
         local = {} if self.positions is None else position_local(nominal, self.positions, self.engine_label)
-        local.update(pm.initial_local(len(nominal), self.model))
+        local.update(pm.initial_local(len(nominal), self.model.for_engine(self.engine_label)))
         return local
 
     # The adapter protocol, extended (the engine's adapter comes next in the MRO).

@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...physics import ifft2
-from ..probe_model import (PROBE_MODEL_KEYS, WEIGHT_TRUST, PatternProbes, ProbeModelOptions, centred_eigen_terms,
-                           check_finite, smooth_eigen_weights, solve_weight_steps)
+from ..probe_model import (WEIGHT_TRUST, PatternProbes, ProbeModelOptions, centred_eigen_terms, check_finite,
+                           model_local, smooth_eigen_weights, solve_weight_steps, step_weights)
 from .gradient import chunk_gradient, refining_chunk_gradient
 
 
@@ -47,9 +47,7 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
     """One AD chunk gradient with the varying probe; the chunk's weights and intensity factors
     take their step here (``part.local``), the global gradients ride ``part.arrays``."""
     model = model.for_engine("ad")
-    mlocal = {k: local[k] for k in PROBE_MODEL_KEYS if local and k in local}
-    if "opr_weights" in mlocal and transform is not None:
-        mlocal["opr_weights"] = np.asarray(mlocal["opr_weights"], np.float64) @ np.asarray(transform, np.float64)
+    mlocal = model_local(local, transform)
     cdtype = np.complex128 if np.dtype(obj.dtype) == np.complex128 or np.dtype(probe.dtype) == np.complex128 \
         else np.complex64
     variable = PatternProbes(model, probe, eigen, mlocal, intensities, active=model.active(epoch),
@@ -68,17 +66,20 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
         new = {}
         amp = variable._amp(slice(0, variable.n_patterns))
         if variable.weights is not None:
-            w = variable.weights.copy()
+            w, velocity = variable.weights.copy(), variable.velocity
             if "opr_weights" in grads:
                 free = slice(0, w.shape[1]) if model.fit_mean_weight else slice(1, w.shape[1])
                 if free.stop > free.start:
                     gram = variable.weight_curvature()[:, free, free] * (amp * amp)[:, None, None]
-                    w[:, free] -= model.weight_step * solve_weight_steps(
+                    step = -model.weight_step * solve_weight_steps(
                         gram, kappa * grads["opr_weights"][:, free], trust=WEIGHT_TRUST / model.weight_step)
+                    w, velocity = step_weights(w, step, free, model, velocity)
                     if model.weight_smoothing:
                         where = part.local.get("positions", (local or {}).get("positions", nominal))
                         w = smooth_eigen_weights(w, where, model.weight_smoothing)
             new["opr_weights"] = w
+            if velocity is not None:
+                new["opr_velocity"] = velocity
         if variable.amplitude is not None:
             c = amp * amp
             if "intensity_scale" in grads:  # Gauss–Newton in c: curvature ‖ψ‖²/(2c)² · 2 … as LSQML
