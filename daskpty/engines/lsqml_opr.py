@@ -10,10 +10,12 @@ least-squares terms of the probe model gathered on the way, no extra FFT). Here:
   h_jk = Re⟨s_j S_f U_k O_j, χ_j0⟩ = s_j Re⟨F U_k, G_j0⟩ (Parseval, from the probe-update
   spectra) and G_j,kl ≈ s_j² Σ Re(conj U_k U_l) |O_j|², and of the intensity factors,
   Δs_j = s_j Re⟨ψ_j, χ_j⟩ / ‖ψ_j‖² (with ``brightness_first`` taken inside the chunk step, before
-  the object's: :meth:`~.probe_model.PatternProbes.brightness_step`);
+  the object's: :meth:`~.probe_model.PatternProbes.brightness_step`), each with heavy-ball
+  momentum (``weight_momentum``: Δ_j + μ v_j, v_j the pattern's last move);
 * :func:`apply` — eigen-probes U_k += step · Σ_j s_j w_jk S_{−f}(conj O_j χ_j0) /
   (Σ_j (s_j w_jk)² |O_j|² + δ max), the least-squares update of each eigen-probe had every
-  pattern the same object; background from the mean intensity residual;
+  pattern the same object, at most ``EIGEN_TRUST`` ‖U_0‖ per round; background from the mean
+  intensity residual;
 * :func:`end_epoch` — orthonormalise the eigen-probes; the state keeps T for the chunks.
 """
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 from ..physics import ifft2
 from . import lsqml
 from .probe_model import (
+    EIGEN_TRUST,
     INTENSITY_TIKHONOV,
     WEIGHT_TRUST,
     PatternProbes,
@@ -30,6 +33,7 @@ from .probe_model import (
     centred_eigen_terms,
     check_finite,
     initial_eigen_probes,
+    limit_eigen_step,
     model_local,
     orthonormalize,
     smooth_eigen_weights,
@@ -108,7 +112,8 @@ def apply(state, total, model: ProbeModelOptions, delta: float = 0.1, valid=None
         num, den = centred_eigen_terms(arrays, total.scalars.get("n", 1.0))
         num = ifft2(np.asarray(num, np.complex64))
         step = num / np.float32(1.0 + delta) / np.maximum(den, 1e-30).astype(np.float32)
-        state.eigen_probes = (state.eigen_probes + np.float32(model.eigen_step) * step).astype(np.complex64)
+        step = limit_eigen_step(np.float32(model.eigen_step) * step, state.probe[0], EIGEN_TRUST)
+        state.eigen_probes = (state.eigen_probes + step).astype(np.complex64)
     if "background_residual" in arrays and state.background is not None:
         state.background = step_background(state.background, arrays["background_residual"],
                                            total.scalars.get("n", 1.0), model, valid)

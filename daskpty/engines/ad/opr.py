@@ -20,8 +20,8 @@ from __future__ import annotations
 import numpy as np
 
 from ...physics import ifft2
-from ..probe_model import (WEIGHT_TRUST, PatternProbes, ProbeModelOptions, centred_eigen_terms, check_finite,
-                           model_local, smooth_eigen_weights, solve_weight_steps, step_weights)
+from ..probe_model import (EIGEN_TRUST, WEIGHT_TRUST, PatternProbes, ProbeModelOptions, centred_eigen_terms, check_finite,
+                           limit_eigen_step, model_local, smooth_eigen_weights, solve_weight_steps, step_weights)
 from .gradient import chunk_gradient, refining_chunk_gradient
 
 
@@ -104,7 +104,8 @@ def apply(state, total, model: ProbeModelOptions, loss: str, delta: float = 0.1)
         kappa = gauss_newton_scale(loss, total.scalars.get("sum_model", 0.0) / (n * pixels))
         num, den = centred_eigen_terms(arrays, n)
         step = kappa * ifft2(np.asarray(num)) / ((1.0 + delta) * np.maximum(den, 1e-30))
-        state.eigen_probes = (state.eigen_probes - model.eigen_step * step).astype(state.eigen_probes.dtype)
+        step = limit_eigen_step(model.eigen_step * step, state.probe[0], EIGEN_TRUST)
+        state.eigen_probes = (state.eigen_probes - step).astype(state.eigen_probes.dtype)
     if "background_grad" in arrays and state.background is not None:
         grad = np.asarray(arrays["background_grad"], np.float64)
         curv = np.asarray(arrays["background_curvature"], np.float64)
