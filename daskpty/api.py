@@ -238,7 +238,7 @@ def _callbacks(checkpointer, callback, data_path, progress_epochs, n_patterns) -
 
 
 def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, object_shape, modes_hint,
-                                thick) -> ExecutionOptions:
+                                thick, per_pattern_probe: bool = False) -> ExecutionOptions:
     """``persist="auto"``: a worker's share of the data plus one step and the state under the
     spill target; ``rounds_per_epoch="auto"``: :func:`~daskpty.execution.data.auto_rounds`."""
     persist, rounds = execution.persist, execution.rounds_per_epoch
@@ -249,7 +249,7 @@ def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, ob
         persist = should_persist(client, data_bytes, working_bytes=working)
     if rounds == "auto":
         rounds = auto_rounds(n_patterns, n, modes_hint, bool(persist), working_factor=thick.working_factor,
-                             slices=thick.n_slices)
+                             slices=thick.n_slices, per_pattern_probe=per_pattern_probe)
     return execution.replace(persist=bool(persist), rounds_per_epoch=rounds)
 
 
@@ -337,8 +337,10 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         default batches) but at most one round per 6 Mi pattern-pixels (at least 3), clipped to
         1…16; a small data set (under 450 patterns) gets 3 rounds when each still holds 1 Mi
         pattern-pixels (e.g. 258 patterns of 128²), else compact LSQML; 1 out of core (each round
-        re-reads every chunk) and with several object slices (minibatches let the slices drift
-        apart at low spatial frequencies). Depends only on the data, not on the cluster.
+        re-reads every chunk), with several object slices (minibatches let the slices drift
+        apart at low spatial frequencies) and with OPR weights or intensity factors (minibatches
+        let the per-pattern fit drift against the object). Depends only on the data and the
+        model, not on the cluster.
     client : distributed.Client, optional
         Default: the current client, else an embedded LocalCluster of ``n_workers`` processes
         (127.0.0.1 only) that is closed at the end.
@@ -472,7 +474,8 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         if check_data:
             check_values(data if hasattr(data, "path") else intensities, client=c).raise_if_bad()
         execution = _resolve_persist_and_rounds(c, execution, intensities.nbytes, len(positions), n, obj.shape,
-                                                _probe_modes_hint(probe, probe_modes, resumed), thick)
+                                                _probe_modes_hint(probe, probe_modes, resumed), thick,
+                                                per_pattern_probe=model is not None and model.per_pattern)
         run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist)
         publisher = None
         if dashboard:

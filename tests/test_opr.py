@@ -214,14 +214,18 @@ def test_eigen_probe_steps_are_limited_to_the_trust_region():
 
 
 def test_ad_opr_with_three_modes_on_a_minibatched_raster_beats_no_opr(client):
-    """A 24 × 24 raster (576 patterns, auto rounds: R = 3) with the drifting, flickering beam:
-    unlimited eigen-probe steps grew from round to round and AD's K = 3 ended at 7.9× the
-    constant-probe NRMSE, worse than without OPR (6.3×); limited to EIGEN_TRUST, 2.3×."""
+    """A 24 × 24 raster (576 patterns) with the drifting, flickering beam in R = 3 rounds (what
+    "auto" picks there without OPR): unlimited eigen-probe steps grew from round to round and
+    AD's K = 3 ended at 7.9× the constant-probe NRMSE, worse than without OPR (6.3×); limited
+    to EIGEN_TRUST, 2.3×. With OPR "auto" picks one round (execution.data.auto_rounds)."""
     ds = simulate_variable_probe(grid=24)
-    plain = _nrmse(_run(ds, client, engine="ad", epochs=40), ds)
-    opr = _nrmse(_run(ds, client, engine="ad", epochs=40, opr_modes=3), ds)
+    plain_run = _run(ds, client, engine="ad", epochs=40)
+    plain = _nrmse(plain_run, ds)
+    opr = _nrmse(_run(ds, client, engine="ad", epochs=40, opr_modes=3, rounds_per_epoch=3), ds)
     print(f"AD, 24 x 24 raster: NRMSE without OPR {plain:.4f}, OPR K=3 {opr:.4f}")
     assert opr < 0.6 * plain
+    auto = _run(ds, client, engine="ad", epochs=1, opr_modes=3)
+    assert (plain_run.options["rounds_per_epoch"], auto.options["rounds_per_epoch"]) == (3, 1)
 
 
 def test_weight_smoothing_keeps_the_flux_and_a_linear_drift():

@@ -54,7 +54,7 @@ MINIBATCH_PIXELS = 2**20
 
 
 def auto_rounds(n_patterns: int, n: int, modes: int = 1, persisted: bool = True,
-                working_factor: float = 1.0, slices: int = 1) -> int:
+                working_factor: float = 1.0, slices: int = 1, per_pattern_probe: bool = False) -> int:
     """``rounds_per_epoch="auto"``: minibatch rounds per epoch.
 
     About 150 patterns per update (N // 150, like Pty-Chi's default batches), but no more rounds
@@ -81,8 +81,17 @@ def auto_rounds(n_patterns: int, n: int, modes: int = 1, persisted: bool = True,
     epochs is 0.116 / 0.069 / 0.070 with R = 1 but 0.079 / 0.085 / 0.094 with the rule above
     (R = 6 of that size: 0.090 / 0.117 / 0.144); on 256 patterns R = 1 / 3 / 6 end at 0.082 /
     0.119 / 0.195 (docs/benchmarks.md, multislice).
+
+    A probe fitted per pattern (``per_pattern_probe``: OPR weights or intensity factors): 1. A
+    free per-pattern flux opens a nearly null direction (a smooth object amplitude against the
+    local flux; with a drift along a raster also a smooth phase against the eigen weights), and
+    minibatch rounds walk along it: the drifting, flickering scan of bench_opr.py on a 24 × 24
+    raster, OPR K = 2, against the constant-probe run at the rule's R = 3: LSQML R = 3 1.53 /
+    2.79× at 40 / 80 epochs, R = 1 1.38 / 1.48×; AD 80 epochs 3.48 / 2.06×; 40 × 40: LSQML
+    1.72 / 1.69×, AD 2.77 / 1.81×. Even a constant beam fitted with a flux per pattern costs
+    1.77× at R = 3 and 1.27× at R = 1 (80 epochs, 196 patterns).
     """
-    if not persisted or slices > 1:
+    if not persisted or slices > 1 or per_pattern_probe:
         return 1
     by_batch = n_patterns // 150
     work = n_patterns * n * n * modes
