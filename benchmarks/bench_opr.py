@@ -122,6 +122,7 @@ def chunk_timing(n: int, patterns: int, modes: int = 3, calls: int = 15) -> None
     thread: ``main`` starts it as a subprocess with OPENBLAS/OMP/MKL_NUM_THREADS=1)."""
     from daskpty.engines import lsqml, lsqml_opr
     from daskpty.engines import probe_model as pm
+    from daskpty.engines.eigen_probes import initial_eigen_probes
     from daskpty.engines.ad import ADOptions, opr as ad_opr
     from daskpty.engines.ad.gradient import chunk_gradient
     from daskpty.simulate_variable_probe import simulate_variable_probe
@@ -131,7 +132,7 @@ def chunk_timing(n: int, patterns: int, modes: int = 3, calls: int = 15) -> None
     y = np.fft.ifftshift(ds.intensities[:patterns], axes=(-2, -1))
     pos, obj, probe = ds.positions[:patterns], ds.truth.object, ds.truth.probe
     model = pm.ProbeModelOptions(opr_modes=modes, start_epoch=0)
-    eigen = pm.initial_eigen_probes(probe[0], modes - 1)
+    eigen = initial_eigen_probes(probe[0], modes - 1)
     local = pm.initial_local(len(y), model)
     local["opr_weights"][:, 1:] = 0.01
     lo, ao = lsqml.LSQMLOptions(), ADOptions()

@@ -7,6 +7,8 @@ import pytest
 
 import daskpty
 from daskpty.engines import ad
+from daskpty.engines import eigen_probes as ep
+from daskpty.engines import pattern_probes as pp
 from daskpty.engines import probe_model as pm
 from daskpty.engines.ad import opr as ad_opr
 from daskpty.metrics import nrmse_vs_truth
@@ -31,16 +33,16 @@ def test_orthonormalize_keeps_every_patterns_probe():
     eigen = (rng.standard_normal((2, 8, 8)) + 1j * rng.standard_normal((2, 8, 8))).astype(np.complex64)
     eigen[1] += 0.7 * p0
     w = np.c_[1 + 0.1 * rng.standard_normal(20), rng.standard_normal((20, 2))]
-    new, t = pm.orthonormalize(p0, eigen)
+    new, t = ep.orthonormalize(p0, eigen)
     # every pattern's probe is kept, but for its parts along the changes the data do not see
-    unseen = pm.unseen_directions(p0).reshape(3, -1)
+    unseen = ep.unseen_directions(p0).reshape(3, -1)
     basis = np.linalg.qr(np.concatenate([unseen.real, unseen.imag], 1).T)[0]
     flat = eigen.reshape(2, -1).astype(np.complex128)
     real = np.concatenate([flat.real, flat.imag], 1)
     real = real - (real @ basis) @ basis.T
     seen = (real[:, :64] + 1j * real[:, 64:]).reshape(eigen.shape)
     before = np.einsum("jk,kab->jab", w, np.concatenate([p0[None], seen]))
-    after = np.einsum("jk,kab->jab", pm.effective_weights(w, t), np.concatenate([p0[None], new]))
+    after = np.einsum("jk,kab->jab", ep.effective_weights(w, t), np.concatenate([p0[None], new]))
     np.testing.assert_allclose(after, before, atol=1e-4)
     # a chunk's weights and their momentum (a change of every pattern's probe) move together
     v = 0.1 * rng.standard_normal(w.shape)
@@ -48,7 +50,7 @@ def test_orthonormalize_keeps_every_patterns_probe():
     change = np.einsum("jk,kab->jab", v, np.concatenate([p0[None], seen]))
     np.testing.assert_allclose(np.einsum("jk,kab->jab", moved["opr_velocity"], np.concatenate([p0[None], new])),
                                change, atol=1e-4)
-    np.testing.assert_array_equal(moved["opr_weights"], pm.effective_weights(w, t))
+    np.testing.assert_array_equal(moved["opr_weights"], ep.effective_weights(w, t))
     np.testing.assert_array_equal(moved["intensity_scale"], 1.0)
     rows = np.concatenate([p0[None], new]).reshape(3, -1)
     gram = (rows.conj() @ rows.T).real
@@ -67,7 +69,7 @@ def test_the_unseen_probe_changes_leave_every_patterns_intensities():
     p0 = disc_probe(16, 2.0).astype(np.complex128)
     obj = np.exp(1j * rng.uniform(0, 1, (40, 40)))
     pos = np.array([[20.0, 20.0], [17.0, 23.0]])  # whole pixels: windows are plain crops
-    phase, tilt_y, tilt_x = pm.unseen_directions(p0)
+    phase, tilt_y, tilt_x = ep.unseen_directions(p0)
     power = np.abs(p0) ** 2
     c = np.arange(16) - 7.5
     yc = c[:, None] - (power * c[:, None]).sum() / power.sum()
@@ -94,16 +96,16 @@ def test_ad_gradients_match_finite_differences():
     opts = ad.ADOptions(loss="gaussian")
     model = pm.ProbeModelOptions(opr_modes=3, background="pixel", start_epoch=0)
     intensity_model = pm.ProbeModelOptions(fit_intensity=True, start_epoch=0)
-    eigen = pm.initial_eigen_probes(probe[0], 2).astype(np.complex128)
+    eigen = ep.initial_eigen_probes(probe[0], 2).astype(np.complex128)
     w0 = np.c_[1 + 0.1 * rng.standard_normal(b), 0.1 * rng.standard_normal((b, 2))]
     c0 = (1 + 0.1 * rng.standard_normal(b))[:, None]
     bg0 = 0.5 * np.abs(rng.standard_normal((16, 16)))
 
     def variable(w=w0, e=eigen, bg=bg0, c=None):
         if c is not None:
-            return pm.PatternProbes(intensity_model, probe, None, {"intensity_scale": c}, y, active=True,
+            return pp.PatternProbes(intensity_model, probe, None, {"intensity_scale": c}, y, active=True,
                                     cdtype=np.complex128)
-        return pm.PatternProbes(model, probe, e, {"opr_weights": w}, y, active=True, background=bg,
+        return pp.PatternProbes(model, probe, e, {"opr_weights": w}, y, active=True, background=bg,
                                 cdtype=np.complex128)
 
     def loss(**kw):
@@ -207,7 +209,7 @@ def test_eigen_probe_steps_are_limited_to_the_trust_region():
     rng = np.random.default_rng(1)
     p0 = (rng.standard_normal((8, 8)) + 1j * rng.standard_normal((8, 8))).astype(np.complex64)
     step = np.stack([0.01 * p0, 3.0 * p0 * 1j]).astype(np.complex64)
-    out = pm.limit_eigen_step(step, p0, 0.05)
+    out = ep.limit_eigen_step(step, p0, 0.05)
     np.testing.assert_array_equal(out[0], step[0])                              # within: as it was
     np.testing.assert_allclose(np.linalg.norm(out[1]), 0.05 * np.linalg.norm(p0), rtol=1e-5)
     np.testing.assert_allclose(out[1] / np.linalg.norm(out[1]), step[1] / np.linalg.norm(step[1]), atol=1e-6)
@@ -365,7 +367,7 @@ def test_cli_fits_opr_and_show_draws_the_weights(tmp_path):
 
 def _random_model(rng, n=8, k=3, modes=1, b=10, dtype=np.complex128):
     probe = (rng.standard_normal((modes, n, n)) + 1j * rng.standard_normal((modes, n, n))).astype(dtype)
-    eigen = pm.initial_eigen_probes(probe[0], k - 1).astype(dtype)
+    eigen = ep.initial_eigen_probes(probe[0], k - 1).astype(dtype)
     w = np.c_[1 + 0.1 * rng.standard_normal(b), 0.2 * rng.standard_normal((b, k - 1))]
     amp2 = (1 + 0.1 * rng.standard_normal(b))[:, None]
     return probe, eigen, w, amp2
@@ -379,7 +381,7 @@ def test_pattern_spectra_and_probe_sums_match_a_direct_sum(modes, dtype):
     probe, eigen, w, amp2 = _random_model(rng, n, k, modes, b, dtype)
     model = pm.ProbeModelOptions(opr_modes=k, fit_intensity=True, start_epoch=0)
     like = np.zeros((b, n, n), np.float32 if dtype == np.complex64 else np.float64)
-    v = pm.PatternProbes(model, probe, eigen, {"opr_weights": w, "intensity_scale": amp2}, like, active=True,
+    v = pp.PatternProbes(model, probe, eigen, {"opr_weights": w, "intensity_scale": amp2}, like, active=True,
                          cdtype=dtype)
     v.begin(4, b, True)
     s = np.sqrt(amp2[:, 0])
@@ -416,7 +418,7 @@ def test_sampled_weight_curvature_is_the_gauss_newton_matrix():
     corners = rng.integers(0, 12, (b, 2))
     patches = np.stack([obj[y:y + n, x:x + n] for y, x in corners])
     model = pm.ProbeModelOptions(opr_modes=k, start_epoch=0, curvature_damping=0.0)
-    v = pm.PatternProbes(model, probe, eigen, {"opr_weights": w}, np.zeros((b, n, n)), active=True,
+    v = pp.PatternProbes(model, probe, eigen, {"opr_weights": w}, np.zeros((b, n, n)), active=True,
                          cdtype=np.complex128)
     v.begin(b, b, True)
     assert v.sample_stride == 1                             # few patterns: every one is measured
@@ -453,8 +455,8 @@ def test_first_starting_eigen_probe_is_a_focus_change():
 
     p0 = disc_probe(32, 1.9).astype(np.complex128)
     dp = (disc_probe(32, 1.95) - disc_probe(32, 1.85)).astype(np.complex128)
-    u = pm.initial_eigen_probes(p0, 1).astype(np.complex128)
-    unseen = [d.ravel() for d in pm.unseen_directions(p0)]
+    u = ep.initial_eigen_probes(p0, 1).astype(np.complex128)
+    unseen = [d.ravel() for d in ep.unseen_directions(p0)]
     target = np.concatenate([dp.real.ravel(), dp.imag.ravel()])
 
     def span(*directions):
@@ -488,7 +490,7 @@ def test_centred_eigen_terms_are_additive_and_centre_the_weights():
     arrays = []
     for part in (slice(0, 5), slice(5, 12)):
         m = part.stop - part.start
-        v = pm.PatternProbes(model, probe, eigen, {"opr_weights": w[part], "intensity_scale": amp2[part]},
+        v = pp.PatternProbes(model, probe, eigen, {"opr_weights": w[part], "intensity_scale": amp2[part]},
                              np.zeros((m, n, n)), active=True, cdtype=np.complex128)
         v.begin(m, m, True)
         v.pattern_terms(slice(0, m), o[part], o[part], np.ones((m, n, n)))
@@ -497,7 +499,7 @@ def test_centred_eigen_terms_are_additive_and_centre_the_weights():
         v.finish(out, np.zeros(n * n), np.zeros(n * n))
         arrays.append(out.arrays)
     total = {name: arrays[0][name] + arrays[1][name] for name in arrays[0]}
-    num, den = pm.centred_eigen_terms(total, b)
+    num, den = ep.centred_eigen_terms(total, b)
     s = np.sqrt(amp2[:, 0])
     centred = (w[:, 1:] - w[:, 1:].mean(axis=0)) * s[:, None]
     power = np.mean(np.abs(o) ** 2, axis=(1, 2))

@@ -203,7 +203,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
     gathers and four dot products per pattern, no FFT. With them the window
     deformation's sums (:class:`WindowDeformation`; ``window_sums``) in ``arrays``.
 
-    ``variable``: a :class:`~daskpty.engines.probe_model.PatternProbes` when the probe varies from
+    ``variable``: a :class:`~daskpty.engines.pattern_probes.PatternProbes` when the probe varies from
     pattern to pattern (OPR weights, intensity factors, background; None: one probe for all, this
     very code path). Each pattern then uses its own probe spectra, the probe sums are weighted by
     how each pattern's probe depends on the shared modes, and the variable model's per-pattern

@@ -1,7 +1,7 @@
 """LSQML with a varying probe: OPR eigen-probes and weights, intensity factors, background.
 
 The chunk step is :func:`daskpty.engines.lsqml.chunk_step` with a
-:class:`~daskpty.engines.probe_model.PatternProbes` (each pattern's own probe spectra; the
+:class:`~daskpty.engines.pattern_probes.PatternProbes` (each pattern's own probe spectra; the
 least-squares terms of the probe model gathered on the way, no extra FFT). Here:
 
 * :func:`variable_chunk_step` — the chunk's weights moved into the current eigen-probe basis
@@ -10,7 +10,7 @@ least-squares terms of the probe model gathered on the way, no extra FFT). Here:
   h_jk = Re⟨s_j S_f U_k O_j, χ_j0⟩ = s_j Re⟨F U_k, G_j0⟩ (Parseval, from the probe-update
   spectra) and G_j,kl ≈ s_j² Σ Re(conj U_k U_l) |O_j|², and of the intensity factors,
   Δs_j = s_j Re⟨ψ_j, χ_j⟩ / ‖ψ_j‖² (with ``brightness_first`` taken inside the chunk step, before
-  the object's: :meth:`~.probe_model.PatternProbes.brightness_step`), each with heavy-ball
+  the object's: :meth:`~.pattern_probes.PatternProbes.brightness_step`), each with heavy-ball
   momentum (``weight_momentum``: Δ_j + μ v_j, v_j the pattern's last move);
 * :func:`apply` — eigen-probes U_k += step · Σ_j s_j w_jk S_{−f}(conj O_j χ_j0) /
   (Σ_j (s_j w_jk)² |O_j|² + δ max), the least-squares update of each eigen-probe had every
@@ -24,18 +24,13 @@ import numpy as np
 
 from ..physics import ifft2
 from . import lsqml
+from .eigen_probes import EIGEN_TRUST, centred_eigen_terms, initial_eigen_probes, limit_eigen_step, orthonormalize
+from .pattern_probes import INTENSITY_TIKHONOV, PatternProbes
 from .probe_model import (
-    EIGEN_TRUST,
-    INTENSITY_TIKHONOV,
     WEIGHT_TRUST,
-    PatternProbes,
     ProbeModelOptions,
-    centred_eigen_terms,
     check_finite,
-    initial_eigen_probes,
-    limit_eigen_step,
     model_local,
-    orthonormalize,
     smooth_eigen_weights,
     solve_weight_steps,
     step_background,
@@ -124,7 +119,7 @@ def end_epoch(state, model: ProbeModelOptions) -> None:
     ``state.weight_transform`` is the T every chunk applies to its weights at its next visit.
 
     Before the first epoch that fits them (``start_epoch``) the eigen-probes start afresh from
-    the mean probe as it is then (:func:`~.probe_model.initial_eigen_probes`): the probe the
+    the mean probe as it is then (:func:`~.eigen_probes.initial_eigen_probes`): the probe the
     run began with may look nothing like it, and every weight of theirs is still zero, so no
     pattern's probe changes."""
     state.weight_transform = None

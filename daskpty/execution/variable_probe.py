@@ -16,6 +16,7 @@ import numpy as np
 
 from ..engines import lsqml_opr
 from ..engines import probe_model as pm
+from ..engines.eigen_probes import initial_eigen_probes
 from ..engines.positions import initial_local as position_local
 from .driver import LSQMLAdapter, LSQMLPayload
 
@@ -80,7 +81,7 @@ class _ProbeModelMixin:
         n = np.shape(probe)[-1]
         eigen = engine_state.get(EIGEN)
         if eigen is None and self.model.n_eigen:
-            eigen = pm.initial_eigen_probes(np.asarray(probe)[0], self.model.n_eigen)
+            eigen = initial_eigen_probes(np.asarray(probe)[0], self.model.n_eigen)
         state.eigen_probes = None if eigen is None else np.asarray(eigen, np.complex64)
         state.weight_transform = engine_state.get(TRANSFORM)
         background = engine_state.get(BACKGROUND)

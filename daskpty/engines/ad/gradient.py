@@ -89,7 +89,7 @@ class _Chunk:
         self._patches = xp.empty((step, n, n), cdtype)
         self._shifted = xp.empty((step, n_modes, n, n), cdtype)
         self._waves = xp.empty((step, n_modes, n, n), cdtype) if keep_shifted else self._shifted
-        self.variable = variable  # a varying probe (engines.probe_model.PatternProbes), or None
+        self.variable = variable  # a varying probe (engines.pattern_probes.PatternProbes), or None
         self._spectra = None if variable is None else xp.empty((step, n_modes, n, n), cdtype)
 
     @property
@@ -156,7 +156,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     (F of the adjoint shift of g_Q): the probe gradient is F⁻¹ Σ_j G_j, summed block by block, and
     ∂L/∂f_j = Re⟨G_j, F[P] (−2πi k)⟩ are BLAS dots.
 
-    ``variable``: a :class:`~daskpty.engines.probe_model.PatternProbes` (a probe varying over the
+    ``variable``: a :class:`~daskpty.engines.pattern_probes.PatternProbes` (a probe varying over the
     scan): every pattern's own probe spectra in the forward model, the probe gradient weighted by
     ∂P_jm/∂P_m, and the gradients of the eigen-probes, weights, intensity factors and background
     gathered on ``variable`` and in ``arrays`` (see :mod:`daskpty.engines.ad.opr`).

@@ -2,7 +2,7 @@
 background, and their Gauss–Newton-scaled steps.
 
 :func:`daskpty.engines.ad.gradient.chunk_gradient` with a
-:class:`~daskpty.engines.probe_model.PatternProbes` gathers, per pattern j and eigen-probe k
+:class:`~daskpty.engines.pattern_probes.PatternProbes` gathers, per pattern j and eigen-probe k
 (complex-gradient convention of :mod:`daskpty.engines.ad`, G_j = conj(ramp_j) F[conj(O_j) g_ψj]):
 
 * ∂L/∂w_jk = s_j Re⟨G_j0, F U_k⟩,      ∂L/∂U_k = F⁻¹ Σ_j s_j w_jk G_j0 (k ≥ 1),
@@ -20,8 +20,10 @@ from __future__ import annotations
 import numpy as np
 
 from ...physics import ifft2
-from ..probe_model import (EIGEN_TRUST, WEIGHT_TRUST, PatternProbes, ProbeModelOptions, centred_eigen_terms, check_finite,
-                           limit_eigen_step, model_local, smooth_eigen_weights, solve_weight_steps, step_weights)
+from ..eigen_probes import EIGEN_TRUST, centred_eigen_terms, limit_eigen_step
+from ..pattern_probes import PatternProbes
+from ..probe_model import (WEIGHT_TRUST, ProbeModelOptions, check_finite, model_local, smooth_eigen_weights,
+                           solve_weight_steps, step_weights)
 from .gradient import chunk_gradient, refining_chunk_gradient
 
 
