@@ -205,6 +205,34 @@ def test_opr_against_the_constant_probe_scan(client, engine):
     assert e_opr < 1.2 * e_const
 
 
+def test_weight_steps_carry_their_momentum_on_the_free_columns():
+    model = pm.ProbeModelOptions(opr_modes=3, weight_momentum=0.5)
+    w = np.array([[1.0, 0.1, -0.2], [0.9, 0.0, 0.3]])
+    v = np.array([[0.02, 0.04, -0.06], [0.0, 0.1, 0.2]])
+    step = np.array([[0.01, 0.02], [-0.03, 0.05]])
+    new_w, new_v = pm.step_weights(w, step, slice(1, 3), model, v)
+    moved = step + 0.5 * v[:, 1:]
+    np.testing.assert_allclose(new_w, np.c_[w[:, :1], w[:, 1:] + moved])
+    np.testing.assert_allclose(new_v, np.c_[v[:, :1], moved])      # column 0 (not free) keeps its own
+    plain_w, none = pm.step_weights(w, step, slice(1, 3), model)
+    assert none is None and np.allclose(plain_w[:, 1:], w[:, 1:] + step)
+    assert w[0, 1] == 0.1 and v[0, 1] == 0.04                      # the inputs are left as they were
+
+
+def test_ad_resume_with_weight_momentum_is_bit_identical(client, tmp_path):
+    ds = simulate_variable_probe(grid=10)
+    kw = dict(engine="ad", opr_modes=2, fit_intensity=True, probe_model={"start_epoch": 1, "weight_momentum": 0.5})
+    straight = _run(ds, client, epochs=4, **kw)
+    _run(ds, client, epochs=2, checkpoint=tmp_path / "c.zarr", **kw)
+    stored = daskpty.Reconstruction.from_zarr(tmp_path / "c.zarr").engine_state
+    for name in ("pattern_opr_velocity", "pattern_intensity_velocity"):
+        assert np.abs(stored[name]).max() > 0, name
+    resumed = _run(ds, client, epochs=4, resume=tmp_path / "c.zarr", **kw)
+    np.testing.assert_array_equal(resumed.object, straight.object)
+    np.testing.assert_array_equal(resumed.probe_weights, straight.probe_weights)
+    np.testing.assert_array_equal(resumed.intensity_scale, straight.intensity_scale)
+
+
 def test_eigen_probe_steps_are_limited_to_the_trust_region():
     rng = np.random.default_rng(1)
     p0 = (rng.standard_normal((8, 8)) + 1j * rng.standard_normal((8, 8))).astype(np.complex64)

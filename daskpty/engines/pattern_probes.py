@@ -50,7 +50,7 @@ class PatternProbes:
         self.n_modes, self.n = probe.shape[0], probe.shape[-1]
         self.weights = None if "opr_weights" not in local else np.asarray(local["opr_weights"], np.float64)
         self.velocity = None if "opr_velocity" not in local else np.asarray(local["opr_velocity"], np.float64)
-        self.intensity_velocity = local.get("intensity_velocity")   # of s_j (LSQML's momentum)
+        self.intensity_velocity = local.get("intensity_velocity")   # of s_j (LSQML) or s_j² (AD)
         scale = local.get("intensity_scale")
         self.amplitude = None if scale is None else np.sqrt(np.maximum(np.asarray(scale, np.float64)[:, 0], 0))
         n_patterns = len(next(iter(local.values()))) if local else 0

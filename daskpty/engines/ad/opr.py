@@ -87,8 +87,12 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
             if "intensity_scale" in grads:  # Gauss–Newton in c: curvature ‖ψ‖²/(2c)² · 2 … as LSQML
                 den = variable.int_den
                 curvature = den / np.maximum(4 * c * c, 1e-30)
-                c = np.maximum(c - model.weight_step * kappa * grads["intensity_scale"][:, 0]
-                               / (curvature + 1e-3 * curvature.mean() + 1e-30), 0.0)
+                step = -model.weight_step * kappa * grads["intensity_scale"][:, 0] / (
+                    curvature + 1e-3 * curvature.mean() + 1e-30)
+                c, v = step_weights(c[:, None], step[:, None], slice(0, 1), model, variable.intensity_velocity)
+                c = np.maximum(c[:, 0], 0.0)
+                if v is not None:
+                    new["intensity_velocity"] = v
             new["intensity_scale"] = c[:, None]
         check_finite(new, model, epoch)
         part.local = {**part.local, **new}
