@@ -111,9 +111,12 @@ def main(argv=None):
             e_opr = nrmse_vs_truth(*_parts(rec), varying.truth)
             w = rec.probe_weights
             r_flux = np.corrcoef(w[:, 0] ** 2, varying.truth.flux)[0, 1]
+            # a pattern's probe power is Σ_k w_jk² ‖U_0‖² (orthonormal eigen-probes), not w_j0² alone
+            r_power = np.corrcoef((w ** 2).sum(axis=1), varying.truth.flux)[0, 1]
             r_defocus = _multiple_r(w[:, 1:], varying.truth.defocus)
             print(f"  {engine}: NRMSE constant probe {e_const:.4f} | drifting, no OPR {e_plain:.4f} | OPR K={args.opr_modes} "
                   f"{e_opr:.4f} ({e_opr / e_const:.2f}x constant, {e_opr / e_plain:.2f}x no OPR); r(w0², flux) {r_flux:.3f}, "
+                  f"r(|w|², flux) {r_power:.3f}, "
                   f"R(w1, defocus) {r_defocus:.3f} [{time.perf_counter() - start:.0f} s]", flush=True)
 
 
