@@ -138,7 +138,7 @@ def limit_eigen_step(step, probe0, trust: float):
     ‖P_0‖ (see :data:`EIGEN_TRUST`), its direction kept."""
     xp = get_xp(step)
     norms = xp.sqrt(xp.sum(xp.abs(step.reshape(len(step), -1)) ** 2, axis=1))
-    limit = trust * float(xp.linalg.norm(probe0))
+    limit = trust * float(np.linalg.norm(to_numpy(probe0)))   # the probe may live on a GPU
     scale = xp.minimum(1.0, limit / xp.maximum(norms, 1e-30))
     return step * scale.astype(step.real.dtype)[:, None, None]
 
