@@ -410,6 +410,21 @@ def test_from_arrays_numpy_sends_no_large_graph(client):
     assert np.isfinite(rec.history[-1]["loss"])
 
 
+def test_every_scatter_of_the_same_array_gets_its_own_keys(client):
+    """Two runs on the same in-memory array, one right after the other: content-hashed keys
+    would be shared, and the first run's release could take the second run's data away (a
+    "lost dependencies" error, dask/distributed#8576)."""
+    from daskpty.execution.scatter import scatter_in_memory
+
+    inten = np.ones((40, 8, 8), np.float32)
+    _, first = scatter_in_memory(client, None, inten, chunk_length=16)
+    _, second = scatter_in_memory(client, None, inten, chunk_length=16)
+    keys = [set(a.__dask_graph__().keys()) for a in (first, second)]
+    assert not keys[0] & keys[1]
+    del first
+    np.testing.assert_array_equal(client.compute(second).result(), inten)
+
+
 # --------------------------------------------------------------------------- the docs page
 
 PAGE = os.path.join(os.path.dirname(__file__), "..", "docs", "howto", "own-data.md")
