@@ -370,3 +370,59 @@ def test_reconstruct_with_refinement_publishes_positions(cluster_client):
     assert state["positions"]["patterns"] == 36 and state["positions"]["rms_moved"] > 0
     assert "positions" in state["images"]
     assert len(state["history"]["position_rms_update"]) == 4
+
+
+def test_weight_maps_show_each_weight_over_the_scan():
+    """OPR's view: one map per weight, black to white over that weight's range, and the
+    eigen-probes' amplitudes."""
+    g = np.arange(10) * 3.0
+    nominal = np.stack(np.meshgrid(g, g, indexing="ij"), -1).reshape(-1, 2)
+    weights = np.c_[np.ones(100), np.where(nominal[:, 0] > 14, 0.3, -0.1)]   # the lower half: U1 up
+    eigen = np.ones((1, 16, 16), np.complex64)
+    info = dashboard.opr_images(eigen, nominal, weights, size=10, probe_size=8)
+    assert info["modes"] == 2 and len(info["eigen_pngs"]) == 1 and len(info["weight_pngs"]) == 2
+    assert info["weight_ranges"][1] == pytest.approx([-0.1, 0.3])
+    img = _decode_png(info["weight_pngs"][1]).astype(float)
+    assert img[-3:].min() == 255 and img[:3].max() == 0
+    assert _decode_png(info["eigen_pngs"][0]).shape == (8, 8)
+
+
+def test_reconstruct_with_opr_publishes_eigen_probes_and_weight_maps(cluster_client):
+    from daskpty.simulate_variable_probe import simulate_variable_probe
+
+    ds = simulate_variable_probe(grid=8)
+    rec = daskpty.reconstruct(daskpty.from_arrays(ds.intensities, ds.positions), epochs=4, client=cluster_client,
+                              dashboard=True, opr_modes=2, probe_model={"start_epoch": 1}, check_data=False)
+    base = _base(cluster_client)
+    state = _json(base + "/daskpty/json")
+    opr = state["opr"]
+    assert opr["modes"] == 2 and opr["patterns"] == 64 and opr["epoch"] == 4
+    assert {"eigen-1", "weights-0", "weights-1"} <= set(state["images"])
+    w1 = rec.probe_weights[:, 1]                           # the stored weights, in the final basis
+    assert opr["weight_ranges"][1] == pytest.approx([w1.min(), w1.max()], rel=1e-6)
+    status, ctype, png = _get(base + "/daskpty/image/weights-1.png")
+    assert status == 200 and ctype == "image/png"
+    img = _decode_png(png)
+    assert img.shape == tuple(opr["image_shape"]) and img.max() == 255
+    assert 'id="opr-section"' in _get(base + "/daskpty")[2].decode()
+
+
+@pytest.mark.skipif(_chromium() is None, reason="no headless chromium installed")
+def test_opr_section_renders_in_headless_chromium(cluster_client):
+    from daskpty.simulate_variable_probe import simulate_variable_probe
+
+    ds = simulate_variable_probe(grid=8)
+    daskpty.reconstruct(daskpty.from_arrays(ds.intensities, ds.positions), epochs=3, client=cluster_client,
+                        dashboard=True, opr_modes=2, probe_model={"start_epoch": 1}, check_data=False)
+    link = dashboard_link(cluster_client)
+    cmd = [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+           "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-extensions",
+           "--virtual-time-budget=4000", "--dump-dom", link]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    dom = out.stdout
+    section = re.search(r'<section id="opr-section"[^>]*>', dom).group(0)
+    assert "hidden" not in section
+    for image in ("opr-eigen-1", "opr-weights-0", "opr-weights-1"):
+        assert re.search(rf'<img[^>]*id="{image}"', dom), image
+    assert 'id="probe-mode-0"' in dom

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..engines.eigen_probes import effective_weights
 from ..engines.probe_model import PROBE_MODEL_KEYS
 
 
@@ -100,6 +101,16 @@ class PatternLayout:
             return None
         refined = np.concatenate([local[i]["positions"] for i in range(len(self.chunk_lengths))])
         return self.nominal, refined - self.nominal
+
+    def probe_weights(self, state):
+        """``(nominal, weights)`` in the chunks' order for a state carrying OPR weights: each
+        pattern's (K,) weights in the current eigen-probe basis (the last orthonormalisation's T
+        applied, which the chunks themselves apply only at their next visit), else None."""
+        local = getattr(state, "chunk_local", None)
+        if not local or self.nominal is None or "opr_weights" not in next(iter(local.values())):
+            return None
+        weights = np.concatenate([local[i]["opr_weights"] for i in range(len(self.chunk_lengths))])
+        return self.nominal, effective_weights(weights, getattr(state, "weight_transform", None))
 
     def result_arrays(self, state) -> tuple[np.ndarray | None, dict]:
         """``(refined positions or None, per-pattern engine-state arrays)`` of a state carrying

@@ -190,25 +190,55 @@ def probe_images(probe, size: int = 64) -> dict:
             "power_fractions": fractions, "pngs": pngs}
 
 
-def position_images(nominal, moved, size: int = 128) -> dict:
-    """The distance each pattern moved from its nominal position, as a grey map over the scan
-    (each pixel the mean over the patterns in it; black = not moved or no pattern)."""
+def scan_map(nominal, values, size: int = 128) -> tuple[np.ndarray, np.ndarray]:
+    """One value per pattern as an image over the scan, at most ``size`` pixels a side: each
+    pixel takes the value of the nearest pattern, if one lies within the scan's typical spacing
+    (the median distance between nearest neighbours). Returns ``(image, covered)``."""
+    from scipy.spatial import cKDTree
+
     nominal = np.asarray(nominal, dtype=np.float64)
-    distance = np.hypot(*np.asarray(moved, dtype=np.float64).T)
+    values = np.asarray(values, dtype=np.float64)
     lo, hi = nominal.min(axis=0), nominal.max(axis=0)
     extent = np.maximum(hi - lo, 1e-9)
     scale = (size - 1) / extent.max()
     shape = tuple(int(v) for v in np.ceil(extent * scale) + 1)
-    iy, ix = (np.round((nominal - lo) * scale).astype(int)).T
-    total = np.zeros(shape)
-    count = np.zeros(shape)
-    np.add.at(total, (iy, ix), distance)
-    np.add.at(count, (iy, ix), 1)
-    mean = np.divide(total, count, out=np.zeros(shape), where=count > 0)
+    pixels = np.indices(shape).reshape(2, -1).T / scale + lo
+    tree = cKDTree(nominal)
+    spacing = float(np.median(tree.query(nominal, 2)[0][:, 1])) if len(nominal) > 1 else 0.0
+    distance, nearest = tree.query(pixels)
+    covered = (distance <= max(spacing, 0.5 / scale) + 1e-9).reshape(shape)
+    image = np.where(covered, values[nearest].reshape(shape), 0.0)
+    return image, covered
+
+
+def position_images(nominal, moved, size: int = 128) -> dict:
+    """The distance each pattern moved from its nominal position, as a grey map over the scan
+    (:func:`scan_map`; black = not moved or no pattern near)."""
+    distance = np.hypot(*np.asarray(moved, dtype=np.float64).T)
+    mean, _ = scan_map(nominal, distance, size)
     top = float(distance.max()) if distance.size else 0.0
     return {"png": encode_png(_to_uint8(mean, 0.0, top if top > 0 else 1.0)), "max_moved": top,
             "rms_moved": float(np.sqrt(np.mean(distance ** 2))) if distance.size else 0.0,
-            "image_shape": list(shape), "patterns": int(distance.size)}
+            "image_shape": list(mean.shape), "patterns": int(distance.size)}
+
+
+def opr_images(eigen_probes, nominal, weights, size: int = 128, probe_size: int = 64) -> dict:
+    """A varying probe (OPR): the eigen-probes' amplitudes (U_1 … U_{K−1}; U_0 is the probe's
+    mode 0) and each weight w_k as a grey map over the scan, black to white over its own range
+    across the patterns (pixels no pattern falls in: black)."""
+    weights = np.asarray(weights, dtype=np.float64)
+    eigen = probe_images(eigen_probes, probe_size) if eigen_probes is not None and len(eigen_probes) else None
+    maps, ranges = [], []
+    for k in range(weights.shape[1]):
+        lo, hi = float(weights[:, k].min()), float(weights[:, k].max())
+        mean, covered = scan_map(nominal, weights[:, k], size)
+        gray = _to_uint8(mean, lo, hi if hi > lo else lo + 1.0)
+        gray[~covered] = 0
+        maps.append(encode_png(gray))
+        ranges.append([lo, hi])
+    return {"modes": int(weights.shape[1]), "eigen_pngs": [] if eigen is None else eigen["pngs"],
+            "weight_pngs": maps, "weight_ranges": ranges, "image_shape": list(mean.shape),
+            "patterns": int(len(weights))}
 
 
 def _plain(v):
@@ -273,6 +303,7 @@ class DashboardPlugin(SchedulerPlugin):
         self.object_meta = None
         self.probe_meta = None
         self.positions_meta = None
+        self.opr_meta = None
         self.images: dict[str, bytes] = {}
         self.rounds_since_epoch = 0
         self.rounds_total = 0
@@ -351,6 +382,16 @@ class DashboardPlugin(SchedulerPlugin):
             self._image_counter += 1
             self.images["positions"] = positions.pop("png")
             self.positions_meta = dict(positions, epoch=epoch, version=self._image_counter)
+        opr = msg.get("opr")
+        if opr:
+            self._image_counter += 1
+            for name in [n for n in self.images if n.startswith(("eigen-", "weights-"))]:
+                del self.images[name]
+            for k, png in enumerate(opr.pop("eigen_pngs")):
+                self.images[f"eigen-{k + 1}"] = png
+            for k, png in enumerate(opr.pop("weight_pngs")):
+                self.images[f"weights-{k}"] = png
+            self.opr_meta = dict(opr, epoch=epoch, version=self._image_counter)
         self.updated = time.time()
         return "OK"
 
@@ -398,6 +439,7 @@ class DashboardPlugin(SchedulerPlugin):
             "object": self.object_meta,
             "probe": self.probe_meta,
             "positions": self.positions_meta,
+            "opr": self.opr_meta,
             "images": sorted(self.images),
             "finished": finished,
             "updated": self.updated,
@@ -750,6 +792,10 @@ class DashboardPublisher:
             moved = None if self.layout is None else self.layout.displacements(state)
             if moved is not None:
                 msg["positions"] = position_images(*moved, size=self.image_size)
+            weights = None if self.layout is None else self.layout.probe_weights(state)
+            if weights is not None:
+                msg["opr"] = opr_images(getattr(state, "eigen_probes", None), *weights, size=self.image_size,
+                                        probe_size=self.probe_size)
         return msg
 
     def _send(self, msg):
@@ -757,9 +803,11 @@ class DashboardPublisher:
             client = self.client
             client.sync(client.scheduler.daskpty_dashboard_update, message=msg)
             obj, probe = msg.get("object") or {}, msg.get("probe") or {}
+            opr = msg.get("opr") or {}
             self.sent_bytes += (len(obj.get("phase_png", b"")) + len(obj.get("amplitude_png", b""))
                                 + sum(len(p) for p in probe.get("pngs", ()))
-                                + len((msg.get("positions") or {}).get("png", b"")))
+                                + len((msg.get("positions") or {}).get("png", b""))
+                                + sum(len(p) for p in [*opr.get("eigen_pngs", ()), *opr.get("weight_pngs", ())]))
 
     takes_epoch_state = True  # fetches the state only for the epochs it draws
 
