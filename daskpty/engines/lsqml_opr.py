@@ -34,6 +34,7 @@ from .probe_model import (
     smooth_eigen_weights,
     solve_weight_steps,
     step_background,
+    step_factors,
     step_weights,
 )
 
@@ -68,9 +69,7 @@ def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: in
         elif variable.want_intensity:
             den = variable.int_den
             ds = s * variable.int_num / (den + INTENSITY_TIKHONOV * den.mean() + 1e-30)
-            s, v = step_weights(s[:, None], model.weight_step * ds[:, None], slice(0, 1), model,
-                                variable.intensity_velocity)
-            s = np.maximum(s[:, 0], 0.0)
+            s, v = step_factors(s, model.weight_step * ds, model, variable.intensity_velocity)
             if v is not None:
                 new["intensity_velocity"] = v
         new["intensity_scale"] = (s * s)[:, None]

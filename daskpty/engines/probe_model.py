@@ -257,6 +257,14 @@ def step_weights(weights, step, free: slice, options: ProbeModelOptions, velocit
     return weights, velocity
 
 
+def step_factors(factors, step, options: ProbeModelOptions, velocity=None):
+    """Per-pattern factors (B,) after ``step`` (B,) with the momentum of :func:`step_weights`,
+    kept ≥ 0. Returns ``(factors, velocity)``; velocity (B, 1) or None."""
+    factors, velocity = step_weights(np.asarray(factors)[:, None], np.asarray(step)[:, None], slice(0, 1),
+                                     options, velocity)
+    return np.maximum(factors[:, 0], 0.0), velocity
+
+
 def smooth_eigen_weights(weights, positions, sigma: float) -> np.ndarray:
     """``weights`` (B, K) with columns 1 … K−1 replaced by their Gaussian average (σ = ``sigma``
     pixels, cut at 3σ) over the patterns at ``positions`` (B, 2); column 0 (the mean probe's

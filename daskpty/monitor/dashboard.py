@@ -191,9 +191,10 @@ def probe_images(probe, size: int = 64) -> dict:
 
 
 def scan_map(nominal, values, size: int = 128) -> tuple[np.ndarray, np.ndarray]:
-    """One value per pattern as an image over the scan, at most ``size`` pixels a side: each
-    pixel takes the value of the nearest pattern, if one lies within the scan's typical spacing
-    (the median distance between nearest neighbours). Returns ``(image, covered)``."""
+    """Per-pattern values (B,) or (B, K) as images over the scan, at most ``size`` pixels a side:
+    each pixel takes the value of the nearest pattern, if one lies within the scan's typical
+    spacing (the median distance between nearest neighbours). Returns ``(images, covered)``:
+    images (h, w) or (K, h, w), covered (h, w)."""
     from scipy.spatial import cKDTree
 
     nominal = np.asarray(nominal, dtype=np.float64)
@@ -207,8 +208,8 @@ def scan_map(nominal, values, size: int = 128) -> tuple[np.ndarray, np.ndarray]:
     spacing = float(np.median(tree.query(nominal, 2)[0][:, 1])) if len(nominal) > 1 else 0.0
     distance, nearest = tree.query(pixels)
     covered = (distance <= max(spacing, 0.5 / scale) + 1e-9).reshape(shape)
-    image = np.where(covered, values[nearest].reshape(shape), 0.0)
-    return image, covered
+    picked = np.moveaxis(values[nearest], 0, -1).reshape(values.shape[1:] + shape)
+    return np.where(covered, picked, 0.0), covered
 
 
 def position_images(nominal, moved, size: int = 128) -> dict:
@@ -228,16 +229,16 @@ def opr_images(eigen_probes, nominal, weights, size: int = 128, probe_size: int 
     across the patterns (pixels no pattern falls in: black)."""
     weights = np.asarray(weights, dtype=np.float64)
     eigen = probe_images(eigen_probes, probe_size) if eigen_probes is not None and len(eigen_probes) else None
+    images, covered = scan_map(nominal, weights, size)          # (K, h, w): one lookup for all
     maps, ranges = [], []
-    for k in range(weights.shape[1]):
-        lo, hi = float(weights[:, k].min()), float(weights[:, k].max())
-        mean, covered = scan_map(nominal, weights[:, k], size)
-        gray = _to_uint8(mean, lo, hi if hi > lo else lo + 1.0)
+    for image, column in zip(images, weights.T):
+        lo, hi = float(column.min()), float(column.max())
+        gray = _to_uint8(image, lo, hi if hi > lo else lo + 1.0)
         gray[~covered] = 0
         maps.append(encode_png(gray))
         ranges.append([lo, hi])
     return {"modes": int(weights.shape[1]), "eigen_pngs": [] if eigen is None else eigen["pngs"],
-            "weight_pngs": maps, "weight_ranges": ranges, "image_shape": list(mean.shape),
+            "weight_pngs": maps, "weight_ranges": ranges, "image_shape": list(covered.shape),
             "patterns": int(len(weights))}
 
 

@@ -23,7 +23,7 @@ from ...physics import ifft2
 from ..eigen_probes import EIGEN_TRUST, centred_eigen_terms, limit_eigen_step
 from ..pattern_probes import PatternProbes
 from ..probe_model import (WEIGHT_TRUST, ProbeModelOptions, check_finite, model_local, smooth_eigen_weights,
-                           solve_weight_steps, step_weights)
+                           solve_weight_steps, step_factors, step_weights)
 from .gradient import chunk_gradient, refining_chunk_gradient
 
 
@@ -89,8 +89,7 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
                 curvature = den / np.maximum(4 * c * c, 1e-30)
                 step = -model.weight_step * kappa * grads["intensity_scale"][:, 0] / (
                     curvature + 1e-3 * curvature.mean() + 1e-30)
-                c, v = step_weights(c[:, None], step[:, None], slice(0, 1), model, variable.intensity_velocity)
-                c = np.maximum(c[:, 0], 0.0)
+                c, v = step_factors(c, step, model, variable.intensity_velocity)
                 if v is not None:
                     new["intensity_velocity"] = v
             new["intensity_scale"] = c[:, None]
