@@ -247,7 +247,7 @@ def simulate_patterns(obj, probe, positions, start: int, seed: int, dose, dtype)
 
 
 def _simulate_shard(arr, root, obj, probe, positions, start, seed, dose, dtype):
-    from .io.store import guarded_write
+    from .io.writing import guarded_write
 
     t0 = time.perf_counter()
     patterns, stats = simulate_patterns(obj, probe, positions, start, seed, dose, dtype)
@@ -363,13 +363,14 @@ def simulate(path, preset: str = "small", *, scan: str | None = None, grid=None,
     """
     from .execution.cluster import client_context
     from .io.progress import TextProgress
-    from .io.store import (DEFAULT_SHARD_BYTES, Truth, atomic_store, create_store, make_metadata,
-                           open_data, shard_layout, _check_target)
+    from .io.metadata import Truth, make_metadata
+    from .io.store import open_data
+    from .io.writing import DEFAULT_SHARD_BYTES, atomic_store, check_target, create_store, shard_layout
 
     cfg, overlap, derive_step = _resolve(
         preset, scan, grid, n_patterns, step, jitter, overlap, probe_size, modes, mode_powers,
         dose, dtype, wavelength_m, detector_distance_m, detector_pixel_size_m, seed)
-    _check_target(os.path.abspath(os.fspath(path)), overwrite)
+    check_target(os.path.abspath(os.fspath(path)), overwrite)
     n = cfg.probe_size
 
     probe = make_probe(n, cfg.modes, cfg.mode_powers)

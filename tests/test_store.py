@@ -11,7 +11,7 @@ import zarr
 
 import daskpty
 from daskpty import DataError, PtychoData
-from daskpty.io.store import shard_layout
+from daskpty.io.writing import shard_layout
 from daskpty.io.validate import check_values
 
 from conftest import corrupt, leftovers, make_arrays

@@ -10,12 +10,12 @@ import importlib
 
 _EXPORTS = {
     "PtychoData": ".store",
-    "Truth": ".store",
+    "Truth": ".metadata",
     "open_data": ".store",
     "from_arrays": ".store",
-    "shard_layout": ".store",
-    "DEFAULT_SHARD_BYTES": ".store",
-    "DEFAULT_INNER_BYTES": ".store",
+    "shard_layout": ".writing",
+    "DEFAULT_SHARD_BYTES": ".writing",
+    "DEFAULT_INNER_BYTES": ".writing",
     "DataError": ".validate",
     "ValueReport": ".validate",
     "check_values": ".validate",

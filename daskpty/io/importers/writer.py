@@ -1,9 +1,9 @@
 """Stream a :class:`~.source.Source` into a data-set store, one shard at a time.
 
-Reuses the store's own writers: :func:`~daskpty.io.store.shard_layout` for the layout,
-:func:`~daskpty.io.store.atomic_store` so nothing half-written is ever left at the target,
-:func:`~daskpty.io.store.create_store` and :func:`~daskpty.io.store.guarded_write` for the
-arrays and :func:`~daskpty.io.store.make_metadata` for geometry and provenance. Frames are read
+Reuses the store's own writers: :func:`~daskpty.io.writing.shard_layout` for the layout,
+:func:`~daskpty.io.writing.atomic_store` so nothing half-written is ever left at the target,
+:func:`~daskpty.io.writing.create_store` and :func:`~daskpty.io.writing.guarded_write` for the
+arrays and :func:`~daskpty.io.metadata.make_metadata` for geometry and provenance. Frames are read
 in pieces of at most :data:`PIECE_BYTES` and one shard is compressed and written in a
 background thread while the next is read, so memory stays at a few shards.
 """
@@ -17,8 +17,9 @@ import numpy as np
 import zarr
 
 from ..progress import TextProgress
-from ..store import (DEFAULT_SHARD_BYTES, atomic_store, create_store, guarded_write, make_metadata,
-                     open_data, shard_layout)
+from ..metadata import make_metadata
+from ..store import open_data
+from ..writing import DEFAULT_SHARD_BYTES, atomic_store, create_store, guarded_write, shard_layout
 from ..validate import fail
 from .geometry import Geometry, positions_to_pixels
 from .preprocess import Plan, Preprocess, center_of_mass
@@ -105,8 +106,8 @@ def import_source(source, output, *, scan: Scan, geometry: Geometry,
         Plan(pre, (h, w), center, file_bad, source.dtype)  # fails with the crop message
     tentative = make_metadata(pattern_size=min(h, w), **_meta_geometry(geometry, pre))
     positions_to_pixels(values, units=scan.units, object_pixel_size_m=tentative[
-        "object_pixel_size_m"], motion=scan.motion, columns=scan.columns, pattern_size=1,
-        basis=scan.basis)  # units and geometry checked before the (long) centre pass
+        "object_pixel_size_m"], motion=scan.motion, columns=scan.columns,
+        pattern_size=min(h, w), basis=scan.basis)  # units, scale, geometry: before the centre pass
     if pre.needs_center((h, w)):
         center = center_of_mass(mean_pattern(source, progress=progress, bad=file_bad), file_bad)
     plan = Plan(pre, (h, w), center, file_bad, source.dtype)
