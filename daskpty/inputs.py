@@ -1,5 +1,6 @@
 """Sanity of a reconstruction's inputs, checked before any cluster starts.
 
+* positions whose scale says a unit mistake (metres as micrometres or pixels);
 * positions far outside the scan's bulk (a robust median / MAD test per axis), which would make
   the default object frame huge;
 * objects that would not fit this machine's memory (the client holds a few object-sized arrays);
@@ -14,6 +15,8 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+
+from .io.validate import check_position_scale
 
 #: a position is an outlier when it lies more than OUTLIER_MADS robust standard deviations
 #: (1.4826 MAD) plus two probe widths from the median along y or x
@@ -35,7 +38,9 @@ def position_outliers(positions: np.ndarray, n: int) -> np.ndarray:
 
 
 def check_positions_bulk(positions: np.ndarray, n: int) -> None:
-    """Refuse positions far outside the scan's bulk, naming the patterns."""
+    """Refuse positions far outside the scan's bulk, naming the patterns, and a scan whose scale
+    says the units are wrong (:func:`daskpty.io.validate.check_position_scale`)."""
+    check_position_scale(positions, n)
     bad = position_outliers(positions, n)
     if len(bad) == 0:
         return

@@ -208,7 +208,7 @@ def format_text(d: dict) -> str:
 
 def run(args) -> int:
     from daskpty.io.store import open_data
-    from daskpty.io.validate import check_values
+    from daskpty.io.validate import check_position_scale, check_values
 
     data = open_data(args.store, validate="metadata")
     d = describe(data)
@@ -222,6 +222,10 @@ def run(args) -> int:
         print(json.dumps(d, indent=2, default=str, allow_nan=True))
     else:
         print(format_text(d))
+    imported = data.metadata.get("import")  # after the description: it shows the extent
+    check_position_scale(data.positions, data.pattern_shape[-1], pixel_m=d["geometry"][
+        "object_pixel_size_m"], units=((imported or {}).get("positions") or {}).get("units")
+        if isinstance(imported, dict) else None)
     warning = overlap_warning(d)
     if warning:
         import warnings

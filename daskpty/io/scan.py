@@ -1,8 +1,11 @@
-"""Scan geometry helpers: probe diameter, nearest-neighbour step, overlap, compact ordering.
+"""Scan geometry helpers: probe diameter, nearest-neighbour step, overlap, compact ordering, and
+the scale test that catches positions given in the wrong units.
 
 NumPy/SciPy only (used by the simulator and by ``daskpty info``).
 """
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -46,6 +49,89 @@ def linear_overlap(step: float, diameter: float) -> float:
     if not np.isfinite(step) or not np.isfinite(diameter) or diameter <= 0:
         return float("nan")
     return float(max(0.0, 1.0 - step / diameter))
+
+
+#: positions in object pixels look like a unit mistake when the whole scan spans less than
+#: MIN_SPAN_PX, or less than one probe width with a median step below MIN_STEP_PX, or when the
+#: median step exceeds MAX_STEP_WIDTHS probe widths (no two windows overlap)
+MIN_SPAN_PX = 1.0
+MIN_STEP_PX = 0.05
+MAX_STEP_WIDTHS = 10.0
+#: length units by metres per unit, for naming the likely intended unit
+_UNIT_NAMES = {1.0: "m", 1e-3: "mm", 1e-6: "um", 1e-9: "nm"}
+
+
+def _metres(v: float) -> str:
+    for scale, name in ((1.0, "m"), (1e-3, "mm"), (1e-6, "µm"), (1e-9, "nm"), (1e-12, "pm")):
+        if abs(v) >= scale or scale == 1e-12:
+            return f"{v / scale:.3g} {name}"
+
+
+def unit_mistake(positions, n: int, *, units: str | None = None,
+                 pixel_m: float | None = None) -> str | None:
+    """One line describing a likely unit mistake in ``positions`` ((N, 2) object pixels, ``n``
+    the probe window / pattern size), or None when the scale is plausible.
+
+    Too small: the scan spans < :data:`MIN_SPAN_PX` px, or less than one probe width with a
+    median step < :data:`MIN_STEP_PX` px (metres declared 'um' or 'px'). Too large: a median
+    step > :data:`MAX_STEP_WIDTHS` probe widths (millimetres declared 'm'). A single position,
+    a scan at one point and a small honest scan (steps of pixels) pass. ``units``: the units the
+    positions were declared in (named in the hint); ``pixel_m``: the object pixel, metres.
+    """
+    p = np.asarray(positions, dtype=np.float64)
+    if p.ndim != 2 or p.shape[1] != 2 or len(p) < 2 or not np.isfinite(p).all() or n < 1:
+        return None
+    span = float(np.ptp(p, axis=0).max())
+    if span == 0:
+        return None
+    steps = nearest_neighbour_steps(p)
+    steps = steps[steps > 0]
+    step = float(np.median(steps))
+    pixel_m = pixel_m if isinstance(pixel_m, (int, float)) and pixel_m > 0 else None
+    in_m = (lambda px: f" ({_metres(px * pixel_m)})") if pixel_m else (lambda px: "")
+    # the power of 1000 that would bring the median step to a typical quarter probe width
+    power = round(math.log10(n / 4.0 / step) / 3.0)
+    if span < MIN_SPAN_PX or (span < n and step < MIN_STEP_PX):
+        power = max(1, power)
+        what = (f"the scan spans only {span:.2g} px{in_m(span)} with a median step of {step:.2g} "
+                f"px: far below one probe width of {n} px")
+    elif step > MAX_STEP_WIDTHS * n:
+        power = min(-1, power)
+        what = (f"the median scan step is {step:.4g} px{in_m(step)}, {step / n:.0f} probe widths "
+                f"of {n} px: no two probe windows overlap")
+    else:
+        return None
+    factor = 1000.0 ** power
+    size = f"about {factor:.0e} times too {'small' if power > 0 else 'large'}"
+    fix = "Re-import with the right --units (Python: units=...)."
+    known, scale = _metres_per(units)
+    if not known:
+        guess = (f"the positions look {size}: were they given in metres (or another length "
+                 f"unit) instead of object pixels?")
+        fix = "Give them in object pixels, or re-import with the right --units."
+    elif scale is None:
+        guess = f"were the positions given in a length unit (m, mm, um, nm) but declared '{units}'?"
+        fix = "Re-import with that --units and the geometry (--energy, --distance, --pixel-size)."
+    else:
+        scale *= factor
+        true = min(_UNIT_NAMES, key=lambda s: abs(math.log10(s / scale)))
+        guess = (f"were the positions given in '{_UNIT_NAMES[true]}' but declared '{units}'?"
+                 if abs(math.log10(true / scale)) < 0.5 else
+                 f"the positions look {size} for '{units}'.")
+    return f"{what} — {guess} {fix}"
+
+
+def _metres_per(units) -> tuple[bool, float | None]:
+    """(known, metres per unit or None for pixels) via the importers' table."""
+    if not isinstance(units, str):
+        return False, None
+    from .importers.geometry import unit_scale
+    from .validate import DataError
+
+    try:
+        return True, unit_scale(units)
+    except DataError:
+        return False, None
 
 
 def _spread_bits(v: np.ndarray) -> np.ndarray:

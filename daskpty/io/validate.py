@@ -117,6 +117,17 @@ def check_positions(positions, n_patterns: int):
     return positions
 
 
+def check_position_scale(positions, pattern_size: int, *, units: str | None = None,
+                         pixel_m: float | None = None) -> None:
+    """Refuse positions (object pixels) whose scale says a unit mistake: a scan far below one
+    probe width or steps of many probe widths (:func:`daskpty.io.scan.unit_mistake`)."""
+    from .scan import unit_mistake
+
+    problem = unit_mistake(positions, int(pattern_size), units=units, pixel_m=pixel_m)
+    if problem:
+        fail(problem)
+
+
 def check_mask(mask, pattern_shape):
     """Return the mask as a bool (H, W) array, or raise DataError."""
     if mask is None:

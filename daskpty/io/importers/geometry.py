@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from ..validate import ELECTRON_VOLTAGE_RANGE_V, fail
+from ..validate import ELECTRON_VOLTAGE_RANGE_V, check_position_scale, fail
 
 #: Planck constant (J s), speed of light (m/s), electron rest mass (kg), elementary charge (C)
 H_J_S = 6.62607015e-34
@@ -123,6 +123,8 @@ def positions_to_pixels(raw, *, units: str | None, object_pixel_size_m: float | 
     means the values say where the sample moved (the probe moved the opposite way over it).
     ``basis``: optional (2, 2) unit vectors of the detector's row and column axes in the lab
     (x, y) plane; positions are projected onto them so the object frame matches the patterns.
+    A scale that says the units are wrong (a scan far below one ``pattern_size`` probe width,
+    steps of many widths) is refused: :func:`~daskpty.io.validate.check_position_scale`.
     """
     pos = np.asarray(raw, dtype=np.float64)
     if pos.ndim != 2 or pos.shape[1] not in (2, 3):
@@ -154,6 +156,8 @@ def positions_to_pixels(raw, *, units: str | None, object_pixel_size_m: float | 
         yx = xy @ b.T  # row axis, column axis components
     else:
         yx = xy[:, ::-1]
+    check_position_scale(yx, pattern_size, units=units, pixel_m=None if scale is None else
+                         float(object_pixel_size_m))
     return yx - yx.min(axis=0) + pattern_size / 2.0
 
 
