@@ -74,10 +74,10 @@ def test_options_are_validated():
 def _reference_chunk_step(obj, probe, y, positions, options, update_probe, valid):
     """The LSQML step written out directly from the physics operators (no blocking, no identities)."""
     from daskpty.physics import (
-        LOSSES,
         extract_patches,
         fft2,
         ifft2,
+        poisson_loss,
         scatter_add_patches,
         shift_probe,
         shift_probe_adjoint,
@@ -121,7 +121,7 @@ def _reference_chunk_step(obj, probe, y, positions, options, update_probe, valid
         alpha_p, probe_sum = 0.0, None
     alpha_o = lsqml._trimmed_mean(alpha_o, np)
     mask = 1.0 if valid is None else valid
-    loss = LOSSES[options.noise](yhat, y, valid) if options.noise == "poisson" else \
+    loss = poisson_loss(yhat, y, valid) if options.noise == "poisson" else \
         (((np.sqrt(yhat + options.eps) - np.sqrt(y.astype(np.float64))) ** 2) * mask).sum(axis=(1, 2))
     return {"object": alpha_o * num, "illumination": illum,
             "probe": None if probe_sum is None else alpha_p * probe_sum,

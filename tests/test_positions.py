@@ -228,7 +228,7 @@ def test_window_sums_on_the_box_equal_the_double_sums():
 
 
 def test_ad_window_sums_are_lsqmls_from_the_loss_gradient():
-    """AD forms the windows' deformation sums from −∂L/∂ψ* (WINDOW_CHI_FACTOR): for the Gaussian
+    """AD forms the windows' deformation sums from −∂L/∂ψ* (the noise model's window_chi_factor): for the Gaussian
     loss they equal LSQML's, formed from its exit-wave update χ, on the same chunk (patterns
     at shifted positions, so that χ is not small)."""
     from daskpty.engines.ad import ADOptions

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..physics import (
-    CORRECTIONS,
     exit_waves,
     fft2,
+    get_noise_model,
     get_xp,
     ifft2,
     model_intensity,
@@ -73,8 +73,7 @@ class LSQMLOptions:
     eps: float = 1e-6
 
     def __post_init__(self):
-        if self.noise not in CORRECTIONS:
-            raise ValueError(f"noise must be one of {sorted(CORRECTIONS)}, got {self.noise!r}")
+        get_noise_model(self.noise, lsqml=True)
         if not 0 < self.beta <= 1:
             raise ValueError(f"beta must lie in (0, 1], got {self.beta}")
         if not self.delta > 0:

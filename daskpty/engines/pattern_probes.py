@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..physics import fft2, get_xp
+from ..physics import fft2, get_noise_model, get_xp
 from ..physics.backend import asarray_like, real_dots, to_numpy
 from .probe_model import ProbeModelOptions
 
@@ -281,16 +281,7 @@ class PatternProbes:
         sub-batch (ŷ includes the background): amplitude loss (√ŷ − √y)²: 1 − √(y/ŷ) and
         1/(2ŷ); Poisson: 1 − y/ŷ and 1/ŷ; intensity (ŷ − y)²: 2(ŷ − y) and 2."""
         xp = self.xp
-        level = yhat + eps
-        if loss == "gaussian":
-            grad = 1 - xp.sqrt(y / level)
-            curv = 0.5 / level
-        elif loss == "poisson":
-            grad = 1 - y / level
-            curv = 1 / level
-        else:
-            grad = 2 * (yhat - y)
-            curv = xp.full_like(yhat, 2.0)
+        grad, curv = get_noise_model(loss, what="loss").background_terms(yhat, y, eps)
         if valid is not None:
             grad = grad * valid
             curv = curv * valid

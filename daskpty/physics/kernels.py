@@ -20,8 +20,10 @@ import numpy as np
 from .backend import get_xp, is_cupy, real_dots
 from .noise import DEFAULT_EPS, _poisson_alpha64, _poisson_loss64, model_intensity
 from .noise import far_field_update as _far_field_update_numpy
+from .noise_models import get_noise_model, noise_model_names
 
-LOSS_NAMES = ("gaussian", "poisson", "intensity")
+#: the AD losses: every registered noise model (:mod:`daskpty.physics.noise_models`)
+LOSS_NAMES = noise_model_names()
 
 _FUSED = os.environ.get("DASKPTY_FUSED_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 _KERNELS: dict = {}
@@ -289,6 +291,7 @@ def far_field_update(noise: str, far, y, valid=None, eps: float = DEFAULT_EPS, o
     Gaussian in one pass over Ψ plus the loss sum; Poisson as ŷ, the float64 loss, one reduction
     per Newton step of α, and one pass scaling Ψ.
     """
+    get_noise_model(noise, lsqml=True)
     if not uses_fused(far) or noise not in ("gaussian", "poisson"):
         return _far_field_update_numpy(noise, far, y, valid, eps, overwrite=overwrite, background=background)
     import cupy
@@ -355,8 +358,14 @@ def _far_field_loss_numpy(name, far, y, valid, eps, gradient, overwrite=False, b
         if gradient:
             factor = residual
             factor *= rdtype(4)
-    else:
-        raise ValueError(f"loss must be one of {LOSS_NAMES}, got {name!r}")
+    else:                       # a registered model without a hand-fused branch: its h and h'
+        model = get_noise_model(name, what="loss")
+        value = model.loss(yhat, y, valid, eps)
+        if gradient:
+            factor = model.gradient_factor(yhat, y, rdtype(eps)).astype(rdtype, copy=False)
+            factor *= rdtype(2)
+            if valid is not None:
+                factor *= valid
     grad = None
     if gradient:
         grad = xp.multiply(far, factor[:, None], out=far if overwrite else None)
@@ -371,9 +380,8 @@ def far_field_loss(name: str, far, y, valid, eps: float, gradient: bool, overwri
     when ``overwrite``. Fused: one pass over Ψ (ŷ, the loss term and the scaled Ψ) plus the loss
     sum (the Poisson loss in float64, as the reference).
     """
-    if name not in LOSS_NAMES:
-        raise ValueError(f"loss must be one of {LOSS_NAMES}, got {name!r}")
-    if not uses_fused(far):
+    model = get_noise_model(name, what="loss")
+    if not uses_fused(far) or model.kernel_id is None:
         return _far_field_loss_numpy(name, far, y, valid, eps, gradient, overwrite, background)
     import cupy
 
@@ -381,7 +389,7 @@ def far_field_loss(name: str, far, y, valid, eps: float, gradient: bool, overwri
     far = far.copy() if gradient and not overwrite else _contiguous(far)
     y = _contiguous(y, np.float32)
     args, shape = _far_args(far, valid, background)
-    yhat, term, _ = _kernel("ad_loss")(*args, y, np.float32(eps), np.int32(LOSS_NAMES.index(name)),
+    yhat, term, _ = _kernel("ad_loss")(*args, y, np.float32(eps), np.int32(model.kernel_id),
                                        np.int32(gradient), cupy.empty(shape, np.float32),
                                        cupy.empty(shape, np.float32), far)
     if name == "poisson":

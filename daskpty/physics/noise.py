@@ -137,10 +137,6 @@ def _poisson_loss64(yhat, y, valid, eps):
     return yhat.reshape(n_patterns, -1) @ mask - real_dots(y * valid, log_model)
 
 
-CORRECTIONS = {"gaussian": gaussian_correction, "poisson": poisson_correction}
-LOSSES = {"gaussian": gaussian_loss, "poisson": poisson_loss}
-
-
 def far_field_update(noise: str, far, y, valid=None, eps: float = DEFAULT_EPS, overwrite: bool = False,
                      background=None):
     """The far-field correction as an update ΔΨ = Ψ' − Ψ, with ŷ and the per-pattern loss.
@@ -153,8 +149,8 @@ def far_field_update(noise: str, far, y, valid=None, eps: float = DEFAULT_EPS, o
     the returned ŷ included); the correction scales the coherent far fields by the same factor.
     """
     xp = get_xp(far)
-    if noise not in CORRECTIONS:
-        raise ValueError(f"noise must be one of {sorted(CORRECTIONS)}, got {noise!r}")
+    if noise not in ("gaussian", "poisson"):
+        raise ValueError(f"LSQML's far-field update exists for 'gaussian' and 'poisson' noise, got {noise!r}")
     yhat = model_intensity(far)
     if background is not None:
         yhat += background

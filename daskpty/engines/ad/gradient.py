@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...physics import fft2, get_xp, ifft2, model_intensity
+from ...physics import fft2, get_noise_model, get_xp, ifft2, model_intensity
 from ...physics.backend import asarray_like, is_cupy, real_dots, real_dots_with, to_numpy
 from ...physics.patches import PatchIndex
 from ...physics.shifts import outer_ramps, shift_ramp_factors
@@ -114,11 +114,12 @@ class _Chunk:
         return r, q, o, wave
 
 
-#: χ ≈ factor · ∂L/∂ψ* of each loss near a fit (orthonormal FFTs): the Gaussian loss's gradient
-#: is 2(ψ − ψ'), ψ' the modulus-projected wave, so χ = ψ' − ψ is −1/2 of it; the Poisson loss's
-#: 2(1 − y/ŷ)Ψ is about twice that. The intensity loss's has no such constant (its weight grows
-#: with ŷ): its runs do not correct the windows.
-WINDOW_CHI_FACTOR = {"gaussian": -0.5, "poisson": -0.25}
+def window_chi_factor(loss: str) -> float | None:
+    """χ ≈ factor · ∂L/∂ψ* of the loss near a fit (orthonormal FFTs), from the noise model's
+    registry entry: the Gaussian loss's gradient is 2(ψ − ψ'), ψ' the modulus-projected wave, so
+    χ = ψ' − ψ is −1/2 of it; the Poisson loss's 2(1 − y/ŷ)Ψ is about twice that. None when no
+    constant does it (the intensity loss's weight grows with ŷ): such runs do not correct windows."""
+    return get_noise_model(loss, what="loss").window_chi_factor
 
 
 def _check_chunk_inputs(intensities, positions):
@@ -147,7 +148,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     * ``arrays["window_num"]``, ``["window_gram"]``, ``["window_positions"]``: the windows'
       deformation sums (:class:`~daskpty.engines.window_deformation.WindowDeformation`, with
       ``window_sums``) with the exit-wave update χ of LSQML taken as
-      −∂L/∂ψ* over the loss's Gauss–Newton curvature (:data:`WINDOW_CHI_FACTOR`), when the
+      −∂L/∂ψ* over the loss's Gauss–Newton curvature (:func:`window_chi_factor`), when the
       object gradient is formed;
     * ``scalars``: ``loss`` (float64 sum), ``n``, ``sum_measured``, ``sum_model``.
 
@@ -196,7 +197,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     model = xp.zeros(n * n)
     loss = 0.0
     deform = None
-    if window_sums and want_object_grad and opts.loss in WINDOW_CHI_FACTOR:
+    if window_sums and want_object_grad and window_chi_factor(opts.loss) is not None:
         box_d = central_gradients(c.obj_box, xp)                           # ∂_y O, ∂_x O on the box
         deform = WindowDeformation(n, xp, box_d)
         d_patch = xp.empty((2, c.step, n, n), cdtype)
@@ -266,7 +267,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     if deform is not None:
         deform.add_first(scattered, c.index.corners, shift_num)
         sums = deform.sums(positions)
-        sums["window_num"] = sums["window_num"] * WINDOW_CHI_FACTOR[opts.loss]
+        sums["window_num"] = sums["window_num"] * window_chi_factor(opts.loss)
         part.arrays.update(sums)
     if variable is not None:
         variable.finish(part, measured, model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from ...physics import kernels
 
 DEFAULT_EPS = 1e-6
-LOSS_NAMES = kernels.LOSS_NAMES
+LOSS_NAMES = kernels.LOSS_NAMES  # the built-in noise models (registry: physics.noise_models)
 
 # --------------------------------------------------------------------------------------------------
 # Losses: value and gradient w.r.t. the far field Ψ (B, M, n, n)

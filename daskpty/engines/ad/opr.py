@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...physics import ifft2
+from ...physics import get_noise_model, ifft2
 from ..eigen_probes import EIGEN_TRUST, centred_eigen_terms, limit_eigen_step
 from ..pattern_probes import PatternProbes
 from ..probe_model import (WEIGHT_TRUST, ProbeModelOptions, check_finite, model_local, smooth_eigen_weights,
@@ -29,7 +29,7 @@ from .gradient import chunk_gradient, refining_chunk_gradient
 
 def gauss_newton_scale(loss: str, mean_model: float = 1.0) -> float:
     """κ: the Gauss–Newton step per unit (Gram-preconditioned) gradient of each loss."""
-    return {"gaussian": 0.5, "poisson": 0.25}.get(loss, 0.125 / max(mean_model, 1e-30))
+    return get_noise_model(loss, what="loss").gauss_newton_scale(mean_model)
 
 
 def pattern_gradients(variable: PatternProbes) -> dict:

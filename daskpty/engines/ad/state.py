@@ -9,7 +9,8 @@ import numpy as np
 from ...physics.backend import get_xp
 from ..partials import Partial
 from ..positions import accumulate_affine, accumulate_window, start_arrays, start_from_arrays
-from .losses import DEFAULT_EPS, LOSS_NAMES
+from ...physics.noise_models import get_noise_model
+from .losses import DEFAULT_EPS
 from .optimizers import SGD, Adam, ConjugateGradient, OptimizerState
 
 OPTIMIZERS = ("adam", "sgd", "cg")
@@ -92,7 +93,7 @@ class ADOptions:
             if not cond:
                 raise ValueError(msg)
 
-        check(self.loss in LOSS_NAMES, f"loss must be one of {LOSS_NAMES}, got {self.loss!r}")
+        get_noise_model(self.loss, what="loss")
         if self.optimizer is None:  # SGD+Nesterov converges fastest on counting data; Adam is the
             # robust choice for the intensity loss, whose gradient scale follows the photon count
             object.__setattr__(self, "optimizer", "adam" if self.loss == "intensity" else "sgd")
