@@ -82,13 +82,18 @@ def check_object_size(shape, positions: np.ndarray, n: int, given: bool) -> None
 
 
 def check_initial_object(obj: np.ndarray) -> None:
-    """Refuse an initial object with NaN or infinite values (as the probe is)."""
+    """Refuse an initial object with NaN or infinite values (as the probe is), or all zeros
+    (every exit wave would be zero: no phase to update from, no probe update)."""
     finite = np.isfinite(obj)
     if not finite.all():
-        y, x = np.unravel_index(int(np.argmin(finite)), obj.shape)
+        idx = np.unravel_index(int(np.argmin(finite)), obj.shape)
         raise ValueError(f"the initial object contains {int(obj.size - finite.sum())} NaN or "
-                         f"infinite values (the first at pixel ({y}, {x})); pass a finite initial "
-                         f"object or leave object=None")
+                         f"infinite values (the first at pixel {tuple(int(i) for i in idx)}); pass "
+                         f"a finite initial object or leave object=None")
+    if not obj.any():
+        raise ValueError(f"the initial object ({' x '.join(str(s) for s in obj.shape)}) is all "
+                         f"zeros: its exit waves are zero, so there is no phase to update from; "
+                         f"pass object=None for the default start (ones) or a non-zero guess")
 
 
 def check_rounds(rounds_per_epoch, n_patterns: int) -> None:

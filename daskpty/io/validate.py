@@ -184,8 +184,13 @@ class ValueReport:
     first_bad_pattern: int | None = None
 
     @property
+    def no_counts(self) -> bool:
+        """Every intensity is zero: nothing was measured (a wrong dataset, a dark frame, a mask)."""
+        return self.n_values > 0 and self.maximum == 0
+
+    @property
     def ok(self) -> bool:
-        return self.n_nan == 0 and self.n_inf == 0 and self.n_negative == 0
+        return self.n_nan == 0 and self.n_inf == 0 and self.n_negative == 0 and not self.no_counts
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -195,6 +200,11 @@ class ValueReport:
     def raise_if_bad(self) -> None:
         if self.ok:
             return
+        if self.n_nan == self.n_inf == self.n_negative == 0:  # so: no counts
+            fail(f"the intensities are all zero: the data set has no counts in any of its "
+                 f"{self.n_values:,} values, so there is nothing to reconstruct from; check that "
+                 f"the right detector dataset was imported (--data) and that the dark / "
+                 f"background subtraction or the mask did not remove everything")
         parts = []
         if self.n_nan:
             parts.append(f"{self.n_nan} NaN")
@@ -259,6 +269,8 @@ def check_values(data, client=None) -> ValueReport:
             results = client.gather(client.compute(parts))
         else:
             results = dask.compute(*parts, scheduler="threads")
+    except DataError:  # a damaged shard, already named by io.integrity.NamedReader
+        raise
     except (ValueError, RuntimeError, OSError, KeyError) as exc:  # zarr / numcodecs decode errors
         where = getattr(data, "path", None) or "the data set"
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
