@@ -132,9 +132,30 @@ def options(args) -> dict:
     return kw
 
 
+def daskpty_store_kind(path) -> str | None:
+    """``"data-set"`` or ``"reconstruction"`` when ``path`` is a daskpty store, else None."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(path, "zarr.json")) as f:
+            marker = (json.load(f).get("attributes") or {}).get("daskpty") or {}
+    except (OSError, ValueError, AttributeError):
+        return None
+    fmt = marker.get("format", "") if isinstance(marker, dict) else ""
+    return {"daskpty-dataset": "data-set"}.get(fmt, "reconstruction" if fmt else None)
+
+
 def run(args) -> int:
     from daskpty.io.importers import import_file
 
+    kind = daskpty_store_kind(args.source)
+    if kind == "data-set":
+        raise ValueError(f"{args.source} is already a daskpty data-set store; use it directly "
+                         f"(daskpty info {args.source} / daskpty reconstruct {args.source} -o ...)")
+    if kind == "reconstruction":
+        raise ValueError(f"{args.source} is a daskpty reconstruction store, not detector data; "
+                         f"look at it with daskpty show, or write it out with daskpty export")
     if args.shard_mib <= 0:
         raise ValueError(f"--shard-mib must be positive, got {args.shard_mib}")
     data = import_file(args.source, args.output, **options(args))
@@ -143,4 +164,9 @@ def run(args) -> int:
         where = f", object pixel {px * 1e9:.4g} nm" if px else ""
         print(f"wrote {args.output}: {data.n_patterns} patterns of {data.pattern_shape[0]}x"
               f"{data.pattern_shape[1]} {data.dtype}{where}", file=sys.stdout)
+    from daskpty.io.near_field_hint import near_field_hint
+
+    hint = near_field_hint(data)   # a few hundred frames at most: cheap next to the import
+    if hint:
+        print(f"daskpty: note: {hint}", file=sys.stderr)
     return 0

@@ -177,7 +177,9 @@ def format_text(d: dict) -> str:
         f"overlap      median nearest-neighbour step {p['median_step_px']:.2f} px, probe "
         f"diameter {p['probe_diameter_px']:.1f} px ({p['probe_diameter_source']}), linear "
         f"overlap " + ("?" if not math.isfinite(p["linear_overlap"])
-                       else f"{100 * p['linear_overlap']:.0f} %"),
+                       else f"{100 * p['linear_overlap']:.0f} %")
+        + (" (not meaningful: the patterns look near-field, see the warning)"
+           if d.get("near_field_hint") else ""),
         f"geometry     wavelength {human_metres(geo['wavelength_m'])}, distance "
         f"{human_metres(geo['detector_distance_m'])}, detector pixel "
         f"{human_metres(geo['detector_pixel_size_m'])}, object pixel "
@@ -218,6 +220,9 @@ def run(args) -> int:
         d["check"] = report.as_dict()
     if args.plot is not None:
         write_plot(data, d, args.plot, args.overwrite)
+    from daskpty.io.near_field_hint import near_field_hint
+
+    d["near_field_hint"] = near_field_hint(data)   # reads a few hundred frames at most
     if args.json:
         print(json.dumps(d, indent=2, default=str, allow_nan=True))
     else:
@@ -226,7 +231,9 @@ def run(args) -> int:
     check_position_scale(data.positions, data.pattern_shape[-1], pixel_m=d["geometry"][
         "object_pixel_size_m"], units=((imported or {}).get("positions") or {}).get("units")
         if isinstance(imported, dict) else None)
-    warning = overlap_warning(d)
+    # holograms stored as far field: the far-field pixel size makes the overlap meaningless,
+    # so the hint replaces the overlap warning
+    warning = d["near_field_hint"] or overlap_warning(d)
     if warning:
         import warnings
 
