@@ -120,20 +120,24 @@ class Reconstruction:
             arrays.append(("nominal_positions", self.nominal_positions))
         if self.probe_weights is not None:
             arrays.append(("probe_weights", self.probe_weights))
+        from .io.integrity import EVERY_CHUNK, WRITE_ALL
+
         for name, arr in arrays:
-            a = root.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=_chunks_for(arr))
+            a = root.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=_chunks_for(arr),
+                                  config=WRITE_ALL)
             a[...] = arr
         if self.illumination is not None:
             a = root.create_array("illumination", shape=self.illumination.shape, dtype=np.float32,
-                                  chunks=_chunks_for(self.illumination))
+                                  chunks=_chunks_for(self.illumination), config=WRITE_ALL)
             a[...] = self.illumination
         state = root.create_group("engine_state")
         for name, arr in self.engine_state.items():
             arr = np.asarray(arr)
-            a = state.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=_chunks_for(arr))
+            a = state.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=_chunks_for(arr),
+                                   config=WRITE_ALL)
             a[...] = arr
-        root.attrs.update({
-            "daskpty": {"format": RECON_FORMAT, "version": RECON_VERSION},
+        root.attrs.update({  # written last: every chunk (all-zero ones too) is on disk
+            "daskpty": {"format": RECON_FORMAT, "version": RECON_VERSION, EVERY_CHUNK: True},
             "origin": [float(v) for v in self.origin],
             "epoch": int(self.epochs),
             "history": _jsonable(self.history),
@@ -150,6 +154,9 @@ class Reconstruction:
             path = path + ".previous"  # a swap was interrupted between its two renames
         if not os.path.isdir(path):
             raise FileNotFoundError(f"no reconstruction store at {path}")
+        from .io.integrity import EVERY_CHUNK, check_json_files, read_store_arrays
+
+        check_json_files(path)  # a truncated zarr.json is named
         try:
             root = zarr.open_group(path, mode="r")
         except Exception as exc:
@@ -160,17 +167,14 @@ class Reconstruction:
         if int(meta.get("version", 0)) > RECON_VERSION:
             raise ValueError(f"{path} has format version {meta['version']}, newer than this daskpty "
                              f"reads ({RECON_VERSION}); upgrade daskpty")
-        illum = root["illumination"][...] if "illumination" in root else None
-        engine_state = {}
-        if "engine_state" in root:
-            group = root["engine_state"]
-            engine_state = {name: group[name][...] for name in group.array_keys()}
-        return cls(object=root["object"][...], probe=root["probe"][...], positions=root["positions"][...],
-                   origin=np.asarray(root.attrs["origin"], dtype=np.float64), illumination=illum,
+        # every chunk present and decodable, else one line naming the file (zarr reads a missing one as 0)
+        a = read_store_arrays(root, path, every_chunk=bool(meta.get(EVERY_CHUNK)))
+        engine_state = {k.split("/", 1)[1]: v for k, v in a.items() if k.startswith("engine_state/")}
+        return cls(object=a["object"], probe=a["probe"], positions=a["positions"],
+                   origin=np.asarray(root.attrs["origin"], dtype=np.float64), illumination=a.get("illumination"),
                    history=list(root.attrs.get("history", [])), options=dict(root.attrs.get("options", {})),
                    epoch=int(root.attrs.get("epoch", 0)), engine_state=engine_state,
-                   nominal_positions=root["nominal_positions"][...] if "nominal_positions" in root else None,
-                   probe_weights=root["probe_weights"][...] if "probe_weights" in root else None)
+                   nominal_positions=a.get("nominal_positions"), probe_weights=a.get("probe_weights"))
 
 
 def _discard(tmp: str, timeout: float = 2.0) -> None:

@@ -432,7 +432,8 @@ CORRUPT = r"corrupt|damaged|unreadable"
 def test_corrupted_shard_via_open_data_full(sim_store, tmp_path, damage):
     path = _copy(sim_store, tmp_path)
     damage(path)
-    daskpty.open_data(path)  # metadata are intact
+    if damage is not _garbage_shard:  # a garbage shard's index is found on opening already
+        daskpty.open_data(path)  # metadata are intact
     _api_error(DataError, CORRUPT, daskpty.open_data, path, validate="full")
 
 

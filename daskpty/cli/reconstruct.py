@@ -129,6 +129,17 @@ def run(args) -> int:
     if args.epochs == 0 and args.resume is None:  # documented no-op (docs/reliability.md)
         print(f"daskpty: --epochs 0: nothing to do; {args.output} was not written", file=sys.stderr)
         return 0
+    held = _kept_epoch(args.resume) if args.resume is not None else None
+    if held is not None and held >= args.epochs:  # --epochs counts all epochs (docs/cli.md)
+        import numpy as np
+
+        from daskpty.api import _resume_from  # the store must still fit the data
+
+        _resume_from(args.resume, np.asarray(data.positions, dtype=np.float64), data.pattern_shape[-1])
+        print(f"daskpty: {args.resume} already holds epoch {held} (--epochs {args.epochs} counts "
+              f"the resumed epochs too): nothing to run, {args.output} was not written; pass "
+              f"--epochs above {held} to continue", file=sys.stderr)
+        return 0
     client = None
     scope = contextlib.ExitStack()  # closes the client (and a cluster started here) at the end
     set_exit_note(lambda: _kept(args.output))  # what a forced exit after Ctrl-C reports as kept
@@ -226,6 +237,17 @@ def _setting_value(text):
         except ValueError:
             pass
     return text
+
+
+def _kept_epoch(store):
+    """The epoch a reconstruction store (or its ``.previous``) holds, or None."""
+    from daskpty.io.safety import stored_epoch
+
+    for where in (store, store.rstrip("/") + ".previous"):
+        epoch = stored_epoch(where)
+        if epoch is not None:
+            return epoch
+    return None
 
 
 def _kept(output):

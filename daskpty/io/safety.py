@@ -105,13 +105,44 @@ def remove_own(path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def written_version(fmt: str) -> int:
+    """The format version this daskpty writes for stores of format ``fmt``."""
+    if fmt == "daskpty-reconstruction":
+        from daskpty.results import RECON_VERSION
+
+        return RECON_VERSION
+    from .validate import FORMAT_VERSION
+
+    return FORMAT_VERSION
+
+
+def newer_format(path) -> int | None:
+    """The format version of the daskpty store at ``path`` when it is newer than this daskpty
+    writes (replacing it would lose what a newer daskpty stored), else None."""
+    fmt = store_format(path)
+    if fmt is None:
+        return None
+    version = ((_root_attrs(path) or {}).get("attributes") or {}).get("daskpty", {}).get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > written_version(fmt):
+        return version
+    return None
+
+
 def check_replaceable(path, what: str = "the output") -> None:
-    """Refuse to replace ``path`` unless it is absent, an empty directory or a daskpty store."""
+    """Refuse to replace ``path`` unless it is absent, an empty directory or a daskpty store of a
+    format version this daskpty writes (or an older one)."""
     path = os.fspath(path)
     if os.path.lexists(path) and not (_empty_dir(path) or is_daskpty_store(path)):
         kind = "a file" if not os.path.isdir(path) else "a directory that is not a daskpty store"
         raise FileExistsError(f"{path} ({what}) is {kind}; daskpty replaces only stores it wrote: "
                               f"remove it yourself or choose another path")
+    newer = newer_format(path) if os.path.isdir(path) else None
+    if newer is not None:
+        fmt = store_format(path)
+        raise FileExistsError(f"{path} ({what}) is a daskpty {STORE_FORMATS[fmt]} in format version "
+                              f"{newer}, newer than this daskpty writes ({written_version(fmt)}); "
+                              f"refusing to replace it with an older format: upgrade daskpty, or "
+                              f"choose another path")
 
 
 def interrupted_copy(path) -> str | None:
@@ -279,6 +310,6 @@ def check_checkpoint_target(path, data_path=None) -> None:
 
 __all__ = ["STORE_FORMATS", "StoreWriteError", "WRITE_ERRNOS", "check_checkpoint_target",
            "check_free_space", "check_replaceable", "check_separate", "check_writable", "clean_stale",
-           "interrupted_copy", "intact_note", "is_daskpty_store", "is_own_leftover",
+           "interrupted_copy", "intact_note", "is_daskpty_store", "is_own_leftover", "newer_format",
            "reconstruction_bytes", "remove_own", "stale_leftovers", "store_format",
            "stored_epoch", "write_error"]

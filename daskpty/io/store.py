@@ -22,8 +22,10 @@ import dask.array as da
 import numpy as np
 import zarr
 
+from .integrity import (EVERY_CHUNK, NamedReader, check_json_files, check_present, check_shards,
+                        chunk_files, missing_files)
 from .metadata import Truth, check_truth, check_truth_shapes, make_metadata
-from .safety import store_bytes
+from .safety import interrupted_copy, store_bytes
 from .validate import (FORMAT_NAME, FORMAT_VERSION, DataError, ValueReport, check_format_attrs,
                        check_geometry, check_intensity_layout, check_mask, check_positions, check_probe,
                        check_values, fail)
@@ -63,7 +65,7 @@ class PtychoData:
             try:
                 arr = zarr.open_group(self.path, mode="r")["intensities"]
                 if arr.shape == self.intensities.shape:
-                    return da.from_zarr(arr, chunks=(int(length), *arr.shape[1:]))
+                    return _dask_array(arr, self.path, (int(length), *arr.shape[1:]))
             except Exception:  # fall back to rechunking the opened array
                 pass
         return self.intensities.rechunk((int(length), -1, -1))
@@ -129,7 +131,8 @@ def from_arrays(intensities, positions, *, mask=None, probe=None, wavelength_m=N
                 detector: str | None = None, geometry=None) -> PtychoData:
     """Build a :class:`PtychoData` from NumPy or dask arrays (structural checks included).
 
-    intensities (N, H, W) uint16/uint32/float32, DC at the pattern centre; positions (N, 2) (y, x)
+    intensities (N, H, W) uint16/uint32/float32 (float64 and float16 are converted to float32 with
+    a warning), DC at the pattern centre; positions (N, 2) (y, x)
     object pixels; mask (H, W) bool (True = valid); probe (M, H, W) or (H, W) complex initial guess;
     geometry in metres (electrons: ``electron_voltage_v``, ``reciprocal_pixel_rad``,
     ``convergence_semiangle_rad``; near field: ``detector="near_field"``, ``focus_to_sample_m``;
@@ -139,9 +142,9 @@ def from_arrays(intensities, positions, *, mask=None, probe=None, wavelength_m=N
     like the shards ``to_zarr`` would write.
     """
     if isinstance(intensities, da.Array):
-        x = intensities
+        x = _stored_dtype(intensities)
     else:
-        arr = np.asarray(intensities)
+        arr = _stored_dtype(np.asarray(intensities))
         check_intensity_layout(arr.shape, arr.dtype)
         shard, _ = shard_layout(arr.shape, arr.dtype, shard_bytes)
         x = da.from_array(arr, chunks=(shard, -1, -1))
@@ -166,6 +169,19 @@ def from_arrays(intensities, positions, *, mask=None, probe=None, wavelength_m=N
                       truth=check_truth(truth, pattern_shape), path=None)
 
 
+def _stored_dtype(x):
+    """float64 / float16 intensities as float32, with a warning (exact for counts below 2**24;
+    negative or non-finite values are refused by the value check, as for float32 data). Other
+    dtypes are left for check_intensity_layout to judge."""
+    if np.dtype(x.dtype) not in (np.float64, np.float16) or x.ndim != 3:
+        return x
+    import warnings
+
+    warnings.warn(f"intensities are {np.dtype(x.dtype)}; converted to float32, the dtype the store "
+                  f"holds", UserWarning, stacklevel=3)
+    return x.astype(np.float32)
+
+
 _VALIDATE = (None, "metadata", "full")
 
 
@@ -181,8 +197,9 @@ def open_data(path, validate: str | None = "metadata", client=None) -> PtychoDat
         raise ValueError(f"validate must be one of {_VALIDATE}, got {validate!r}")
     where = os.fspath(path)
     if not os.path.exists(where):
-        fail(f"{where}: no such data set (the path does not exist); check the path or create it "
-             f"with 'daskpty simulate'")
+        fail(missing_data_message(where))
+    if os.path.isdir(where):
+        check_json_files(where)  # a truncated zarr.json is named, not a bare JSON message
     try:
         group = zarr.open_group(os.path.abspath(where), mode="r")
     except zarr.errors.ContainsArrayError:
@@ -205,12 +222,9 @@ def open_data(path, validate: str | None = "metadata", client=None) -> PtychoDat
     inten = arrays["intensities"]
     if validate is not None:
         check_intensity_layout(inten.shape, inten.dtype)
-        stored, expected = inten.nchunks_initialized, inten.nchunks
-        if stored < expected:  # a missing shard would silently read as zeros
-            fail(f"{where}: {expected - stored} of {expected} shards of 'intensities' are missing; the "
-                 f"store is incomplete (interrupted copy?) — re-copy or re-create it")
+        _check_shards(group, inten, where)
     chunks = inten.shards or inten.chunks
-    x = da.from_zarr(inten, chunks=chunks)
+    x = _dask_array(inten, where, chunks)
     if len(x.chunks[1]) > 1 or len(x.chunks[2]) > 1:
         x = x.rechunk({1: -1, 2: -1})
     positions = arrays["positions"][...]
@@ -235,6 +249,44 @@ def open_data(path, validate: str | None = "metadata", client=None) -> PtychoDat
         check_values(data, client=client).raise_if_bad()
     return data
 
+
+
+def missing_data_message(where: str) -> str:
+    """'no such data set', naming the only copy an interrupted write left (``X.previous`` or
+    ``X.old-*``) and how to restore it."""
+    where = os.fspath(where).rstrip("/") or where
+    copy = interrupted_copy(where)
+    if copy is not None:
+        return (f"{where}: no such data set, but {copy} holds one (a write was interrupted between "
+                f"its two renames): rename it back (mv {copy} {where}) and run again")
+    return (f"{where}: no such data set (the path does not exist); check the path or create it "
+            f"with 'daskpty simulate'")
+
+
+def _check_shards(group, inten, where: str) -> None:
+    """Every shard file of ``intensities`` on disk and its index sound, else one line naming the
+    files. A store without the writer's every-chunk record (older daskpty skipped all-zero
+    shards) is judged by the files present, as before."""
+    marker = group.attrs.get("daskpty") or {}
+    missing = missing_files(inten, where)
+    if missing and not marker.get(EVERY_CHUNK):
+        total = len(chunk_files(inten))
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        fail(f"{where}: {len(missing)} of {total} shards of 'intensities' are missing ({shown}); the "
+             f"store is incomplete (interrupted copy?) — re-copy or re-create it (daskpty before "
+             f"the every-chunk record also left all-zero shards out: re-importing such data "
+             f"fixes it)")
+    check_present(inten, where, "intensities")
+    check_shards(inten, where, "intensities")
+
+
+def _dask_array(arr, where: str, chunks) -> da.Array:
+    """``da.from_zarr`` whose read errors name the damaged shard file (:class:`NamedReader`)."""
+    from dask.base import tokenize
+
+    return da.from_array(NamedReader(arr, where), chunks=chunks,
+                         name="from-zarr-" + tokenize(arr, chunks),
+                         meta=np.empty((0,) * arr.ndim, dtype=arr.dtype))
 
 
 store_size_bytes = store_bytes  # bytes on disk under a path (kept under its old name)

@@ -23,9 +23,11 @@ import zarr
 from zarr.codecs import BloscCodec
 
 from .lock import StoreLock, check_unlocked
+from .integrity import EVERY_CHUNK, WRITE_ALL
 from .metadata import Truth, jsonable
 from .progress import TextProgress
-from .safety import clean_stale, intact_note, interrupted_copy, is_daskpty_store, remove_own, write_error
+from .safety import (check_replaceable, clean_stale, intact_note, interrupted_copy, is_daskpty_store,
+                     remove_own, write_error)
 
 MiB = 2**20
 #: default target size of one shard (= one dask chunk) of ``intensities``
@@ -108,6 +110,7 @@ def check_target(path: str, overwrite: bool) -> None:
         raise FileExistsError(f"{path} exists and is not a Zarr store daskpty wrote (no daskpty "
                               f"marker); refusing to replace it: remove it yourself or choose "
                               f"another path")
+    check_replaceable(path, "the target")  # nor a store of a newer format
 
 
 def _remove_tree(path: str) -> None:
@@ -153,6 +156,7 @@ def atomic_store(path, overwrite: bool = False):
             raise
         try:
             yield tmp
+            record_every_chunk(tmp)
             os.remove(os.path.join(tmp, _MARKER))
             if os.path.lexists(path):
                 check_target(path, overwrite)
@@ -177,39 +181,51 @@ def atomic_store(path, overwrite: bool = False):
             raise
 
 
+def record_every_chunk(root: str) -> None:
+    """Record, last, in the ``daskpty`` attribute of the store being written at ``root`` that every
+    chunk is on disk (:func:`create_store` writes all-zero chunks too), so a reader can tell a
+    deleted shard from an all-zero one (:mod:`.integrity`)."""
+    group = zarr.open_group(root, mode="r+")
+    marker = group.attrs.get("daskpty")
+    if isinstance(marker, dict):
+        group.attrs["daskpty"] = {**marker, EVERY_CHUNK: True}
+
+
 def create_store(root: str, *, shape, dtype, shard_len: int, inner_len: int, positions,
                  mask=None, probe=None, metadata: dict, truth: Truth | None = None):
     """Create the data-set group in the (existing, empty) directory ``root``; write everything but
-    the intensities, and return the empty, sharded ``intensities`` zarr array."""
+    the intensities, and return the empty, sharded ``intensities`` zarr array. All-zero chunks
+    are written as files too (``write_empty_chunks``: a zero shard costs a few hundred bytes),
+    so every chunk the grid calls for is on disk."""
     n, h, w = (int(s) for s in shape)
     group = zarr.create_group(store=root, zarr_format=3)
     group.attrs.update(jsonable(metadata))
     arr = group.create_array(
         "intensities", shape=(n, h, w), dtype=np.dtype(dtype), chunks=(inner_len, h, w),
         shards=(shard_len, h, w), compressors=_compressor(dtype), fill_value=0,
-        dimension_names=("pattern", "y", "x"))
+        dimension_names=("pattern", "y", "x"), config=WRITE_ALL)
     pos = np.asarray(positions, dtype=np.float64)
     group.create_array("positions", data=pos, chunks=pos.shape,
-                       dimension_names=("pattern", "axis"))
+                       dimension_names=("pattern", "axis"), config=WRITE_ALL)
     if mask is not None:
-        group.create_array("mask", data=np.asarray(mask, dtype=bool), dimension_names=("y", "x"))
+        group.create_array("mask", data=np.asarray(mask, dtype=bool), dimension_names=("y", "x"), config=WRITE_ALL)
     if probe is not None:
         group.create_array("probe", data=np.asarray(probe, dtype=np.complex64),
-                           dimension_names=("mode", "y", "x"))
+                           dimension_names=("mode", "y", "x"), config=WRITE_ALL)
     if truth is not None:
         tg = group.create_group("truth")
         obj = truth.object
         if obj is not None:
             obj = np.asarray(obj, dtype=np.complex64)
             tg.create_array("object", data=obj, chunks=tuple(min(s, 1024) for s in obj.shape),
-                            dimension_names=("slice", "y", "x")[-obj.ndim:])
+                            dimension_names=("slice", "y", "x")[-obj.ndim:], config=WRITE_ALL)
         if truth.probe is not None:
             tg.create_array("probe", data=np.asarray(truth.probe, dtype=np.complex64),
-                            dimension_names=("mode", "y", "x"))
+                            dimension_names=("mode", "y", "x"), config=WRITE_ALL)
         if truth.positions is not None:
             tp = np.asarray(truth.positions, dtype=np.float64)
             tg.create_array("positions", data=tp, chunks=tp.shape,
-                            dimension_names=("pattern", "axis"))
+                            dimension_names=("pattern", "axis"), config=WRITE_ALL)
     return arr
 
 
