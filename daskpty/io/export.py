@@ -1,26 +1,37 @@
 """Export a reconstruction for other tools: CXI / HDF5 (object, probe, positions, geometry),
 TIFF (amplitude and phase pages) and PNG (an image of the object).
 
-CXI layout written (SI units; read back by :func:`daskpty.io.importers.import_cxi` conventions)::
+CXI layout written (SI units, each scalar with a ``units`` attribute; read back by
+:func:`daskpty.io.importers.import_cxi` conventions; docs/data-format.md)::
 
     cxi_version                                  160
-    entry_1/image_1/data                         object (H, W) complex64, data_type "object"
-    entry_1/image_1/{x,y}_pixel_size             object pixel size, m (when known)
+    entry_1/data_1/data                          soft link to /entry_1/image_1/data (the main data)
+    entry_1/data_1/translation                   soft link to the sample translation (when known)
+    entry_1/image_1/data                         object (H, W) complex64, data_type "object",
+                                                 data_space "real", {x,y}_pixel_size, image_size
     entry_1/image_1/illumination                 Σ|probe|² over the scan, float32
     entry_1/image_1/process_1/                   positions_px (N, 2) (y, x) object frame,
                                                  origin (2,), loss (epochs,), note (JSON)
     entry_1/image_2/data                         probe modes (M, n, n) complex64, data_type "probe"
     entry_1/instrument_1/source_1/{wavelength, energy}          m, J
     entry_1/instrument_1/detector_1/{distance, x_pixel_size, y_pixel_size, basis_vectors}
+    entry_1/instrument_1/detector_1/propagation  "far_field" or "near_field"
+    entry_1/instrument_1/detector_1/{focus_to_sample_distance, magnification,
+                                     effective_distance}         near field (Fresnel scaling)
     entry_1/sample_1/geometry_1/translation      (N, 3) m, where the sample moved (x, y, 0)
 
-Every file is written beside its target and renamed into place, so a failure leaves nothing.
+Every file is built in memory, its size checked against the free space of the target's disk,
+then written beside the target and renamed into place: a full disk or a read-only directory
+ends in one :class:`~daskpty.io.safety.StoreWriteError` line and leaves nothing (HDF5 itself
+never writes to the disk, so its failures on a full disk cannot crash the process).
 """
 from __future__ import annotations
 
-import contextlib
+import errno
+import io
 import json
 import os
+import shutil
 import uuid
 
 import numpy as np
@@ -29,6 +40,12 @@ FORMATS = {".cxi": "cxi", ".h5": "hdf5", ".hdf5": "hdf5", ".tif": "tiff", ".tiff
            ".png": "png"}
 WHAT = ("object", "probe", "phase", "amplitude")
 HC_J_M = 6.62607015e-34 * 299792458.0
+#: metadata keys of a data set carried into CXI / HDF5 / TIFF exports
+GEOMETRY_KEYS = ("wavelength_m", "detector_distance_m", "detector_pixel_size_m",
+                 "object_pixel_size_m", "focus_to_sample_m", "electron_voltage_v",
+                 "reciprocal_pixel_rad", "convergence_semiangle_rad")
+#: bytes written per call (a full disk then fails within one piece)
+WRITE_PIECE = 8 * 2**20
 
 
 def _fail(msg):
@@ -45,21 +62,41 @@ def _reconstruction(recon):
     return Reconstruction.from_zarr(os.fspath(recon))
 
 
-def geometry_of(data) -> dict:
-    """Geometry keys of a data set (store path or PtychoData); empty for None."""
+def geometry_of(data, rec=None) -> dict:
+    """Geometry of a data set (store path or PtychoData): :data:`GEOMETRY_KEYS` that are numbers
+    and ``detector`` ("far_field" / "near_field"); without ``data``, what the reconstruction's
+    options recorded (wavelength, object pixel, detector of its sample options)."""
     if data is None:
-        return {}
-    if isinstance(data, (str, os.PathLike)):
-        from .store import open_data
+        sample = ((rec.options or {}).get("sample") or {}) if rec is not None else {}
+        meta = {k: sample.get(k) for k in ("wavelength_m", "object_pixel_size_m", "detector")}
+    else:
+        if isinstance(data, (str, os.PathLike)):
+            from .store import open_data
 
-        data = open_data(data, validate="metadata")
-    meta = data.metadata
-    keys = ("wavelength_m", "detector_distance_m", "detector_pixel_size_m", "object_pixel_size_m")
-    return {k: float(meta[k]) for k in keys if isinstance(meta.get(k), (int, float))}
+            data = open_data(data, validate="metadata")
+        meta = data.metadata
+    out = {k: float(meta[k]) for k in GEOMETRY_KEYS
+           if isinstance(meta.get(k), (int, float)) and not isinstance(meta.get(k), bool)}
+    if meta.get("detector") in ("far_field", "near_field"):
+        out["detector"] = meta["detector"]
+    elif data is not None:
+        out["detector"] = "near_field" if "focus_to_sample_m" in out else "far_field"
+    if out.get("detector") == "near_field" and "focus_to_sample_m" in out \
+            and "detector_distance_m" in out:
+        z1, z2 = out["focus_to_sample_m"], out["detector_distance_m"]
+        out["magnification"] = (z1 + z2) / z1
+    return out
 
 
-@contextlib.contextmanager
-def _atomic_file(path, overwrite):
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def _target(path, overwrite) -> str:
+    """The absolute output path, after the checks that need no writing; then a probe file in
+    its directory, so a read-only or unwritable place is refused before any work."""
+    from .safety import check_writable
+
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path):
         raise IsADirectoryError(f"{path} is a directory; give a file name")
@@ -67,14 +104,59 @@ def _atomic_file(path, overwrite):
         raise FileExistsError(f"{path} exists; choose another output or pass --overwrite")
     if not os.path.isdir(os.path.dirname(path)):
         raise FileNotFoundError(f"output directory {os.path.dirname(path)} does not exist")
+    check_writable(path)
+    return path
+
+
+def write_file(path, payload, *, overwrite: bool = False, check_space: bool = True) -> str:
+    """Write ``payload`` (bytes-like) to ``path`` through a partial file renamed into place.
+
+    Refuses up front when the target's disk has less free space than the payload (plus a small
+    margin); any OSError while writing (disk full, read-only, permissions) removes the partial
+    file and raises one :class:`~daskpty.io.safety.StoreWriteError` line.
+    """
+    from .safety import StoreWriteError
+
+    path = _target(path, overwrite)
+    view = memoryview(payload).cast("B")
+    size = view.nbytes
+    folder = os.path.dirname(path)
+    if check_space:
+        free = shutil.disk_usage(folder).free
+        if free < size + max(64 * 2**10, size // 100):
+            raise StoreWriteError(errno.ENOSPC, f"not enough free space for {path}: the file is "
+                                                f"{_mib(size)}, {_mib(free)} free on that disk; "
+                                                f"free some space or choose another output "
+                                                f"(nothing was written)")
     root, ext = os.path.splitext(path)
     tmp = f"{root}.partial-{uuid.uuid4().hex[:8]}{ext}"
     try:
-        yield tmp
+        with open(tmp, "xb") as fh:
+            for start in range(0, size, WRITE_PIECE):
+                fh.write(view[start:start + WRITE_PIECE])
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        raise StoreWriteError(exc.errno or errno.EIO, f"writing {path} failed: "
+                                                      f"{exc.strerror or exc} after "
+                                                      f"{_mib(_size(tmp))} of {_mib(size)}; "
+                                                      f"free some space or choose another "
+                                                      f"output (no partial file was left)") from None
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if os.path.lexists(tmp):
+            try:
+                os.remove(tmp)
+            except OSError:
+                pass
+    return path
+
+
+def _size(path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _phase_referenced(rec) -> np.ndarray:
@@ -93,95 +175,201 @@ def _h5():
     return h5py
 
 
+def _h5_bytes(build) -> io.BytesIO:
+    """An HDF5 file built in memory by ``build(file)`` (HDF5 never touches the disk)."""
+    h5py = _h5()
+    buf = io.BytesIO()
+    with h5py.File(buf, "w") as f:
+        build(f)
+    return buf
+
+
+def _scalar(group, name, value, units, description=None):
+    group[name] = value
+    group[name].attrs["units"] = units
+    if description:
+        group[name].attrs["description"] = description
+
+
+def _note(rec, geo) -> str:
+    return json.dumps({"program": "daskpty", "epochs": rec.epochs, "geometry": geo,
+                       "options": rec.options}, default=str)
+
+
+def _axes(obj) -> str:
+    return "slice:y:x" if np.ndim(obj) == 3 else "y:x"
+
+
+def _cxi_instrument(f, geo) -> None:
+    src = f.create_group("entry_1/instrument_1/source_1")
+    det = f.create_group("entry_1/instrument_1/detector_1")
+    if "wavelength_m" in geo:
+        _scalar(src, "wavelength", geo["wavelength_m"], "m")
+        _scalar(src, "energy", HC_J_M / geo["wavelength_m"], "J")
+    if "detector_distance_m" in geo:
+        _scalar(det, "distance", geo["detector_distance_m"], "m", "sample to detector")
+    if "detector_pixel_size_m" in geo:
+        p = geo["detector_pixel_size_m"]
+        for axis in ("x", "y"):
+            _scalar(det, f"{axis}_pixel_size", p, "m")
+        det["basis_vectors"] = np.array([[0.0, p], [p, 0.0], [0.0, 0.0]])  # rows +y, cols +x
+    if "detector" in geo:
+        det["propagation"] = geo["detector"]
+        det["propagation"].attrs["description"] = (
+            "how the exit wave reaches the detector: far_field (Fraunhofer) or near_field "
+            "(Fresnel, holograms)")
+    if "focus_to_sample_m" in geo:
+        _scalar(det, "focus_to_sample_distance", geo["focus_to_sample_m"], "m",
+                "near field, divergent beam: distance z1 from the focus to the sample; "
+                "'distance' is z2, sample to detector")
+    if "magnification" in geo:
+        m = geo["magnification"]
+        _scalar(det, "magnification", m, "1", "Fresnel scaling M = (z1 + z2) / z1")
+        _scalar(det, "effective_distance", geo["detector_distance_m"] / m, "m",
+                "z2 / M: the plane-wave distance equivalent to this divergent-beam geometry")
+
+
 def export_cxi(recon, path, *, data=None, overwrite: bool = False) -> str:
-    """Write the reconstruction (and the geometry of ``data``, a data-set store) as CXI."""
-    h5py, rec, geo = _h5(), _reconstruction(recon), geometry_of(data)
+    """Write the reconstruction (and the geometry of ``data``, a data-set store) as CXI; the
+    layout is in this module's docstring and docs/data-format.md."""
+    h5py, rec = _h5(), _reconstruction(recon)
+    geo = geometry_of(data, rec)
+    path = _target(path, overwrite)
     dx = geo.get("object_pixel_size_m")
-    with _atomic_file(path, overwrite) as tmp, h5py.File(tmp, "w") as f:
+
+    def build(f):
         f["cxi_version"] = 160
         f["number_of_entries"] = 1
+        _cxi_instrument(f, geo)
         img = f.create_group("entry_1/image_1")
-        img.create_dataset("data", data=rec.object.astype(np.complex64), compression="gzip")
+        obj = img.create_dataset("data", data=rec.object.astype(np.complex64), compression="gzip")
+        obj.attrs["axes"] = _axes(rec.object)
+        obj.attrs["description"] = "complex transmission of the object (reconstructed)"
         img["data_type"] = "object"
+        img["data_space"] = "real"
+        img["source_1"] = h5py.SoftLink("/entry_1/instrument_1/source_1")
+        img["detector_1"] = h5py.SoftLink("/entry_1/instrument_1/detector_1")
         if dx:
-            img["x_pixel_size"] = img["y_pixel_size"] = dx
+            for axis in ("x", "y"):
+                _scalar(img, f"{axis}_pixel_size", dx, "m", "object pixel")
+            h, w = rec.object.shape[-2:]
+            _scalar(img, "image_size", np.array([w * dx, h * dx, 0.0]), "m")
         if rec.illumination is not None:
-            img.create_dataset("illumination", data=rec.illumination.astype(np.float32),
-                               compression="gzip")
+            ill = img.create_dataset("illumination", data=rec.illumination.astype(np.float32),
+                                     compression="gzip")
+            ill.attrs["description"] = "sum of |probe|^2 over the scan positions, per object pixel"
         proc = img.create_group("process_1")
         proc["positions_px"] = np.asarray(rec.positions, np.float64)
+        proc["positions_px"].attrs["description"] = "scan positions (y, x), object pixels"
         proc["origin"] = np.asarray(rec.origin, np.float64)
         proc["loss"] = np.asarray([h.get("loss", np.nan) for h in rec.history], np.float64)
-        proc["note"] = json.dumps({"program": "daskpty", "epochs": rec.epochs,
-                                   "options": rec.options}, default=str)
+        proc["note"] = _note(rec, geo)
         probe = f.create_group("entry_1/image_2")
         probe["data"] = rec.probe.astype(np.complex64)
+        probe["data"].attrs["axes"] = "mode:y:x"
         probe["data_type"] = "probe"
-        src = f.create_group("entry_1/instrument_1/source_1")
-        det = f.create_group("entry_1/instrument_1/detector_1")
-        if "wavelength_m" in geo:
-            src["wavelength"] = geo["wavelength_m"]
-            src["energy"] = HC_J_M / geo["wavelength_m"]
-        if "detector_distance_m" in geo:
-            det["distance"] = geo["detector_distance_m"]
-        if "detector_pixel_size_m" in geo:
-            p = geo["detector_pixel_size_m"]
-            det["x_pixel_size"] = det["y_pixel_size"] = p
-            det["basis_vectors"] = np.array([[0.0, p], [p, 0.0], [0.0, 0.0]])  # rows +y, cols +x
+        probe["data_space"] = "real"
+        if dx:
+            for axis in ("x", "y"):
+                _scalar(probe, f"{axis}_pixel_size", dx, "m", "object pixel")
+        d1 = f.create_group("entry_1/data_1")
+        d1["data"] = h5py.SoftLink("/entry_1/image_1/data")
         if dx:
             yx = np.asarray(rec.positions, np.float64) * dx
             translation = np.zeros((len(yx), 3))
             translation[:, 0], translation[:, 1] = -yx[:, 1], -yx[:, 0]  # the sample moves
-            f["entry_1/sample_1/geometry_1/translation"] = translation
-            f["entry_1/data_1/translation"] = h5py.SoftLink("/entry_1/sample_1/geometry_1/translation")
-    return os.fspath(path)
+            _scalar(f.require_group("entry_1/sample_1/geometry_1"), "translation", translation,
+                    "m", "where the sample moved (x, y, z); the probe moved the opposite way")
+            d1["translation"] = h5py.SoftLink("/entry_1/sample_1/geometry_1/translation")
+
+    write_file(path, _h5_bytes(build).getbuffer(), overwrite=overwrite)
+    return path
 
 
 def export_hdf5(recon, path, *, data=None, overwrite: bool = False) -> str:
     """Plain HDF5: /object, /probe, /positions (px, object frame), /origin, /illumination,
-    /loss; geometry, epochs and options as root attributes."""
-    h5py, rec, geo = _h5(), _reconstruction(recon), geometry_of(data)
-    with _atomic_file(path, overwrite) as tmp, h5py.File(tmp, "w") as f:
+    /loss, each with a description; geometry (daskpty's metadata keys, ``detector``,
+    ``magnification`` in near field), epochs and options as root attributes."""
+    rec = _reconstruction(recon)
+    geo = geometry_of(data, rec)
+    path = _target(path, overwrite)
+    dx = geo.get("object_pixel_size_m")
+    pixel = f", object pixel {dx:.6g} m" if dx else ""
+
+    def build(f):
+        f.attrs["format"] = "daskpty-export"
         f.create_dataset("object", data=rec.object.astype(np.complex64), compression="gzip")
+        f["object"].attrs["description"] = f"complex transmission ({_axes(rec.object)}){pixel}"
         f["probe"] = rec.probe.astype(np.complex64)
+        f["probe"].attrs["description"] = f"probe modes (mode:y:x), strongest first{pixel}"
         f["positions"] = np.asarray(rec.positions, np.float64)
         f["positions"].attrs["units"] = "object pixels (y, x)"
         f["origin"] = np.asarray(rec.origin, np.float64)
+        f["origin"].attrs["description"] = "(y, x) object pixel of scan position (0, 0)"
         if rec.illumination is not None:
             f.create_dataset("illumination", data=rec.illumination.astype(np.float32),
                              compression="gzip")
+            f["illumination"].attrs["description"] = "sum of |probe|^2 over the scan positions"
         f["loss"] = np.asarray([h.get("loss", np.nan) for h in rec.history], np.float64)
+        f["loss"].attrs["description"] = "data loss per epoch"
         for key, value in geo.items():
             f.attrs[key] = value
         f.attrs["epochs"] = rec.epochs
         f.attrs["options"] = json.dumps(rec.options, default=str)
-    return os.fspath(path)
+
+    write_file(path, _h5_bytes(build).getbuffer(), overwrite=overwrite)
+    return path
 
 
-def _pages(rec, what) -> np.ndarray:
+def _pages(rec, what) -> list[tuple[np.ndarray, dict]]:
+    """(float32 page, description) for each TIFF page."""
     if what in ("object", "phase", "amplitude"):
         obj = _phase_referenced(rec)
-        pages = {"object": [np.abs(obj), np.angle(obj)], "amplitude": [np.abs(obj)],
-                 "phase": [np.angle(obj)]}[what]
+        planes = obj if obj.ndim == 3 else obj[None]
+        kinds = {"object": ("amplitude", "phase"), "amplitude": ("amplitude",),
+                 "phase": ("phase",)}[what]
+        array, index_key = "object", ("slice" if obj.ndim == 3 else None)
     else:
-        pages = [f(mode) for mode in rec.probe for f in (np.abs, np.angle)]
-    return np.stack(pages).astype(np.float32)
+        planes, kinds, array, index_key = rec.probe, ("amplitude", "phase"), "probe", "mode"
+    pages = []
+    for index, plane in enumerate(planes):
+        for kind in kinds:
+            units = ("rad" if kind == "phase" else "1 (transmission)" if array == "object"
+                     else "sqrt(photons) per pixel")
+            desc = {"daskpty": what, "array": array, "quantity": kind, "units": units}
+            if index_key:
+                desc[index_key] = index
+            if kind == "phase" and array == "object":
+                desc["note"] = "mean phase over the illuminated region set to 0"
+            value = np.abs(plane) if kind == "amplitude" else np.angle(plane)
+            pages.append((value.astype(np.float32), desc))
+    return pages
 
 
-def export_tiff(recon, path, *, what: str = "object", overwrite: bool = False) -> str:
+def export_tiff(recon, path, *, what: str = "object", data=None, overwrite: bool = False) -> str:
     """Float32 TIFF pages: object amplitude and phase (``what="object"``), one of them
-    (``"amplitude"``, ``"phase"``), or amplitude and phase of each probe mode (``"probe"``)."""
+    (``"amplitude"``, ``"phase"``), or amplitude and phase of each probe mode (``"probe"``).
+    Every page carries a JSON description (array, quantity, units, page number and the object
+    pixel size from ``data``, also as the resolution tags, when given)."""
     if what not in WHAT:
         _fail(f"what must be one of {', '.join(WHAT)}, got {what!r}")
     try:
         import tifffile
     except ImportError:
         _fail("writing TIFF needs tifffile: pip install 'daskpty[hdf5]'")
-    pages = _pages(_reconstruction(recon), what)
-    with _atomic_file(path, overwrite) as tmp:
-        tifffile.imwrite(tmp, pages, photometric="minisblack",
-                         description=json.dumps({"daskpty": what}))
-    return os.fspath(path)
+    rec = _reconstruction(recon)
+    dx = geometry_of(data, rec).get("object_pixel_size_m")
+    path = _target(path, overwrite)
+    pages = _pages(rec, what)
+    extra = {"resolution": (1e-2 / dx, 1e-2 / dx), "resolutionunit": "CENTIMETER"} if dx else {}
+    buf = io.BytesIO()
+    with tifffile.TiffWriter(buf) as tif:
+        for i, (page, desc) in enumerate(pages):
+            desc.update(page=i, pages=len(pages), pixel_size_m=dx)
+            tif.write(page, photometric="minisblack", description=json.dumps(desc),
+                      metadata=None, **extra)
+    write_file(path, buf.getbuffer(), overwrite=overwrite)
+    return path
 
 
 def export_png(recon, path, *, what: str = "phase", overwrite: bool = False,
@@ -204,10 +392,12 @@ def export_png(recon, path, *, what: str = "phase", overwrite: bool = False,
             rows, cols = np.nonzero(rec.illuminated())
             if rows.size:
                 img = img[rows.min():rows.max() + 1, cols.min():cols.max() + 1]
+    path = _target(path, overwrite)
     lo, hi = np.percentile(img, [0.5, 99.5])
-    with _atomic_file(path, overwrite) as tmp:
-        image.imsave(tmp, img, cmap="gray", vmin=lo, vmax=hi if hi > lo else lo + 1, format="png")
-    return os.fspath(path)
+    buf = io.BytesIO()
+    image.imsave(buf, img, cmap="gray", vmin=lo, vmax=hi if hi > lo else lo + 1, format="png")
+    write_file(path, buf.getbuffer(), overwrite=overwrite)
+    return path
 
 
 def export(recon, path, *, data=None, what: str | None = None, overwrite: bool = False) -> str:
@@ -220,8 +410,8 @@ def export(recon, path, *, data=None, what: str | None = None, overwrite: bool =
             _fail(f"--what applies to TIFF and PNG exports; {fmt} files hold everything")
         func = export_cxi if fmt == "cxi" else export_hdf5
         return func(recon, path, data=data, overwrite=overwrite)
-    if data is not None:
-        _fail("--data (geometry) applies to CXI and HDF5 exports")
     if fmt == "tiff":
-        return export_tiff(recon, path, what=what or "object", overwrite=overwrite)
+        return export_tiff(recon, path, what=what or "object", data=data, overwrite=overwrite)
+    if data is not None:
+        _fail("--data (geometry) applies to CXI, HDF5 and TIFF exports")
     return export_png(recon, path, what=what or "phase", overwrite=overwrite)
