@@ -9,7 +9,7 @@ import numpy as np
 from .checkpoint import Checkpointer, sigterm_as_interrupt
 from .engines import lsqml
 from .engines.initial import object_frame, probe_diameter_from_scan, probe_from_mean_pattern
-from .execution.cluster import client_context
+from .execution.cluster import client_context, wait_for_workers
 from .execution.data import auto_rounds, choose_chunk_length, prepare_data, should_persist, workers_have_gpus
 from .execution.driver import LSQMLAdapter, run_epochs, with_local
 from .execution.local_state import PatternLayout
@@ -466,6 +466,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
                            max(epochs - len(previous_history), 0) if progress else None, len(positions))
 
     with client_context(client, n_workers=execution.n_workers) as c:
+        wait_for_workers(c)  # a cluster without workers: a bounded wait and one line, not a hang
         enable_low_latency(c)
         if not hasattr(intensities, "dask") or getattr(data, "path", "") is None:
             from .execution.scatter import scatter_in_memory  # once, not inside every graph

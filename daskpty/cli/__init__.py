@@ -59,7 +59,12 @@ def main(argv=None) -> int:
     if getattr(args, "run", None) is None:
         print("daskpty: error: choose a command (see 'daskpty --help')", file=sys.stderr)
         return 2
-    # as a command of its own (not called from Python code): Ctrl-C ends it even when stuck
+    if argv is None:  # as a command of its own (not called from Python code)
+        # Worker processes killed by a signal (handled: the run restarts or ends in one line)
+        # leave their semaphores to multiprocessing's resource tracker, which removes them at
+        # exit with a "leaked semaphore" warning; it takes its warning filters from these options.
+        sys.warnoptions.append("ignore:resource_tracker:UserWarning")
+    # as a command of its own: Ctrl-C ends it even when stuck
     with InterruptGuard() if argv is None else contextlib.nullcontext():
         code = _run_command(args)
     if code == INTERRUPTED:

@@ -145,9 +145,9 @@ def run(args) -> int:
     set_exit_note(lambda: _kept(args.output))  # what a forced exit after Ctrl-C reports as kept
     scope.callback(set_exit_note, None)
     if args.scheduler:
-        from distributed import Client
+        from daskpty.execution.cluster import connect
 
-        client = Client(args.scheduler)
+        client = connect(args.scheduler)  # a closed or HTTP port: one line within seconds
         scope.callback(client.close)
     elif args.protocol is not None:
         from daskpty.execution.cluster import client_context

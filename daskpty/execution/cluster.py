@@ -15,6 +15,8 @@ import warnings
 
 from distributed import Client, LocalCluster
 
+from .watchdog import ReconstructionStalled
+
 
 def current_client():
     """The active ``distributed.Client`` or None."""
@@ -80,6 +82,7 @@ def start_local_cluster(n_workers: int | None = None, threads_per_worker: int = 
     default) or "ucx" (needs distributed-ucxx); on GPUs the UCX switches of dask-cuda
     (``enable_nvlink=True``, ...; see :func:`comm_options`) may be passed too.
     """
+    check_worker_count(n_workers)
     if gpu is None:
         gpu = gpu_count() > 0 and _has_dask_cuda()
     switches = {k: kwargs.pop(k) for k in UCX_SWITCHES if k in kwargs}
@@ -213,3 +216,186 @@ def client_context(client: Client | None = None, n_workers: int | None = None, *
         except BaseException:  # a second Ctrl-C while closing: no wait in distributed's exit handler
             _abandon([cluster], timeout=1)
             raise
+
+
+# --- A cluster that is there: workers to run on, a scheduler that answers -------------------------
+
+class ClusterUnavailable(ReconstructionStalled):
+    """The cluster cannot run the reconstruction: no worker within the wait, no dask scheduler at
+    the address, or the scheduler gone. The message is one line saying what is missing."""
+
+
+class SchedulerLost(ClusterUnavailable):
+    """The connection to the dask scheduler is gone (the scheduler died or the network dropped)."""
+
+
+#: Default wait for a first worker, seconds (``DASKPTY_WORKER_WAIT_SECONDS`` overrides it).
+DEFAULT_WORKER_WAIT_SECONDS = 60.0
+#: How long a client that lost its scheduler may take to reconnect before the run gives up.
+RECONNECT_SECONDS = 10.0
+#: Most worker processes the embedded cluster starts per CPU core.
+WORKERS_PER_CORE = 4
+
+
+def worker_wait_seconds() -> float:
+    """The wait for a first worker (``DASKPTY_WORKER_WAIT_SECONDS`` or the default, 60 s)."""
+    text = os.environ.get("DASKPTY_WORKER_WAIT_SECONDS")
+    if not text:
+        return DEFAULT_WORKER_WAIT_SECONDS
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"DASKPTY_WORKER_WAIT_SECONDS must be a number of seconds, got {text!r}") from None
+    if not value >= 0:
+        raise ValueError(f"DASKPTY_WORKER_WAIT_SECONDS must be >= 0, got {text!r}")
+    return value
+
+
+def check_worker_count(n_workers: int | None) -> None:
+    """Refuse more embedded worker processes than :data:`WORKERS_PER_CORE` per core (1000 on two
+    cores spent minutes spawning processes that would only share those cores)."""
+    cores = os.cpu_count() or 1
+    most = max(WORKERS_PER_CORE * cores, 8)
+    if n_workers is not None and n_workers > most:
+        raise ValueError(f"{n_workers} workers on this machine's {cores} core(s) is too many: at most {most} "
+                         f"({WORKERS_PER_CORE} per core; more only share the same cores and each costs about "
+                         "100 MiB); for more workers, start them on other machines and pass --scheduler / client=")
+
+
+def scheduler_address(client) -> str:
+    try:
+        return str(client.scheduler.address)
+    except Exception:
+        return "(unknown address)"
+
+
+def live_workers(client) -> dict:
+    """The scheduler's workers (``{address: info}``); :class:`SchedulerLost` when the client has
+    lost its scheduler (it waits up to :data:`RECONNECT_SECONDS` for a reconnection first)."""
+    import time
+
+    deadline = time.monotonic() + RECONNECT_SECONDS
+    while client.status == "connecting" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if client.status != "running":
+        raise SchedulerLost(f"the dask scheduler at {scheduler_address(client)} is gone (the client's "
+                            f"connection is {client.status})")
+    try:
+        info = client.scheduler_info(n_workers=-1)
+    except OSError as exc:
+        raise SchedulerLost(f"the dask scheduler at {scheduler_address(client)} is gone ({exc})") from None
+    if "workers" not in info or client.status != "running":
+        raise SchedulerLost(f"the dask scheduler at {scheduler_address(client)} is gone (it no longer answers)")
+    return dict(info["workers"])
+
+
+def paused_workers(client) -> list[str]:
+    """Addresses of workers paused at their memory limit (``distributed.worker.memory.pause``)."""
+    try:
+        workers = live_workers(client)
+    except ClusterUnavailable:
+        return []
+    return sorted(a for a, w in workers.items() if str(w.get("status", "")).endswith("paused"))
+
+
+def wait_for_workers(client, timeout: float | None = None, *, say=None, lost: bool = False) -> int:
+    """Wait until the scheduler has at least one worker; return how many it has.
+
+    Returns at once when workers are there. Otherwise says once (``say``: a function taking one
+    line; default stderr) that it waits, polls for up to ``timeout`` seconds (default
+    :func:`worker_wait_seconds`) and raises :class:`ClusterUnavailable` naming the scheduler and
+    what to start (``lost``: the run had workers and lost them all). A cluster without workers
+    used to hang the run forever in its first gather.
+    """
+    import sys
+    import time
+
+    workers = live_workers(client)
+    if workers:
+        return len(workers)
+    timeout = worker_wait_seconds() if timeout is None else float(timeout)
+    address = scheduler_address(client)
+    if say is None:
+        def say(line):
+            print(line, file=sys.stderr, flush=True)
+    said = False
+    deadline = time.monotonic() + timeout
+    while True:
+        workers = live_workers(client)
+        if workers:
+            return len(workers)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        if not said and timeout - left >= 1.0:  # (nannies usually bring workers back within a second)
+            say(f"daskpty: the dask scheduler at {address} has {'lost all its' if lost else 'no'} workers; "
+                f"waiting up to {timeout:.0f} s for one to join")
+            said = True
+        time.sleep(min(0.25, left))
+    if lost:
+        raise ClusterUnavailable(f"every dask worker of the scheduler at {address} was lost and none came back "
+                                 f"within {timeout:.0f} s (DASKPTY_STALL_SECONDS sets the wait)")
+    raise ClusterUnavailable(f"no dask worker joined the scheduler at {address} within {timeout:.0f} s; "
+                             f"start workers (dask worker {address}) or check that they can reach it "
+                             "(DASKPTY_WORKER_WAIT_SECONDS sets the wait)")
+
+
+def _probe_scheduler(host: str, port: int, timeout: float) -> None:
+    """Raise :class:`ClusterUnavailable` quickly when nothing listens at ``host:port`` or what
+    listens is not a dask scheduler. A dask scheduler speaks first (its handshake) as soon as a
+    connection is accepted; an HTTP server (the dashboard) waits for a request and answers it."""
+    import socket
+
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except socket.timeout:
+        raise ClusterUnavailable(f"nothing answered at {host}:{port} within {timeout:.0f} s; check the "
+                                 "--scheduler address and that a dask scheduler runs there") from None
+    except OSError as exc:
+        raise ClusterUnavailable(f"cannot connect to a dask scheduler at {host}:{port}: "
+                                 f"{exc.strerror or exc}; check the address and that the scheduler "
+                                 "runs (dask scheduler)") from None
+    with sock:
+        sock.settimeout(min(timeout, 3.0))
+        try:
+            if sock.recv(1):
+                return  # it spoke first: a dask comm
+        except socket.timeout:
+            pass
+        except OSError:
+            return  # closed at once: let distributed say what it is
+        try:
+            sock.sendall(b"GET / HTTP/1.0\r\nHost: " + host.encode() + b"\r\n\r\n")
+            reply = sock.recv(5)
+        except OSError:
+            reply = b""
+    if reply.startswith(b"HTTP"):
+        raise ClusterUnavailable(f"{host}:{port} is an HTTP server (a dask dashboard?), not a dask "
+                                 "scheduler; pass the scheduler's address (tcp://HOST:8786 by default)")
+    raise ClusterUnavailable(f"{host}:{port} does not answer like a dask scheduler; pass the scheduler's "
+                             "address (tcp://HOST:8786 by default)")
+
+
+def connect(address: str, timeout: float = 10.0):
+    """A ``Client`` of the scheduler at ``address``, or :class:`ClusterUnavailable` within about
+    ``timeout`` seconds: a closed port, an HTTP port (the dashboard's) and an address that does
+    not answer are each one line (a closed port used to give a traceback after 32 s, an HTTP port
+    to hang). TCP addresses are probed first; other protocols go straight to distributed."""
+    from urllib.parse import urlsplit
+
+    text = str(address)
+    scheme = text.split("://", 1)[0] if "://" in text else "tcp"
+    if scheme == "tcp":
+        parts = urlsplit(text if "://" in text else f"tcp://{text}")
+        try:
+            host, port = parts.hostname, parts.port or 8786
+        except ValueError:
+            raise ClusterUnavailable(f"bad scheduler address {address!r}; expected tcp://HOST:PORT") from None
+        if not host:
+            raise ClusterUnavailable(f"bad scheduler address {address!r}; expected tcp://HOST:PORT")
+        _probe_scheduler(host, port, timeout)
+    try:
+        return Client(address, timeout=timeout)
+    except (OSError, TimeoutError) as exc:
+        raise ClusterUnavailable(f"cannot connect to a dask scheduler at {address} within {timeout:.0f} s "
+                                 f"({' '.join(str(exc).split())})") from None

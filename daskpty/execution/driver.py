@@ -28,12 +28,13 @@ from ..engines import lsqml
 from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
                                  options_for, settle_start, start_arrays, start_from_arrays, start_parameters,
                                  window_parameters)
+from .cluster import live_workers, wait_for_workers
 from .device_state import fetch_host_state
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
 from .placement import run_stuck_loose_tasks
 from .rounds import ChunkedData, default_split_every, map_reduce
-from .watchdog import ReconstructionStalled, Watchdog, check_loss
+from .watchdog import ReconstructionStalled, Watchdog, check_loss, quiet_handled_losses
 
 
 @dataclass
@@ -305,7 +306,7 @@ def _state_of_any(epoch):
 
 
 def _workers(client) -> set:
-    return set(client.scheduler_info(n_workers=-1)["workers"])
+    return set(live_workers(client))  # SchedulerLost when the scheduler is gone
 
 
 def _replica_lost(client, graph) -> bool:
@@ -352,11 +353,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
 
     def start(carry_state):
         """Submit an epoch from a state on the client once a worker is there to take it."""
-        try:
-            client.wait_for_workers(1, timeout=watchdog.bound())
-        except TimeoutError:
-            raise ReconstructionStalled(f"no dask worker came back within {watchdog.bound():.0f} s "
-                                        "of losing them all") from None
+        wait_for_workers(client, timeout=watchdog.bound(), lost=True)
         run_stuck_loose_tasks(client)  # chunks pinned to workers that are gone: recompute anywhere
         return graph.submit(client.scatter(_carry_of(carry_state), hash=False))
 
@@ -457,6 +454,8 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
     else:
         epochs_iter = _client_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)
     last = None
+    quiet = quiet_handled_losses()  # distributed's tracebacks of a loss the driver handles
+    quiet.__enter__()
     try:
         for last, scalars, seconds in epochs_iter:
             check_loss(last.epoch, scalars, rounds_per_epoch)
@@ -472,5 +471,8 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
         if last is not None:
             state = last.get()
     finally:
-        epochs_iter.close()
+        try:
+            epochs_iter.close()
+        finally:
+            quiet.__exit__(None, None, None)
     return state, history

@@ -27,7 +27,9 @@ def chunk_annotations(client, array, blocks) -> dict:
     """
     from distributed import futures_of
 
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"]) if futures_of(array) else []
+    from .cluster import live_workers
+
+    workers = sorted(live_workers(client)) if futures_of(array) else []
     if not workers:
         return {}
     return {b.key: {"workers": [workers[balanced_worker(i, len(blocks), len(workers))]],

@@ -11,17 +11,21 @@ the chunks, never on the cluster.
 """
 from __future__ import annotations
 
+import logging
+import multiprocessing
 import uuid
+from concurrent.futures import CancelledError
 from dataclasses import dataclass
 
 import dask
 import dask.array as da
 import numpy as np
+from distributed import KilledWorker
 
 from ..engines.partials import Partial, sum_partials
 from .placement import chunk_annotations
 from .tuning import release_memory, tune_allocator
-from .watchdog import ReconstructionStalled
+from .watchdog import ReconstructionStalled, install_loss_filter
 
 
 @dataclass
@@ -164,6 +168,16 @@ def tree_reduce(blocks, split_every: int, name: str | None = None):
     return tree.reduce({(0, i): b for i, b in enumerate(blocks)}, node, root)[tree.root]
 
 
+# Worker processes import this module with their first chunk task: a surviving worker's reports
+# of a lost peer (``failed during get data``, ...) go to INFO there, as the client's do during a run.
+if "Dask Worker" in multiprocessing.current_process().name:
+    install_loss_filter()
+
+#: Restarts of one round after its workers were lost (or it timed out) before the run stops.
+MAX_ROUND_RESTARTS = 3
+logger = logging.getLogger("daskpty")
+
+
 def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0, rounds: int = 1,
                split_every: int | None = None, local: dict | None = None,
                timeout: float | None = None) -> Partial:
@@ -175,8 +189,55 @@ def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0
     come back in the sum's ``local``. Round by round the chunks have no home worker that could keep
     it (out of core, any worker reads a chunk), so it travels with the tasks: 16–48 bytes per
     pattern, against the pattern itself read from the store. ``timeout``: seconds to wait for
-    the round (None: no limit) before :class:`~.watchdog.ReconstructionStalled`.
+    the round (None: no limit).
+
+    A round whose workers die (all of them, say: ``kill -9``, a lost node) or that does not finish
+    within ``timeout`` is run again, once a worker is there (:func:`~.cluster.wait_for_workers`),
+    from the same payload: the sum is the same, so the run stays bit-identical. After
+    :data:`MAX_ROUND_RESTARTS` restarts it stops with :class:`~.watchdog.ReconstructionStalled`
+    (one line; "workers paused at their memory limit" when that is why); a scheduler that is
+    gone ends it with :class:`~.cluster.SchedulerLost`.
     """
+    from .cluster import paused_workers, wait_for_workers
+
+    restarts = 0
+    while True:
+        try:
+            return _map_reduce_once(client, data, func, payload, round_index=round_index, rounds=rounds,
+                                    split_every=split_every, local=local, timeout=timeout)
+        except (CancelledError, KilledWorker, OSError, _RoundTimedOut) as exc:
+            paused = paused_workers(client)  # (SchedulerLost first, when the scheduler is gone)
+            reason = " ".join(f"{type(exc).__name__}: {exc}".rstrip(": ").split())
+            if isinstance(exc, _RoundTimedOut) and paused:
+                raise ReconstructionStalled(
+                    f"a round did not finish within {timeout:.0f} s: {len(paused)} worker(s) paused at their "
+                    "memory limit; give each worker more memory (memory_limit=, fewer workers per machine), "
+                    "a shorter chunk_length or persist=False") from None
+            restarts += 1
+            if restarts > MAX_ROUND_RESTARTS:
+                raise ReconstructionStalled(f"a round made no progress after {MAX_ROUND_RESTARTS} restarts "
+                                            f"(last: {reason}); data held only in worker memory die with "
+                                            "the workers") from None
+            logger.warning("daskpty: restarting round %d (%s)", round_index + 1, reason)
+            wait_for_workers(client, timeout=timeout, lost=True)
+            _unstick(client)
+
+
+class _RoundTimedOut(Exception):
+    pass
+
+
+def _unstick(client) -> None:
+    from .placement import run_stuck_loose_tasks
+
+    try:
+        run_stuck_loose_tasks(client)
+    except OSError:  # the scheduler went away meanwhile: the next try says so
+        pass
+
+
+def _map_reduce_once(client, data: ChunkedData, func, payload, *, round_index: int, rounds: int,
+                     split_every: int | None, local: dict | None, timeout: float | None) -> Partial:
     payload_future = client.scatter(payload, broadcast=True, hash=False)
     if data.persisted or local is not None:  # one task per chunk (persisted: on its chunk's worker)
         blocks = list(data.intensities.to_delayed().ravel())
@@ -204,8 +265,7 @@ def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0
         try:
             return future.result(timeout=timeout)
         except TimeoutError:
-            raise ReconstructionStalled(f"a round did not finish within {timeout:.0f} s "
-                                        "(see DASKPTY_STALL_SECONDS)") from None
+            raise _RoundTimedOut(f"it did not finish within {timeout:.0f} s (see DASKPTY_STALL_SECONDS)") from None
     finally:
         future.release()
         payload_future.release()

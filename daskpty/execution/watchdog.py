@@ -14,6 +14,8 @@ an object or probe that is no longer finite when it would be written or returned
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import os
 
@@ -88,3 +90,77 @@ class Watchdog:
         if self.slowest == 0.0:
             return self.first
         return max(self.floor, EPOCH_FACTOR * self.slowest)
+
+
+# --- distributed's noise about a loss daskpty handles ------------------------------------------
+
+#: Log messages (start of ``record.msg``) that distributed emits when workers or the scheduler are
+#: lost: the driver handles the loss (restarts, or one line) so they are routed to INFO.
+LOSS_MESSAGES = (
+    "failed during get data", "Failed to communicate with scheduler during heartbeat",
+    "Removing worker", "Restarting worker", "Worker process still alive", "Failed to reconnect to scheduler",
+    "Connection to scheduler broken", "Unable to connect to scheduler", "Nanny failed to start",
+    "Worker stream died", "Failed to connect to", "Task exception was never retrieved",
+    "Exception in callback", "Scheduler for Client", "Lost connection to",
+)
+#: Exceptions that mark a "Compute Failed" report as a consequence of the loss.
+LOSS_EXCEPTIONS = ("CancelledError", "CommClosedError", "KilledWorker", "AllExit", "StreamClosedError",
+                   "FutureState", "lost", "forgotten")
+#: distributed's loggers that report losses
+LOSS_LOGGERS = ("distributed", "distributed.worker", "distributed.core", "distributed.nanny",
+                "distributed.scheduler", "distributed.client", "distributed.comm", "distributed.utils",
+                "distributed.batched", "distributed.worker.memory", "tornado.application", "asyncio")
+
+
+class HandledLossNoise(logging.Filter):
+    """Route distributed's reports of lost workers or a lost scheduler (ERROR tracebacks:
+    ``failed during get data``, heartbeats, ``Compute Failed`` of cancelled tasks; asyncio's
+    ``Task exception was never retrieved … AllExit``) to INFO without the traceback: they show
+    only where INFO logging is on (distributed's own loggers are at WARNING in daskpty's local
+    clusters). Other records pass unchanged."""
+
+    def filter(self, record) -> bool:
+        msg = str(record.msg)
+        text = msg if not record.args else msg + " " + " ".join(map(str, record.args if isinstance(
+            record.args, tuple) else (record.args,)))
+        exc = record.exc_info[1] if record.exc_info and record.exc_info[1] is not None else None
+        loss = msg.startswith(LOSS_MESSAGES) or any(m in msg for m in ("during get data", "heartbeat"))
+        if msg.startswith("Compute Failed") or (exc is not None and not loss):
+            names = text + ("" if exc is None else f" {type(exc).__name__} {exc}")
+            loss = any(word in names for word in LOSS_EXCEPTIONS)
+        if not loss or record.levelno < logging.WARNING:
+            return True
+        record.levelno, record.levelname = logging.INFO, "INFO"
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+
+
+def install_loss_filter() -> list:
+    """Add :class:`HandledLossNoise` to distributed's loggers (and asyncio's) and their
+    handlers; returns those it was added to (for :func:`remove_loss_filter`)."""
+    added = []
+    targets = [logging.getLogger(name) for name in LOSS_LOGGERS]
+    # a logger's filters see only records logged on it, not those of its children: filter the
+    # handlers those records reach too
+    targets += [h for log in targets + [logging.getLogger()] for h in log.handlers]
+    for target in targets:
+        if not any(isinstance(f, HandledLossNoise) for f in target.filters):
+            target.addFilter(HandledLossNoise())
+            added.append(target)
+    return added
+
+
+def remove_loss_filter(added) -> None:
+    for log in added:
+        for f in [f for f in log.filters if isinstance(f, HandledLossNoise)]:
+            log.removeFilter(f)
+
+
+@contextlib.contextmanager
+def quiet_handled_losses():
+    """:class:`HandledLossNoise` on distributed's loggers for the duration of the block (a run)."""
+    added = install_loss_filter()
+    try:
+        yield
+    finally:
+        remove_loss_filter(added)
