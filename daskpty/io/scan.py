@@ -81,12 +81,11 @@ def unit_mistake(positions, n: int, *, units: str | None = None,
     p = np.asarray(positions, dtype=np.float64)
     if p.ndim != 2 or p.shape[1] != 2 or len(p) < 2 or not np.isfinite(p).all() or n < 1:
         return None
-    span = float(np.ptp(p, axis=0).max())
-    if span == 0:
+    distinct = np.unique(p, axis=0)  # repeated exposures at one spot are not steps
+    if len(distinct) < 2:
         return None
-    steps = nearest_neighbour_steps(p)
-    steps = steps[steps > 0]
-    step = float(np.median(steps))
+    span = float(np.ptp(distinct, axis=0).max())
+    step = float(np.median(nearest_neighbour_steps(distinct)))
     pixel_m = pixel_m if isinstance(pixel_m, (int, float)) and pixel_m > 0 else None
     in_m = (lambda px: f" ({_metres(px * pixel_m)})") if pixel_m else (lambda px: "")
     # the power of 1000 that would bring the median step to a typical quarter probe width
@@ -102,7 +101,7 @@ def unit_mistake(positions, n: int, *, units: str | None = None,
     else:
         return None
     factor = 1000.0 ** power
-    size = f"about {factor:.0e} times too {'small' if power > 0 else 'large'}"
+    size = f"about {max(factor, 1 / factor):.0e} times too {'small' if power > 0 else 'large'}"
     fix = "Re-import with the right --units (Python: units=...)."
     known, scale = _metres_per(units)
     if not known:
