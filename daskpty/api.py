@@ -446,6 +446,12 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         adapter.valid = np.fft.ifftshift(adapter.valid)
 
     resumed = _resume_from(resume, positions, n) if resume is not None else None
+    if resumed is not None and resumed.epochs >= epochs:  # say so: no epoch runs
+        import warnings
+
+        warnings.warn(f"daskpty: {resume} already holds epoch {resumed.epochs} (epochs={epochs} counts "
+                      f"the resumed epochs too): no epoch runs; pass epochs > {resumed.epochs} to "
+                      f"continue", UserWarning, stacklevel=2)
     if resumed is not None:  # the stored chunking and rounds keep resume bit-identical
         kept = resume_settings(resumed.options, **{k: getattr(execution, k) for k in RESUMED_SETTINGS})
         execution = execution.replace(**kept)

@@ -251,6 +251,14 @@ def test_resume_of_a_store_at_or_past_epochs_says_so(tmp_path, store_path, capsy
     assert os.stat(os.path.join(path, "zarr.json")).st_mtime_ns == mtime
 
 
+@pytest.mark.slow
+def test_resume_api_past_epochs_warns(checkpoint, client):
+    data, ck = checkpoint
+    with pytest.warns(UserWarning, match=r"already holds epoch 2 \(epochs=2 counts"):
+        rec = daskpty.reconstruct(str(data), epochs=2, client=client, resume=str(ck), progress=False)
+    assert rec.epochs == 2
+
+
 # --------------------------------------------------------------------------- real checkpoints
 
 @pytest.fixture(scope="module")
