@@ -234,7 +234,7 @@ def export_cxi(recon, path, *, data=None, overwrite: bool = False) -> str:
     layout is in this module's docstring and docs/data-format.md."""
     h5py, rec = _h5(), _reconstruction(recon)
     geo = geometry_of(data, rec)
-    path = _target(path, overwrite)
+    target = _target(path, overwrite)
     dx = geo.get("object_pixel_size_m")
 
     def build(f):
@@ -282,8 +282,8 @@ def export_cxi(recon, path, *, data=None, overwrite: bool = False) -> str:
                     "m", "where the sample moved (x, y, z); the probe moved the opposite way")
             d1["translation"] = h5py.SoftLink("/entry_1/sample_1/geometry_1/translation")
 
-    write_file(path, _h5_bytes(build).getbuffer(), overwrite=overwrite)
-    return path
+    write_file(target, _h5_bytes(build).getbuffer(), overwrite=overwrite)
+    return os.fspath(path)
 
 
 def export_hdf5(recon, path, *, data=None, overwrite: bool = False) -> str:
@@ -292,7 +292,7 @@ def export_hdf5(recon, path, *, data=None, overwrite: bool = False) -> str:
     ``magnification`` in near field), epochs and options as root attributes."""
     rec = _reconstruction(recon)
     geo = geometry_of(data, rec)
-    path = _target(path, overwrite)
+    target = _target(path, overwrite)
     dx = geo.get("object_pixel_size_m")
     pixel = f", object pixel {dx:.6g} m" if dx else ""
 
@@ -317,8 +317,8 @@ def export_hdf5(recon, path, *, data=None, overwrite: bool = False) -> str:
         f.attrs["epochs"] = rec.epochs
         f.attrs["options"] = json.dumps(rec.options, default=str)
 
-    write_file(path, _h5_bytes(build).getbuffer(), overwrite=overwrite)
-    return path
+    write_file(target, _h5_bytes(build).getbuffer(), overwrite=overwrite)
+    return os.fspath(path)
 
 
 def _pages(rec, what) -> list[tuple[np.ndarray, dict]]:
@@ -359,7 +359,7 @@ def export_tiff(recon, path, *, what: str = "object", data=None, overwrite: bool
         _fail("writing TIFF needs tifffile: pip install 'daskpty[hdf5]'")
     rec = _reconstruction(recon)
     dx = geometry_of(data, rec).get("object_pixel_size_m")
-    path = _target(path, overwrite)
+    target = _target(path, overwrite)
     pages = _pages(rec, what)
     extra = {"resolution": (1e-2 / dx, 1e-2 / dx), "resolutionunit": "CENTIMETER"} if dx else {}
     buf = io.BytesIO()
@@ -368,8 +368,8 @@ def export_tiff(recon, path, *, what: str = "object", data=None, overwrite: bool
             desc.update(page=i, pages=len(pages), pixel_size_m=dx)
             tif.write(page, photometric="minisblack", description=json.dumps(desc),
                       metadata=None, **extra)
-    write_file(path, buf.getbuffer(), overwrite=overwrite)
-    return path
+    write_file(target, buf.getbuffer(), overwrite=overwrite)
+    return os.fspath(path)
 
 
 def export_png(recon, path, *, what: str = "phase", overwrite: bool = False,
@@ -392,12 +392,12 @@ def export_png(recon, path, *, what: str = "phase", overwrite: bool = False,
             rows, cols = np.nonzero(rec.illuminated())
             if rows.size:
                 img = img[rows.min():rows.max() + 1, cols.min():cols.max() + 1]
-    path = _target(path, overwrite)
+    target = _target(path, overwrite)
     lo, hi = np.percentile(img, [0.5, 99.5])
     buf = io.BytesIO()
     image.imsave(buf, img, cmap="gray", vmin=lo, vmax=hi if hi > lo else lo + 1, format="png")
-    write_file(path, buf.getbuffer(), overwrite=overwrite)
-    return path
+    write_file(target, buf.getbuffer(), overwrite=overwrite)
+    return os.fspath(path)
 
 
 def export(recon, path, *, data=None, what: str | None = None, overwrite: bool = False) -> str:
