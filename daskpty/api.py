@@ -7,11 +7,11 @@ import os
 import numpy as np
 
 from .checkpoint import Checkpointer, sigterm_as_interrupt
-from .engines import lsqml
 from .engines.initial import object_frame, probe_diameter_from_scan, probe_from_mean_pattern
 from .execution.cluster import client_context, wait_for_workers
 from .execution.data import auto_rounds, choose_chunk_length, prepare_data, should_persist, workers_have_gpus
-from .execution.driver import LSQMLAdapter, run_epochs, with_local
+from .execution.driver import run_epochs, with_local
+from .execution.engine_registry import engine_spec
 from .execution.local_state import PatternLayout
 from .execution.options import ExecutionOptions
 from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
@@ -29,7 +29,6 @@ from .io.safety import check_checkpoint_target, check_free_space, reconstruction
 from .results import Reconstruction
 from .sample import SampleOptions, initial_probe as sample_probe
 
-ENGINES = ("lsqml", "ad")
 
 
 def _load(data):
@@ -121,25 +120,8 @@ def _resume_from(path, positions, n):
 
 
 def _engine(engine, noise, loss, optimizer, lr, engine_options):
-    """Validated options and the execution adapter of ``engine``."""
-    if engine == "ad":
-        from .engines import ad
-        from .execution.ad_adapter import ADAdapter
-
-        options_cls = ad.ADOptions
-    else:
-        options_cls = lsqml.LSQMLOptions
-        if loss is not None or optimizer is not None or lr is not None:
-            raise TypeError("loss, optimizer and lr apply to engine='ad' only")
-    valid_names = {f.name for f in dataclasses.fields(options_cls)}
-    unknown = set(engine_options) - valid_names
-    if unknown:
-        raise TypeError(f"unknown option(s) {sorted(unknown)} for engine {engine!r}; valid: {sorted(valid_names)}")
-    if engine == "ad":
-        options = ad.ADOptions(loss=loss or noise, optimizer=optimizer, lr=lr, **engine_options)
-        return options, ADAdapter(options)
-    options = lsqml.LSQMLOptions(noise=noise, **engine_options)
-    return options, LSQMLAdapter(options)
+    """Validated options and the execution adapter of ``engine`` (see :mod:`.execution.engine_registry`)."""
+    return engine_spec(engine).make(noise, loss, optimizer, lr, engine_options)
 
 
 def _probe_modes_hint(probe, probe_modes, resumed) -> int:
@@ -294,9 +276,12 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     ----------
     data : str or PtychoData
         A daskpty data-set store path (see `daskpty.open_data`) or an opened data set.
-    engine : {"lsqml", "ad"}
-        LSQML (least-squares maximum likelihood, Odstrčil et al. 2018) or AD (gradient descent
-        with exact hand-written adjoints; see ``loss``, ``optimizer``, ``lr``).
+    engine : {"lsqml", "ad", "rpie", "epie"}
+        LSQML (least-squares maximum likelihood, Odstrčil et al. 2018), AD (gradient descent
+        with exact hand-written adjoints; see ``loss``, ``optimizer``, ``lr``), or the PIE family
+        in minibatch rounds: rPIE (Maiden et al. 2017) and ePIE, its alpha = 1 case (probe modes;
+        no position refinement, varying probe or multislice yet). The table of engines is
+        `daskpty.execution.engine_registry.ENGINES`.
     epochs : int
         Total number of passes over all patterns (when resuming, including those already done).
     probe : array or "aperture", optional
@@ -401,15 +386,15 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         probe are refused with K > 1 or in the near field.
     **engine_options
         Fields of `daskpty.engines.lsqml.LSQMLOptions` (beta, delta, momentum, ...) or, for
-        engine="ad", of `daskpty.engines.ad.ADOptions` (probe_lr, schedule, ...).
+        engine="ad", of `daskpty.engines.ad.ADOptions` (probe_lr, schedule, ...), or for
+        engine="rpie"/"epie", of `daskpty.engines.pie.PIEOptions` (alpha, probe_alpha, object_step, ...).
 
     Returns
     -------
     Reconstruction
         Object, probe, positions in the object frame, origin, illumination and history.
     """
-    if engine not in ENGINES:
-        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    spec = engine_spec(engine)
     if not isinstance(epochs, (int, np.integer)) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
     execution = ExecutionOptions.from_arguments(execution, n_workers=n_workers, chunk_length=chunk_length,
@@ -421,9 +406,11 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     if epochs == 0 and resume is None:
         checkpoint = None  # epochs=0 is a no-op: nothing is written (docs/reliability.md)
     options, adapter = _engine(engine, noise, loss, optimizer, lr, engine_options)
+    spec.check_features(positions=refine_positions not in (None, False))
     adapter.positions = PositionOptions.from_argument(refine_positions, engine)
     sample = SampleOptions.from_arguments(sample, slices, slice_spacing_m)
     model = ProbeModelOptions.from_arguments(opr_modes, fit_intensity, background, probe_model)
+    spec.check_features(probe_model=model is not None)
     _warn_late_start(epochs, adapter.positions, model)
     if model is not None:
         from .execution.variable_probe import with_probe_model
@@ -435,6 +422,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     thick = sample.resolve(getattr(data, "metadata", None), n)  # slices and detector operator
     from .execution.multislice_adapter import multislice_adapter
 
+    spec.check_features(multislice=thick.multislice)
     adapter = multislice_adapter(adapter, thick)  # thin far-field samples keep the adapter
     if adapter.positions is not None:  # the window scale follows the start probe's size
         adapter.positions = adapter.positions.for_start_probe(guessed=_probe_is_guessed(probe, data))
