@@ -57,6 +57,9 @@ class PIEAdapter:
     def epoch_scalars(self, state) -> dict:
         return {}
 
+    def initial_local(self, nominal) -> dict:
+        return {}   # no per-pattern state (local_state is False)
+
     def apply(self, state, total):
         return pie.apply(state, total, self.options)
 

@@ -1,0 +1,71 @@
+"""The interface between an engine and the round loop, written down as typing Protocols.
+
+An engine's per-chunk mathematics lives in ``daskpty/engines`` (no dask); its *adapter* binds it
+to the round loop of :mod:`.driver` and :mod:`.epoch_graph`. :class:`EngineAdapter` is what every
+adapter has; :class:`RunsOwnRounds` is the one optional hook (an engine whose apply needs extra
+map-reduces, as AD's CG line search). :mod:`.engine_registry` makes adapters by engine name, and
+tests/test_engine_protocol.py checks every registered adapter against these Protocols.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class EngineAdapter(Protocol):
+    """What the round loop asks of every engine adapter.
+
+    Attributes: ``name`` (the engine's registry name), ``options`` (its frozen options),
+    ``valid`` ((n, n) detector mask with the zero frequency at index 0, or None), ``positions``
+    (position-refinement options or None), ``local_state`` (True when chunks carry per-pattern
+    state from round to round), ``device_fields`` (state attributes kept in GPU memory on GPU
+    workers), ``chunk_function`` (module-level, picklable:
+    ``chunk_function(intensities, positions, payload, local=None) -> Partial``).
+    """
+
+    name: str
+    options: Any
+    valid: Any
+    positions: Any
+    local_state: bool
+    device_fields: tuple
+    chunk_function: Callable
+
+    def payload(self, state) -> Any:
+        """The small, picklable bundle broadcast to every chunk step of a round (object, probe, options)."""
+
+    def apply(self, state, total):
+        """The state after adding a round's reduced Partial (new arrays; the old state stays valid)."""
+
+    def begin_epoch(self, state):
+        """The state at the start of an epoch (reset per-epoch sums)."""
+
+    def end_epoch(self, state):
+        """The state at the end of an epoch (momentum, mode orthogonalisation, scale; epoch += 1)."""
+
+    def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
+        """A state from an object, a probe and (when resuming) the arrays of :meth:`engine_state`."""
+
+    def engine_state(self, state) -> dict:
+        """The arrays beyond object and probe needed to continue bit for bit (checkpoints)."""
+
+    def initialise(self, client, data, state, *, split_every: int):
+        """First-epoch set-up over the data (the probe's intensity rescale)."""
+
+    def epoch_scalars(self, state) -> dict:
+        """Engine-specific numbers for the epoch's history entry ({} when none)."""
+
+    def initial_local(self, nominal) -> dict:
+        """Each chunk's starting per-pattern state from its nominal positions (called only when
+        ``local_state``)."""
+
+
+@runtime_checkable
+class RunsOwnRounds(Protocol):
+    """Optional: an adapter whose round is more than one map-reduce and an apply."""
+
+    needs_evaluations: bool
+
+    def run_round(self, client, data, state, *, round_index: int = 0, rounds: int = 1,
+                  split_every: int | None = None, local: dict | None = None):
+        """Run one round; returns ``(state, total)``."""
