@@ -19,7 +19,8 @@ from .io.identity import DataChanged, DataWatch
 from .engines.positions import PositionOptions, PositionsDiverged
 from .engines.probe_model import ProbeModelDiverged, ProbeModelOptions, effective_weights
 from .execution.latency import enable_low_latency
-from .execution.memory import check_step_fits, largest_fitting_chunk, state_bytes, step_bytes
+from .execution.memory import (check_step_fits, clamp_chunk_length, largest_fitting_chunk, state_bytes,
+                               step_bytes)
 from .physics import check_windows_inside, split_positions
 from .io.validate import check_intensity_layout, check_values
 from .inputs import (RESUMED_SETTINGS, check_initial_object, check_object_size, check_positions_bulk,
@@ -444,6 +445,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         kept = resume_settings(resumed.options, **{k: getattr(execution, k) for k in RESUMED_SETTINGS})
         execution = execution.replace(**kept)
     check_rounds(execution.rounds_per_epoch, len(positions))
+    execution = execution.replace(chunk_length=clamp_chunk_length(execution.chunk_length, len(positions)))
     obj, origin = _initial_object(object, resumed, thick, positions, n)
     frame_positions = positions + origin
     check_windows_inside(split_positions(frame_positions, n)[0], n, obj.shape)

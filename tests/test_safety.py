@@ -245,9 +245,10 @@ def test_an_object_too_large_for_memory_is_refused(ds):
 
     if not memory_bytes():
         pytest.skip("this platform does not report its memory")
-    step = np.sqrt(memory_bytes() / 48) / 2 + 100  # a regular 6 x 6 grid, its frame too big
-    grid = np.stack(np.meshgrid(np.arange(6), np.arange(6), indexing="ij"), -1).reshape(-1, 2)
-    big = SimpleNamespace(**{**vars(ds), "positions": grid * step})
+    # two dense 3 x 6 rasters (overlapping windows: no unit mistake) far apart: the frame too big
+    far = np.sqrt(memory_bytes() / 48) * 2.5 + 500
+    grid = np.stack(np.meshgrid(np.arange(3), np.arange(6), indexing="ij"), -1).reshape(-1, 2) * 4.0
+    big = SimpleNamespace(**{**vars(ds), "positions": np.concatenate([grid, grid + far])})
     with pytest.raises(ValueError, match=r"the object covering the scan would be .* more than "
                                          r"this machine's"):
         daskpty.reconstruct(big, epochs=1, n_workers=1)
