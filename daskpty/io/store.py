@@ -188,7 +188,8 @@ _VALIDATE = (None, "metadata", "full")
 def open_data(path, validate: str | None = "metadata", client=None) -> PtychoData:
     """Open a data-set store lazily.
 
-    ``validate``: ``"metadata"`` (default) checks format, shapes, dtypes and positions;
+    ``validate``: ``"metadata"`` (default) checks format, shapes, dtypes, positions, and that
+    every shard file of the intensities is on disk with a sound index (:mod:`.integrity`);
     ``"full"`` also reads every intensity once (NaN / infinite / negative values, on ``client``
     or the current client or local threads); ``None`` checks only the format marker.
     Problems raise :class:`DataError`.
