@@ -9,6 +9,29 @@ Main entry points::
 from __future__ import annotations
 
 import importlib
+import os as _os
+import signal as _signal
+import sys as _sys
+
+
+def _interrupted_while_starting(signum, frame):  # pragma: no cover - exercised in a subprocess
+    _os.write(2, b"daskpty: interrupted while starting; nothing was written\n")
+    _os._exit(130)
+
+
+# The ``daskpty`` command (or ``python -m daskpty``) takes about a second to import; a Ctrl-C,
+# SIGTERM or SIGHUP meanwhile ends it with one line (it gave a KeyboardInterrupt traceback or an
+# exit status of -15) until daskpty.cli.main installs its own handlers. Library imports: untouched.
+_orig = list(getattr(_sys, "orig_argv", ()))
+if ((_os.path.basename(_sys.argv[0]) if _sys.argv else "") == "daskpty" or any(
+        a == "-m" and b == "daskpty" for a, b in zip(_orig, _orig[1:]))) \
+        and __import__("multiprocessing").parent_process() is None:  # (not its worker processes)
+    for _name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        try:
+            if _signal.getsignal(getattr(_signal, _name)) is not _signal.SIG_IGN:
+                _signal.signal(getattr(_signal, _name), _interrupted_while_starting)
+        except (AttributeError, ValueError):  # no such signal here, or not the main thread
+            pass
 
 try:
     from importlib.metadata import PackageNotFoundError, version as _version

@@ -1,4 +1,4 @@
-"""Checkpoints of a running reconstruction: every K epochs, at the end, and on Ctrl-C / SIGTERM."""
+"""Checkpoints of a running reconstruction: every K epochs, at the end, and on Ctrl-C / SIGTERM / SIGHUP."""
 from __future__ import annotations
 
 import contextlib
@@ -60,19 +60,30 @@ class Checkpointer:
         return rec
 
 
+#: Signals that end a run like Ctrl-C: SIGTERM (a batch system's wall time), SIGHUP (the
+#: terminal or ssh session closed).
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt():
-    """Inside the block, SIGTERM raises KeyboardInterrupt (main thread only), so a job killed by a
-    batch system's wall-time limit writes its checkpoint like Ctrl-C does."""
+    """Inside the block, SIGTERM and SIGHUP raise KeyboardInterrupt (main thread only), so a job
+    killed by a batch system's wall-time limit, or whose terminal closed, writes its checkpoint
+    like Ctrl-C does (SIGHUP used to end the run with no stop checkpoint). A signal that is
+    ignored (``nohup``) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
-        raise KeyboardInterrupt("SIGTERM")
+        raise KeyboardInterrupt(signal.Signals(signum).name)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {}
+    for number in STOP_SIGNALS:
+        if signal.getsignal(number) is not signal.SIG_IGN:
+            previous[number] = signal.signal(number, handler)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for number, old in previous.items():
+            signal.signal(number, old)

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import signal
 import sys
 import warnings
 
+from .. import _interrupted_while_starting
 from ..execution.watchdog import ReconstructionDiverged, ReconstructionStalled
 from ..io.safety import StoreWriteError
 from . import export, import_data, info, reconstruct, show, simulate
@@ -64,6 +66,11 @@ def main(argv=None) -> int:
         # leave their semaphores to multiprocessing's resource tracker, which removes them at
         # exit with a "leaked semaphore" warning; it takes its warning filters from these options.
         sys.warnoptions.append("ignore:resource_tracker:UserWarning")
+        from ..execution.watchdog import install_loss_filter
+
+        install_loss_filter()  # also for what asyncio reports as the process ends
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:  # (set while importing)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # as a command of its own: Ctrl-C ends it even when stuck
     with InterruptGuard() if argv is None else contextlib.nullcontext():
         code = _run_command(args)
@@ -77,7 +84,10 @@ def _run_command(args) -> int:
         from ..checkpoint import sigterm_as_interrupt
 
         # SIGTERM (a batch system's wall time) at any moment ends like Ctrl-C: one line, exit 130
-        with warnings.catch_warnings(record=True) as caught, sigterm_as_interrupt():
+        from ..execution.watchdog import quiet_handled_losses
+
+        # distributed's tracebacks of a handled loss or interrupt go to INFO during the command
+        with warnings.catch_warnings(record=True) as caught, sigterm_as_interrupt(), quiet_handled_losses():
             warnings.simplefilter("always", UserWarning)
             code = args.run(args)
         for w in caught:

@@ -3,7 +3,7 @@
 Python runs signal handlers in the main thread only, between two bytecodes. A main thread that
 sits in a C call which the signal does not interrupt (a hung file system, a lock, a wait whose
 signal the kernel delivered to another thread) therefore never sees Ctrl-C, and the run would
-ignore every later one too. :class:`InterruptGuard` learns of each SIGINT and SIGTERM from the
+ignore every later one too. :class:`InterruptGuard` learns of each SIGINT, SIGTERM and SIGHUP from the
 byte that Python's C-level handler writes to :func:`signal.set_wakeup_fd`, on a thread of its
 own, so it knows of them whatever the main thread does:
 
@@ -30,6 +30,9 @@ from typing import Callable
 
 #: exit code of an interrupted command (128 + SIGINT, as a shell reports it)
 INTERRUPTED = 130
+
+#: the signals the guard counts: Ctrl-C, SIGTERM and SIGHUP (handled like SIGTERM)
+_INTERRUPTS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
 _STOP = 0  # the byte that ends the guard's thread (no signal has number 0)
 
@@ -94,7 +97,7 @@ class InterruptGuard:
                 if not data or _STOP in data:
                     return
                 for number in data:
-                    if number in (signal.SIGINT, signal.SIGTERM):
+                    if number in _INTERRUPTS:
                         interrupts += 1
                         if interrupts == 1:
                             reminder = time.monotonic() + self.still_stopping_s

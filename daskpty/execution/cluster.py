@@ -135,37 +135,46 @@ def _abandon(clusters, timeout: float = 5) -> None:
 
 @contextlib.contextmanager
 def interrupts_after_start():
-    """Hold back a first Ctrl-C (SIGINT) until the block ends, then deliver it as Python would
-    have; a second one is delivered at once. Around the start of the embedded cluster: an
-    interrupt while a worker process is being spawned closes the pipe the child reads its start
-    data from, and the child prints an ``EOFError`` traceback beside the one-line interrupt
-    message. Started workers are closed quietly. Outside the main thread it does nothing."""
+    """Hold back a first Ctrl-C (SIGINT), SIGTERM or SIGHUP until the block ends, then deliver it
+    as Python would have; a second one is delivered at once. Around the start of the embedded
+    cluster: an interrupt while a worker process is being spawned closes the pipe the child
+    reads its start data from, and the child prints an ``EOFError`` or ``Nanny failed to start``
+    traceback beside the one-line interrupt message. Started workers are closed quietly.
+    Outside the main thread it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.getsignal(signal.SIGINT)
+    numbers = [getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n)]
+    previous = {n: signal.getsignal(n) for n in numbers}
+    previous = {n: h for n, h in previous.items() if h is not signal.SIG_IGN and h is not None}
     held = []
 
     def hold(signum, frame):
-        if held:  # the second Ctrl-C: no more waiting
-            signal.signal(signal.SIGINT, previous)
-            _deliver(previous, signum, frame)
+        if held:  # the second one: no more waiting
+            for n, h in previous.items():
+                signal.signal(n, h)
+            _deliver(previous[signum], signum, frame)
         held.append((signum, frame))
 
-    signal.signal(signal.SIGINT, hold)
+    for n in previous:
+        signal.signal(n, hold)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for n, h in previous.items():
+            signal.signal(n, h)
     if held:
-        _deliver(previous, *held[0])
+        _deliver(previous[held[0][0]], *held[0])
 
 
 def _deliver(handler, signum, frame) -> None:
     if callable(handler):
         handler(signum, frame)
     elif handler == signal.SIG_DFL:
-        raise KeyboardInterrupt
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def _has_dask_cuda() -> bool:

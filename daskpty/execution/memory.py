@@ -90,3 +90,15 @@ def persist_fits(client, nbytes: int, working_bytes: int = 0, fraction: float = 
     share = nbytes / len(limits)
     working_bytes += _baseline(client)
     return nbytes <= fraction * sum(limits) and share + working_bytes <= _fraction("target", 0.6) * min(limits)
+
+
+def clamp_chunk_length(chunk_length: int | None, n_patterns: int) -> int | None:
+    """A ``chunk_length`` longer than the data set is its length, with a warning saying so (it
+    used to be refused for the memory a chunk of that length would take, which it never needs)."""
+    if chunk_length is None or chunk_length <= n_patterns:
+        return chunk_length
+    import warnings
+
+    warnings.warn(f"chunk_length {chunk_length} is longer than the data set ({n_patterns} patterns); "
+                  f"using one chunk of {n_patterns}", UserWarning, stacklevel=3)
+    return int(n_patterns)

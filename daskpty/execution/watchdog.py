@@ -94,14 +94,14 @@ class Watchdog:
 
 # --- distributed's noise about a loss daskpty handles ------------------------------------------
 
-#: Log messages (start of ``record.msg``) that distributed emits when workers or the scheduler are
+#: Log messages (parts of ``record.msg``) that distributed emits when workers or the scheduler are
 #: lost: the driver handles the loss (restarts, or one line) so they are routed to INFO.
 LOSS_MESSAGES = (
     "failed during get data", "Failed to communicate with scheduler during heartbeat",
     "Removing worker", "Restarting worker", "Worker process still alive", "Failed to reconnect to scheduler",
     "Connection to scheduler broken", "Unable to connect to scheduler", "Nanny failed to start",
     "Worker stream died", "Failed to connect to", "Task exception was never retrieved",
-    "Exception in callback", "Scheduler for Client", "Lost connection to",
+    "Scheduler for Client", "Lost connection to", "exit status was already read",
 )
 #: Exceptions that mark a "Compute Failed" report as a consequence of the loss.
 LOSS_EXCEPTIONS = ("CancelledError", "CommClosedError", "KilledWorker", "AllExit", "StreamClosedError",
@@ -109,7 +109,8 @@ LOSS_EXCEPTIONS = ("CancelledError", "CommClosedError", "KilledWorker", "AllExit
 #: distributed's loggers that report losses
 LOSS_LOGGERS = ("distributed", "distributed.worker", "distributed.core", "distributed.nanny",
                 "distributed.scheduler", "distributed.client", "distributed.comm", "distributed.utils",
-                "distributed.batched", "distributed.worker.memory", "tornado.application", "asyncio")
+                "distributed.batched", "distributed.worker.memory", "distributed.process", "tornado.application",
+                "asyncio")
 
 
 class HandledLossNoise(logging.Filter):
@@ -124,8 +125,8 @@ class HandledLossNoise(logging.Filter):
         text = msg if not record.args else msg + " " + " ".join(map(str, record.args if isinstance(
             record.args, tuple) else (record.args,)))
         exc = record.exc_info[1] if record.exc_info and record.exc_info[1] is not None else None
-        loss = msg.startswith(LOSS_MESSAGES) or any(m in msg for m in ("during get data", "heartbeat"))
-        if msg.startswith("Compute Failed") or (exc is not None and not loss):
+        loss = any(m in msg for m in LOSS_MESSAGES) and not msg.startswith("Task exception")
+        if msg.startswith(("Compute Failed", "Task exception")) or (exc is not None and not loss):
             names = text + ("" if exc is None else f" {type(exc).__name__} {exc}")
             loss = any(word in names for word in LOSS_EXCEPTIONS)
         if not loss or record.levelno < logging.WARNING:
