@@ -152,7 +152,9 @@ class Case:
         yy, xx = np.meshgrid(np.arange(ty, dtype=np.float64), np.arange(tx, dtype=np.float64), indexing="ij")
         coords = np.c_[yy.ravel(), xx.ravel(), np.ones(yy.size)] @ a  # truth pixel -> reconstruction pixel
         obj = np.asarray(obj)
-        sample = (lambda part: map_coordinates(part, coords.T, order=3, mode="constant", cval=1.0))
+        def sample(part):
+            return map_coordinates(part, coords.T, order=3, mode="constant", cval=1.0)
+
         est = (sample(obj.real.astype(np.float64)) + 1j * sample(obj.imag.astype(np.float64))).reshape(ty, tx)
         return float(nrmse(est, np.asarray(self.truth.object), mask=self.mask))
 

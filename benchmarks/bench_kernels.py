@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from functools import partial
 
 # One BLAS thread, as distributed's nanny sets for every worker process (pre-spawn-environ). With
 # OpenBLAS's default threads a busy second core makes each small dot product wait for a time slice:
@@ -257,11 +258,11 @@ def main(argv=None):
         step_s = {}
         for noise in ("gaussian", "poisson"):
             opts = lsqml.LSQMLOptions(noise=noise)
-            prof = profile_case(noise, lambda: lsqml.chunk_step(obj, probe, y, positions, options=opts),
+            prof = profile_case(noise, partial(lsqml.chunk_step, obj, probe, y, positions, options=opts),
                                 args.repeat)
             step_s[noise] = prof["step"]
             print_profile(f"LSQML {noise}", prof)
-        prof = profile_case("ad", lambda: ad.chunk_gradient(obj, probe, y, positions), args.repeat)
+        prof = profile_case("ad", partial(ad.chunk_gradient, obj, probe, y, positions), args.repeat)
         print_profile("AD gaussian", prof)
         if args.numba:
             try:

@@ -512,7 +512,7 @@ def variable_probe_case(args):
                                 ("no OPR", "drifting", {}), ("no OPR", "constant", {})):
             objects = {}
 
-            def keep(epoch, state, metrics_):
+            def keep(epoch, state, metrics_, objects=objects):
                 if epoch in checkpoints:
                     objects[epoch] = np.array(state.get().object)
 

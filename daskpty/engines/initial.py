@@ -66,7 +66,7 @@ def probe_from_mean_pattern(mean_pattern: np.ndarray, modes: int = 1, seed: int 
     probe = [p0]
     rng = np.random.default_rng(seed)
     yy, xx = (np.mgrid[0:n, 0:n] - n / 2) / (n / 2)
-    for k in range(1, modes):
+    for _ in range(1, modes):
         c = rng.normal(size=4)
         variation = c[0] * yy + c[1] * xx + 1j * (c[2] * yy * xx + c[3] * (yy**2 - xx**2))
         pk = p0 * variation

@@ -141,7 +141,9 @@ def warp_object(a, matrix, offset):
     else:  # pragma: no cover - GPU only
         from cupyx.scipy.ndimage import affine_transform
     mm, oo = xp.asarray(m), xp.asarray(o)
-    part = (lambda v: affine_transform(v.astype(np.float32), mm, oo, order=1, mode="nearest"))
+    def part(v):
+        return affine_transform(v.astype(np.float32), mm, oo, order=1, mode="nearest")
+
     if xp.iscomplexobj(a):
         return (part(a.real) + 1j * part(a.imag)).astype(a.dtype)
     return part(a).astype(a.dtype)

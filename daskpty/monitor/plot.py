@@ -174,7 +174,7 @@ def plot_object(ax_phase, ax_amp, rec, pixel_size_m=None, *, fraction=DISPLAY_FR
         crop = crop * np.exp(-1j * np.angle(ref))
     extent = (x0 - 0.5, x1 - 0.5, y1 - 0.5, y0 - 0.5)
     images = []
-    for ax, values, cmap, title, unit in (
+    for ax, values, cmap, label, unit in (
             (ax_phase, np.angle(crop), "viridis", title or "object phase", "rad"),
             (ax_amp, np.abs(crop), "gray", "object amplitude", "|O|")):
         if ax is None:
@@ -183,7 +183,7 @@ def plot_object(ax_phase, ax_amp, rec, pixel_size_m=None, *, fraction=DISPLAY_FR
         vmin, vmax = _robust_limits(values[inside])
         im = ax.imshow(values, cmap=cmap, vmin=vmin, vmax=vmax, extent=extent, origin="upper",
                        interpolation="nearest")
-        ax.set_title(title)
+        ax.set_title(label)
         if pixel_size_m:
             ax.set_xticks([])
             ax.set_yticks([])
