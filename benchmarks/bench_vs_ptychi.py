@@ -49,8 +49,9 @@ def main():
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds-per-epoch", type=int, default=3)
     ap.add_argument("--noise", default="gaussian")
-    ap.add_argument("--engine", default="lsqml", choices=["lsqml", "ad"],
-                    help="lsqml: both LSQML; ad: daskpty AD (defaults) vs Pty-Chi Autodiff with Adam")
+    ap.add_argument("--engine", default="lsqml", choices=["lsqml", "ad", "rpie", "epie"],
+                    help="lsqml: both LSQML; ad: daskpty AD (defaults) vs Pty-Chi Autodiff with Adam; "
+                         "rpie / epie: both codes' rPIE (alpha 0.1) / ePIE, step 1")
     ap.add_argument("--peer-lr", type=float, default=0.01, help="Pty-Chi Adam step size (engine ad)")
     ap.add_argument("--peer-python", default="/work/peer-venv/bin/python")
     ap.add_argument("--peer-batch", type=int, default=100)

@@ -203,6 +203,14 @@ def build_task(engine, arrays, *, epochs, batch_size, noise, lr, probe_lr, seed,
         options.object_options.step_size = lr
         options.probe_options.optimizer = api.Optimizers.ADAM
         options.probe_options.step_size = probe_lr
+    elif engine in ("rpie", "epie"):
+        # Maiden et al. 2017: rPIE with alpha 0.1 for object and probe; ePIE with alpha 1 (step 1)
+        options = api.RPIEOptions() if engine == "rpie" else api.EPIEOptions()
+        alpha = 0.1 if engine == "rpie" else 1.0
+        for part in (options.object_options, options.probe_options):
+            part.alpha = alpha
+            part.step_size = 1.0
+            part.optimizer = api.Optimizers.SGD
     else:
         raise SystemExit(f"unknown engine {engine!r}")
 
@@ -346,7 +354,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("inp", metavar="IN.npz")
     ap.add_argument("out", metavar="OUT.npz", nargs="?")
-    ap.add_argument("--engine", choices=("lsqml", "ad"), default="lsqml")
+    ap.add_argument("--engine", choices=("lsqml", "ad", "rpie", "epie"), default="lsqml")
     ap.add_argument("--epochs-list", default="10,30,100")
     ap.add_argument("--batch-size", type=int, default=100, help="Pty-Chi's own default is 100")
     ap.add_argument("--noise", choices=("gaussian", "poisson"), default="gaussian")

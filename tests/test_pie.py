@@ -123,3 +123,5 @@ def test_options_are_checked_and_engines_named():
     assert (options.alpha, options.probe_alpha, options.object_step, adapter.name) == (1.0, 1.0, 0.5, "epie")
     with pytest.raises(TypeError, match="apply to engine='ad' only"):
         engine_spec("rpie").make("gaussian", loss="poisson")
+    with pytest.raises(TypeError, match="'alfa' \\(did you mean 'alpha'\\?\\) for engine 'rpie'"):
+        engine_spec("rpie").make("gaussian", engine_options={"alfa": 0.2})

@@ -47,9 +47,11 @@ class EngineSpec:
         if not self.gradient_arguments and (loss is not None or optimizer is not None or lr is not None):
             raise TypeError(f"loss, optimizer and lr apply to engine='ad' only, not {self.name!r}")
         valid = {f.name for f in dataclasses.fields(self.options)}
-        unknown = set(engine_options) - valid
+        unknown = sorted(set(engine_options) - valid)
         if unknown:
-            raise TypeError(f"unknown option(s) {sorted(unknown)} for engine {self.name!r}; valid: {sorted(valid)}")
+            close = {u: difflib.get_close_matches(u, valid, n=1) for u in unknown}
+            hints = ", ".join(f"{u!r} (did you mean {c[0]!r}?)" if c else repr(u) for u, c in close.items())
+            raise TypeError(f"unknown option(s) {hints} for engine {self.name!r}; valid: {sorted(valid)}")
         settings = {**self.defaults, **engine_options}
         if self.gradient_arguments:
             options = self.options(loss=loss or noise, optimizer=optimizer, lr=lr, **settings)
