@@ -553,7 +553,7 @@ def test_diverging_updates_stop_with_the_last_good_checkpoint(ds, cluster_client
 
 
 def test_api_unknown_option(ds, cluster_client):
-    _api_error(TypeError, r"unknown option\(s\) \['betta'\] for engine 'lsqml'; valid:",
+    _api_error(TypeError, r"unknown option\(s\) 'betta' \(did you mean 'beta'\?\) for engine 'lsqml'; valid:",
                daskpty.reconstruct, ds, epochs=1, betta=0.5, client=cluster_client)
 
 
