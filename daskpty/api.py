@@ -205,19 +205,29 @@ def _result_maker(layout, adapter, thick, frame_positions, origin, run_options):
     return make_result
 
 
-def _callbacks(checkpointer, callback, data_path, progress_epochs, n_patterns) -> list:
+def _callbacks(checkpointer, callback, data_path, progress) -> list:
     """Per-epoch callbacks in their order: the data watch first (no checkpoint of an epoch that
-    read changed data), the checkpointer, progress (``progress_epochs`` None: none), the caller's."""
+    read changed data), the checkpointer, ``progress`` (a callback or None), the caller's."""
     callbacks = [checkpointer]
-    if progress_epochs is not None:
-        from .monitor.progress import ProgressPrinter
-
-        callbacks.append(ProgressPrinter(progress_epochs, n_patterns))
+    if progress is not None:
+        callbacks.append(progress)
     if callback is not None:
         callbacks.append(callback)
     if data_path:  # the store must not change under the run
         callbacks.insert(0, DataWatch(data_path))
     return callbacks
+
+
+def _progress(progress, epochs: int, resumed, n_patterns: int, loss: str):
+    """The progress callback, or None: ``progress`` None shows it when the session is interactive
+    (a terminal or a notebook); a resumed run counts on from its stored epoch."""
+    from .monitor.progress import interactive, make_progress
+
+    if progress is None:
+        progress = interactive()
+    if not progress:
+        return None
+    return make_progress(epochs, n_patterns, start_epoch=resumed.epochs if resumed is not None else 0, loss=loss)
 
 
 def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, object_shape, modes_hint,
@@ -264,7 +274,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
                 refine_positions=False, opr_modes: int | None = None, fit_intensity: bool = False,
                 background: str | None = None, probe_model=None, probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
                 client=None, n_workers: int | None = None, seed: int = 0, callback=None,
-                progress: bool = False, chunk_length: int | None = None, persist="auto", device: str = "auto",
+                progress: bool | None = None, chunk_length: int | None = None, persist="auto", device: str = "auto",
                 split_every: int | None = None, sort: bool = True, execution=None, rescale_probe: bool = True,
                 checkpoint=None, checkpoint_every: int = 10, resume=None, dashboard: bool = False,
                 check_data: bool = True, sample=None, slices: int | None = None,
@@ -339,8 +349,13 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
         travels from the workers to this process for every epoch; a callback with the attribute
         ``takes_epoch_state = True`` gets a handle instead (``.epoch``, ``.get()`` fetches the
         state), so epochs it does not look at stay on the workers.
-    progress : bool
-        Print epoch, loss, patterns/s and ETA to stderr.
+    progress : bool, optional
+        Show epoch, loss, patterns/s and ETA on stderr: a tqdm bar when tqdm is installed and
+        the session is interactive, else one text line per epoch. Default (None): on when
+        attached to a terminal or a Jupyter notebook, off otherwise (tests, pipelines, batch
+        jobs). A resumed run counts on from its stored epoch. With ``noise="poisson"`` the loss
+        is the Poisson negative log-likelihood up to a constant (often large and negative),
+        labelled "loss (Poisson NLL + const)".
     chunk_length : int, optional
         Patterns per chunk (default from the probe size and a memory budget; it does not depend
         on the number of workers, so results do not either).
@@ -459,7 +474,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     previous_history = resumed.history if resumed is not None else []
     checkpointer = Checkpointer(checkpoint, make_result, every=checkpoint_every, history=previous_history)
     callbacks = _callbacks(checkpointer, callback, getattr(data, "path", None),
-                           max(epochs - len(previous_history), 0) if progress else None, len(positions))
+                           _progress(progress, epochs, resumed, len(positions), getattr(options, "loss", noise)))
 
     with client_context(client, n_workers=execution.n_workers) as c:
         wait_for_workers(c)  # a cluster without workers: a bounded wait and one line, not a hang

@@ -538,6 +538,39 @@ def probe_error(estimate, truth) -> float:
     return float(np.sqrt(1.0 - cos))
 
 
+#: Objects larger than this (pixels per side, in the truth frame) are compared on a central crop of
+#: this side: the alignment's FFTs and zoomed DFTs then cost the same at any object size.
+NRMSE_CROP = 2048
+
+
+def _frame_offset(positions, truth_positions=None, origin=None) -> tuple[int, int]:
+    """Integer offset ``(dy, dx)`` from the truth frame to the reconstruction's frame."""
+    if truth_positions is not None and np.shape(truth_positions) == np.shape(positions):
+        offset = np.round(np.median(np.asarray(positions) - np.asarray(truth_positions), axis=0))
+    else:
+        offset = np.round(np.asarray(origin if origin is not None else (0, 0), dtype=np.float64))
+    oy, ox = (int(v) for v in offset)
+    return oy, ox
+
+
+def _place(obj, illuminated, offset, window):
+    """The reconstruction's pixels (1 outside it) and the mask of ``illuminated`` (a boolean array
+    or a callable on a slice of the object's frame) on ``window = (y0, y1, x0, x1)`` of the truth
+    frame; only the window is allocated."""
+    oy, ox = offset
+    y0, y1, x0, x1 = window
+    est = np.ones((y1 - y0, x1 - x0), dtype=np.result_type(obj.dtype, np.complex64))
+    mask = np.zeros(est.shape, dtype=bool)
+    ys, xs = max(y0 + oy, 0), max(x0 + ox, 0)  # the window in the object's frame, clipped to it
+    ye, xe = min(y1 + oy, obj.shape[0]), min(x1 + ox, obj.shape[1])
+    if ye > ys and xe > xs:
+        inside = (slice(ys - oy - y0, ye - oy - y0), slice(xs - ox - x0, xe - ox - x0))
+        est[inside] = obj[ys:ye, xs:xe]
+        region = (slice(ys, ye), slice(xs, xe))
+        mask[inside] = illuminated(region) if callable(illuminated) else np.asarray(illuminated)[region]
+    return est, mask
+
+
 def truth_frame(obj, positions, illuminated, truth_object, truth_positions=None, origin=None):
     """Place a reconstructed object into the ground truth's pixel frame.
 
@@ -545,28 +578,51 @@ def truth_frame(obj, positions, illuminated, truth_object, truth_positions=None,
     (rounded), or ``origin`` when truth positions are not given. Pixels the reconstruction does not
     cover are 1 and lie outside the returned mask. Returns ``(estimate, mask, (dy, dx))``.
     """
-    t_obj = np.asarray(truth_object)
-    if truth_positions is not None and np.shape(truth_positions) == np.shape(positions):
-        offset = np.round(np.median(np.asarray(positions) - np.asarray(truth_positions), axis=0))
-    else:
-        offset = np.round(np.asarray(origin if origin is not None else (0, 0), dtype=np.float64))
-    oy, ox = (int(v) for v in offset)
-    obj = np.asarray(obj)
-    ty, tx = t_obj.shape
-    est = np.ones(t_obj.shape, dtype=np.result_type(obj.dtype, np.complex64))
-    mask = np.zeros(t_obj.shape, dtype=bool)
-    ys, xs = max(0, oy), max(0, ox)
-    ye, xe = min(obj.shape[0], ty + oy), min(obj.shape[1], tx + ox)
-    if ye > ys and xe > xs:
-        est[ys - oy:ye - oy, xs - ox:xe - ox] = obj[ys:ye, xs:xe]
-        mask[ys - oy:ye - oy, xs - ox:xe - ox] = np.asarray(illuminated)[ys:ye, xs:xe]
-    return est, mask, (oy, ox)
+    offset = _frame_offset(positions, truth_positions, origin)
+    ty, tx = np.shape(truth_object)[-2:]
+    est, mask = _place(np.asarray(obj), illuminated, offset, (0, ty, 0, tx))
+    return est, mask, offset
 
 
-def nrmse_vs_truth(obj, positions, illumination, truth, fraction: float = 0.3) -> float:
+def central_window(shape, max_side: int | None = NRMSE_CROP, positions=None) -> tuple[int, int, int, int]:
+    """``(y0, y1, x0, x1)``: the whole of ``shape``, or a ``max_side``-wide window (per axis where
+    the image is larger) centred on the scan (``positions``' bounding box) or on the image."""
+    window = []
+    for axis, size in enumerate(shape[-2:]):
+        size = int(size)
+        if not max_side or size <= max_side:
+            window += [0, size]
+            continue
+        if positions is not None and len(positions):
+            p = np.asarray(positions)[:, axis]
+            centre = 0.5 * (float(p.min()) + float(p.max()))
+        else:
+            centre = size / 2
+        start = int(np.clip(round(centre - max_side / 2), 0, size - max_side))
+        window += [start, start + int(max_side)]
+    return tuple(window)
+
+
+def nrmse_vs_truth(obj, positions, illumination, truth, fraction: float = 0.3, *,
+                   max_side: int | None = NRMSE_CROP, return_window: bool = False):
     """Object NRMSE against a ground truth (``truth.object``, ``truth.positions``) on the region
-    whose illumination exceeds ``fraction`` of its maximum, after :func:`truth_frame`."""
+    whose illumination exceeds ``fraction`` of its maximum, after :func:`truth_frame`.
+
+    A truth frame wider than ``max_side`` pixels is compared on a central ``max_side``-wide crop
+    (:func:`central_window`, on the scan's centre; None: the whole frame), so the cost and the
+    memory stay those of the crop: only the crop of ``truth.object`` is read (a Zarr array is
+    fine) and no object-sized temporary is made. ``return_window``: also return the window
+    ``(y0, y1, x0, x1)`` in the truth frame, or None when it is the whole frame.
+    """
+    t_obj = truth.object
+    t_pos = getattr(truth, "positions", None)
+    shape = tuple(np.shape(t_obj))[-2:]
+    window = central_window(shape, max_side, t_pos)
     illumination = np.asarray(illumination)
-    lit = illumination > fraction * illumination.max()
-    est, mask, _ = truth_frame(obj, positions, lit, truth.object, getattr(truth, "positions", None))
-    return nrmse(est, np.asarray(truth.object), mask=mask)
+    threshold = fraction * illumination.max()
+    est, mask = _place(np.asarray(obj), lambda region: illumination[region] > threshold,
+                       _frame_offset(positions, t_pos), window)
+    y0, y1, x0, x1 = window
+    value = nrmse(est, np.asarray(t_obj[y0:y1, x0:x1]), mask=mask)
+    whole = window == (0, shape[0], 0, shape[1])
+    return (value, None if whole else window) if return_window else value

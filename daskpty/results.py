@@ -21,7 +21,10 @@ class Reconstruction:
     positions: (N, 2) float64 in the object frame, in the data set's pattern order.
     origin: (y, x) object-pixel coordinates of scan position (0, 0): ``positions = data_positions + origin``.
     illumination: (H, W) float32 Σ|probe|² over the scan, e.g. to mask the reconstructed area.
-    history: one dict per epoch (epoch, loss, seconds, patterns_per_second, step lengths, ...).
+    history: one dict per epoch (epoch, loss, seconds, patterns_per_second, step lengths, ...);
+        :meth:`history_arrays` / :meth:`history_frame` give it per key. ``loss`` is the noise
+        model's: with ``noise="poisson"`` the Poisson negative log-likelihood up to a constant
+        (often large and negative), else the amplitude least-squares misfit.
     options: the settings used (JSON-serialisable).
     nominal_positions: (N, 2) the positions as measured, in the object frame, when position
         refinement moved ``positions`` (else None: they are the nominal ones).
@@ -62,6 +65,33 @@ class Reconstruction:
     def epochs(self) -> int:
         """Completed epochs (including those of runs this one resumed)."""
         return self.epoch or len(self.history)
+
+    def history_arrays(self) -> dict:
+        """The history as one NumPy array per key, over the epochs in order: float64 with NaN
+        where an epoch lacks the key (or holds None); a key with non-scalar values (e.g. lists)
+        gives an object array with None there."""
+        keys = list(dict.fromkeys(k for entry in self.history for k in entry))
+        out = {}
+        for key in keys:
+            values = [entry.get(key) for entry in self.history]
+            if all(v is None or np.ndim(v) == 0 and not isinstance(v, str) for v in values):
+                out[key] = np.array([np.nan if v is None else float(v) for v in values], dtype=np.float64)
+            else:
+                column = np.empty(len(values), dtype=object)
+                column[:] = values
+                out[key] = column
+        return out
+
+    def history_frame(self):
+        """The history as a pandas DataFrame, one row per epoch indexed by ``epoch`` (needs pandas;
+        :meth:`history_arrays` does not)."""
+        try:
+            import pandas as pd
+        except ImportError:
+            raise ImportError("Reconstruction.history_frame() needs pandas (pip install pandas); "
+                              "history_arrays() gives the same columns as NumPy arrays") from None
+        frame = pd.DataFrame(self.history_arrays())
+        return frame.set_index("epoch") if "epoch" in frame else frame
 
     def illuminated(self, fraction: float = 0.1) -> np.ndarray:
         """Boolean mask of object pixels whose illumination exceeds ``fraction`` of its maximum."""
@@ -122,20 +152,13 @@ class Reconstruction:
             arrays.append(("probe_weights", self.probe_weights))
         from .io.integrity import EVERY_CHUNK, WRITE_ALL
 
-        for name, arr in arrays:
-            a = root.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=_chunks_for(arr),
-                                  config=WRITE_ALL)
-            a[...] = arr
         if self.illumination is not None:
-            a = root.create_array("illumination", shape=self.illumination.shape, dtype=np.float32,
-                                  chunks=_chunks_for(self.illumination), config=WRITE_ALL)
-            a[...] = self.illumination
+            arrays.append(("illumination", np.asarray(self.illumination, dtype=np.float32)))
+        for name, arr in arrays:
+            _write_array(root, name, np.asarray(arr), config=WRITE_ALL)
         state = root.create_group("engine_state")
         for name, arr in self.engine_state.items():
-            arr = np.asarray(arr)
-            a = state.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=_chunks_for(arr),
-                                   config=WRITE_ALL)
-            a[...] = arr
+            _write_array(state, name, np.asarray(arr), config=WRITE_ALL)
         root.attrs.update({  # written last: every chunk (all-zero ones too) is on disk
             "daskpty": {"format": RECON_FORMAT, "version": RECON_VERSION, EVERY_CHUNK: True},
             "origin": [float(v) for v in self.origin],
@@ -188,6 +211,19 @@ def _discard(tmp: str, timeout: float = 2.0) -> None:
         time.sleep(0.05)
         if not os.path.lexists(tmp) or time.monotonic() > deadline:
             return
+
+
+def _write_array(group, name: str, arr: np.ndarray, **create) -> None:
+    """One array of the store, written one row of chunks at a time: zarr then encodes a few
+    chunks at once instead of the whole (object-sized) array."""
+    chunks = _chunks_for(arr)
+    a = group.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=chunks, **create)
+    if arr.ndim < 2 or chunks == arr.shape:
+        a[...] = arr
+        return
+    rows = chunks[-2]
+    for start in range(0, arr.shape[-2], rows):
+        a[..., start:start + rows, :] = arr[..., start:start + rows, :]
 
 
 def _chunks_for(arr: np.ndarray):

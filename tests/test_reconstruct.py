@@ -156,3 +156,90 @@ def test_a_client_that_is_not_the_default_is_used():
         finally:
             client.close()
     assert len(rec.history) == 2 and np.isfinite(rec.object).all()
+
+
+@pytest.mark.slow
+def test_progress_is_off_when_not_interactive_and_a_resumed_run_counts_on(tmp_path, threads_client, capsys):
+    """progress=None (the default) prints nothing under pytest (stderr is no terminal); a resumed
+    run with progress=True counts from the stored epoch ("epoch 3/4") and names the Poisson loss
+    as a negative log-likelihood up to a constant; the history per key spans all four epochs."""
+    ds = make_dataset(grid=6, seed=3)
+    store = str(tmp_path / "rec.zarr")
+    _run(ds, threads_client, 2, noise="poisson", checkpoint=store)
+    assert "epoch" not in capsys.readouterr().err
+    rec = _run(ds, threads_client, 4, noise="poisson", checkpoint=store, resume=store, progress=True)
+    err = capsys.readouterr().err
+    assert "epoch 3/4  loss (Poisson NLL + const) " in err, err
+    assert "epoch 4/4  loss (Poisson NLL + const) " in err, err
+    assert "epoch 1/" not in err and "epoch 2/" not in err
+    arrays = rec.history_arrays()
+    assert np.array_equal(arrays["epoch"], [1, 2, 3, 4])
+    assert np.array_equal(arrays["loss"], [h["loss"] for h in rec.history])
+
+
+def test_interactive_means_a_terminal_and_the_printer_redraws_there(tmp_path):
+    """interactive(): a real pseudo-terminal is, a file is not; on the terminal the line is redrawn
+    in place, in a file one line per reported epoch."""
+    import os
+
+    from daskpty.monitor.progress import ProgressPrinter, interactive, make_progress
+
+    master, slave = os.openpty()
+    try:
+        with os.fdopen(slave, "w") as tty, open(tmp_path / "log", "w+") as log:
+            assert interactive(tty) and not interactive(log)
+            printer = make_progress(3, 10, stream=log, bar=False, loss="gaussian")
+            assert isinstance(printer, ProgressPrinter)
+            for epoch in (1, 2, 3):
+                printer(epoch, None, {"loss": 1.5, "patterns_per_second": 10.0})
+            log.seek(0)
+            lines = log.read().splitlines()
+            assert [ln.split("  ")[0] for ln in lines] == ["epoch 1/3", "epoch 3/3"]
+            assert "loss (amplitude LSQ) 1.5" in lines[0]
+            on_tty = ProgressPrinter(2, 10, stream=tty, start_epoch=1)
+            on_tty(2, None, {"loss": 1.0, "patterns_per_second": 10.0})
+            tty.flush()
+            written = os.read(master, 4096).decode()
+            assert written.startswith("\r") and "epoch 2/2" in written
+    finally:
+        os.close(master)
+
+
+def test_tqdm_bar_counts_from_the_resumed_epoch(tmp_path):
+    """With tqdm installed (optional), the bar starts at the resumed epoch and ends at the last."""
+    pytest.importorskip("tqdm")
+    from daskpty.monitor.progress import TqdmProgress, make_progress
+
+    with open(tmp_path / "bar", "w+") as out:
+        bar = make_progress(5, 10, start_epoch=3, stream=out, bar=True, loss="poisson")
+        assert isinstance(bar, TqdmProgress) and bar.bar.n == 3
+        bar(4, None, {"loss": -1e6, "patterns_per_second": 5.0})
+        assert bar.bar.n == 4
+        bar(5, None, {"loss": -1e6, "patterns_per_second": 5.0})
+        out.seek(0)
+        assert "Poisson NLL + const" in out.read()
+
+
+def test_history_arrays_and_frame():
+    """history_arrays(): one array per key over the epochs, NaN where an epoch lacks the key or
+    holds None, object arrays for list values; history_frame(): a DataFrame indexed by epoch
+    with pandas, else an ImportError naming pandas and history_arrays()."""
+    history = [{"epoch": 1, "loss": 3.0, "exchanged": None},
+               {"epoch": 2, "loss": 2.0, "exchanged": 5.0, "affine": [1.0, 0.0]},
+               {"epoch": 3, "loss": 1.0, "position_start_epoch": 2}]
+    rec = daskpty.Reconstruction(object=np.ones((4, 4), np.complex64), probe=np.ones((1, 2, 2), np.complex64),
+                                 positions=np.zeros((1, 2)), origin=np.zeros(2), history=history)
+    a = rec.history_arrays()
+    assert list(a) == ["epoch", "loss", "exchanged", "affine", "position_start_epoch"]
+    assert a["loss"].dtype == np.float64 and np.array_equal(a["loss"], [3.0, 2.0, 1.0])
+    assert np.isnan(a["exchanged"][0]) and a["exchanged"][1] == 5.0 and np.isnan(a["exchanged"][2])
+    assert np.isnan(a["position_start_epoch"][:2]).all() and a["position_start_epoch"][2] == 2
+    assert a["affine"].dtype == object and a["affine"][1] == [1.0, 0.0] and a["affine"][0] is None
+    try:
+        import pandas  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match="needs pandas.*history_arrays"):
+            rec.history_frame()
+    else:
+        frame = rec.history_frame()
+        assert list(frame.index) == [1, 2, 3] and list(frame["loss"]) == [3.0, 2.0, 1.0]

@@ -1,6 +1,7 @@
 """``daskpty reconstruct DATA.zarr -o RECON.zarr``: run LSQML on a data-set store."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
@@ -10,64 +11,108 @@ NAME = "reconstruct"
 
 def add_parser(subparsers):
     p = subparsers.add_parser(
-        NAME, help="reconstruct object and probe from a data-set store",
-        description="Reconstruct a data-set store with the LSQML engine on a dask cluster (the "
-                    "embedded local cluster unless --scheduler is given) and write a "
-                    "reconstruction store. Prints the object NRMSE when the store holds truth/.")
+        NAME, help="reconstruct object and probe from a data-set store", formatter_class=_DefaultsFormatter,
+        description="Reconstruct a data-set store on a dask cluster (the embedded local cluster "
+                    "unless --scheduler is given) with the LSQML or AD engine and write a "
+                    "reconstruction store, updated every --checkpoint-every epochs. Prints one "
+                    "progress line per epoch on a terminal (every 10th otherwise) and a summary; "
+                    "with truth/ in the store, the object NRMSE against it.")
     p.add_argument("data", metavar="DATA", help="data-set store (.zarr)")
-    p.add_argument("-o", "--output", required=True, metavar="RECON", help="reconstruction store to write")
-    p.add_argument("--engine", default="lsqml", choices=["lsqml", "ad"])
-    p.add_argument("--epochs", type=int, default=100)
-    p.add_argument("--noise", default="gaussian", choices=["gaussian", "poisson"])
-    p.add_argument("--loss", default=None, choices=["gaussian", "poisson", "intensity"],
+
+    g = p.add_argument_group("engine")
+    g.add_argument("--engine", default="lsqml", choices=["lsqml", "ad"],
+                   help="lsqml: least-squares maximum likelihood (Odstrčil 2018); ad: gradient "
+                        "descent on a loss with exact adjoints")
+    g.add_argument("--epochs", type=int, default=100,
+                   help="total passes over all patterns (with --resume: including those already done)")
+    g.add_argument("--noise", default="gaussian", choices=["gaussian", "poisson"],
+                   help="noise model of the far-field correction and of the reported loss (poisson: "
+                        "the negative log-likelihood up to a constant, often large and negative)")
+    g.add_argument("--loss", default=None, choices=["gaussian", "poisson", "intensity"],
                    help="AD loss (default: --noise)")
-    p.add_argument("--optimizer", default=None, choices=["adam", "sgd", "cg"], help="AD optimiser (default sgd; adam for --loss intensity)")
-    p.add_argument("--lr", type=float, default=None, help="AD object step size (relative)")
-    p.add_argument("--probe-lr", type=float, default=None, help="AD probe step size (relative)")
-    p.add_argument("--rounds-per-epoch", type=_rounds, default="auto",
-                   help="1 = compact LSQML; R > 1 = R minibatch updates per epoch; "
-                        "auto (default): ~150 patterns per round, at most one per 6 Mi pattern-pixels (>= 3), 1..16, for data held in memory; 1 out of core")
-    p.add_argument("--probe-modes", type=int, default=None, help="incoherent probe modes")
-    p.add_argument("--slices", type=int, default=None, metavar="K",
-                   help="multislice: K object slices (needs the data's wavelength and object pixel size)")
-    p.add_argument("--slice-spacing", type=float, default=None, metavar="METRES",
-                   help="multislice: distance between neighbouring slices, m")
-    p.add_argument("--probe", default=None, choices=["aperture"],
-                   help="initial probe from the data's geometry (default: from the mean pattern)")
-    p.add_argument("--refine-positions", nargs="?", const="", default=None, metavar="KEY=VALUE,...",
+    g.add_argument("--optimizer", default=None, choices=["adam", "sgd", "cg"],
+                   help="AD optimiser (default: sgd; adam for --loss intensity)")
+    g.add_argument("--lr", type=float, default=None,
+                   help="AD object step size, relative (default: the optimiser's)")
+    g.add_argument("--probe-lr", type=float, default=None,
+                   help="AD probe step size, relative (default: the optimiser's)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the random choices (extra probe modes); the engines are deterministic")
+
+    g = p.add_argument_group("probe model")
+    g.add_argument("--probe", default=None, choices=["aperture"],
+                   help="initial probe from the data's geometry (default: the store's probe, else "
+                        "one from the mean pattern)")
+    g.add_argument("--probe-modes", type=int, default=None, metavar="M",
+                   help="incoherent probe modes (default: those of the initial probe, else 1)")
+    g.add_argument("--opr-modes", type=int, default=None, metavar="K",
+                   help="a probe varying over the scan: K modes of orthogonal probe relaxation "
+                        "(the mean probe and K - 1 eigen-probes with per-pattern weights; default: "
+                        "a constant probe)")
+    g.add_argument("--fit-intensity", action="store_true", help="fit a per-pattern intensity factor")
+    g.add_argument("--background", default=None, choices=["constant", "pixel"],
+                   help="fit a background added to the model intensity (default: none)")
+    g.add_argument("--probe-model", default=None, metavar="KEY=VALUE,...",
+                   help="settings of the varying probe, e.g. start_epoch=10,weight_smoothing=8 "
+                        "(default: daskpty.engines.probe_model.ProbeModelOptions' defaults)")
+
+    g = p.add_argument_group("positions")
+    g.add_argument("--refine-positions", nargs="?", const="", default=None, metavar="KEY=VALUE,...",
                    help="refine the scan positions (both engines); optional settings, e.g. "
                         "start_epoch=5,max_step=0.5,affine=true,affine_blend=0.02,lr=0.1 "
-                        "(see daskpty.engines.positions.PositionOptions)")
-    p.add_argument("--opr-modes", type=int, default=None, metavar="K",
-                   help="a probe varying over the scan: K modes of orthogonal probe relaxation "
-                        "(the mean probe and K - 1 eigen-probes with per-pattern weights)")
-    p.add_argument("--fit-intensity", action="store_true", help="fit a per-pattern intensity factor")
-    p.add_argument("--background", default=None, choices=["constant", "pixel"],
-                   help="fit a background added to the model intensity")
-    p.add_argument("--probe-model", default=None, metavar="KEY=VALUE,...",
-                   help="settings of the varying probe, e.g. start_epoch=10,weight_smoothing=8 "
-                        "(see daskpty.engines.probe_model.ProbeModelOptions)")
-    p.add_argument("--workers", type=int, default=None, help="local worker processes (default: one per core)")
-    p.add_argument("--scheduler", default=None, help="address of a running dask scheduler")
-    p.add_argument("--protocol", default=None, choices=["tcp", "ucx"],
-                   help="transport of the embedded cluster (default tcp; ucx needs distributed-ucxx)")
-    p.add_argument("--chunk-length", type=int, default=None, help="patterns per chunk")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-every", type=int, default=10, metavar="K",
+                        "(default: fixed positions; the settings' defaults: "
+                        "daskpty.engines.positions.PositionOptions)")
+
+    g = p.add_argument_group("sample (multislice)")
+    g.add_argument("--slices", type=int, default=None, metavar="K",
+                   help="K object slices (needs the data's wavelength and object pixel size; "
+                        "default: 1, a thin sample)")
+    g.add_argument("--slice-spacing", type=float, default=None, metavar="METRES",
+                   help="distance between neighbouring slices, m (default: none; required with --slices > 1)")
+
+    g = p.add_argument_group("execution")
+    g.add_argument("--workers", type=int, default=None, metavar="W",
+                   help="worker processes of the embedded cluster (default: one per core)")
+    g.add_argument("--scheduler", default=None, metavar="ADDRESS",
+                   help="address of a running dask scheduler (default: an embedded local cluster)")
+    g.add_argument("--protocol", default=None, choices=["tcp", "ucx"],
+                   help="transport of the embedded cluster (default: tcp; ucx needs distributed-ucxx)")
+    g.add_argument("--chunk-length", type=int, default=None, metavar="L",
+                   help="patterns per chunk (default: from the probe size and the workers' memory)")
+    g.add_argument("--rounds-per-epoch", type=_rounds, default="auto", metavar="R",
+                   help="1 = compact LSQML; R > 1 = R minibatch updates per epoch; auto: ~150 "
+                        "patterns per round, at most one per 6 Mi pattern-pixels (>= 3), 1..16, for "
+                        "data held in memory; 1 out of core (default: auto)")
+
+    g = p.add_argument_group("output and run")
+    g.add_argument("-o", "--output", required=True, metavar="RECON", help="reconstruction store to write")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing output store")
+    g.add_argument("--checkpoint-every", type=int, default=10, metavar="K",
                    help="update the output store every K epochs (and at the end and on Ctrl-C/SIGTERM)")
-    p.add_argument("--resume", metavar="RECON", default=None,
-                   help="continue from this reconstruction store (e.g. the output of an interrupted run); "
-                        "--epochs counts the epochs already done")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output store")
-    p.add_argument("--dashboard", action="store_true",
+    g.add_argument("--resume", metavar="RECON", default=None,
+                   help="continue from this reconstruction store (e.g. the output of an interrupted "
+                        "run; --epochs counts the epochs already done; default: start afresh)")
+    g.add_argument("--dashboard", action="store_true",
                    help="publish progress and images to the dask dashboard's /daskpty page")
-    p.add_argument("--quiet", action="store_true", help="no progress output")
+    g.add_argument("--quiet", action="store_true", help="no progress output")
     return p
 
 
-def _rounds(text):
-    import argparse
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help with every option's default: ``(default: X)`` appended unless the text already
+    says it; a switch's default is "off"."""
 
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (not action.option_strings or action.required or "default" in text
+                or action.default is argparse.SUPPRESS or isinstance(action, argparse._HelpAction)):
+            return text
+        if action.const is True and action.default is False:  # store_true
+            return f"{text} (default: off)"
+        return f"{text} (default: %(default)s)"
+
+
+def _rounds(text):
     if text == "auto":
         return text
     try:
@@ -177,9 +222,11 @@ def run(args) -> int:
     last = rec.history[-1] if rec.history else {}
     line = f"wrote {args.output}: object {rec.object.shape}, probe {rec.probe.shape}"
     if last:
-        line += f", final loss {last['loss']:.4g}, {last['seconds']:.3g} s/epoch"
-    truth = getattr(data, "truth", None)
-    if truth is not None and getattr(truth, "object", None) is not None:
+        from daskpty.monitor.progress import loss_label
+
+        kind = (args.loss or args.noise) if args.engine == "ad" else args.noise
+        line += f", final {loss_label(kind)} {last['loss']:.4g}, {last['seconds']:.3g} s/epoch"
+    if _has_truth_object(getattr(data, "truth", None)):
         line += _nrmse_vs_truth(rec, data)
     print(line, file=sys.stdout)
     return 0
@@ -262,33 +309,68 @@ def _kept(output):
     return None
 
 
-def _nrmse_vs_truth(rec, data) -> str:
+def _nrmse_vs_truth(rec, data, max_side=None) -> str:
     """The NRMSE of the reconstruction against truth/ on the well-illuminated region, truth frame,
-    as the text of the final line. A multislice object (K, H, W): each slice against the true
-    slice (when truth/object holds K slices) and the projected object (the product of the slices)
-    against the true projection (truth/object itself when it is 2-D)."""
+    as the text of the final line; an object wider than ``max_side`` (default
+    :data:`daskpty.metrics.NRMSE_CROP`) is compared on a central crop, said in the line. A
+    multislice object (K, H, W): each slice against the true slice (when truth/object holds K
+    slices) and the projected object (the product of the slices) against the true projection
+    (truth/object itself when it is 2-D)."""
     from types import SimpleNamespace
 
     import numpy as np
 
-    from daskpty.metrics import nrmse_vs_truth
+    from daskpty.metrics import NRMSE_CROP, nrmse_vs_truth
 
+    max_side = NRMSE_CROP if max_side is None else max_side
     obj, truth = np.asarray(rec.object), data.truth
-    if obj.ndim == 2:
-        return f", object NRMSE vs truth {nrmse_vs_truth(obj, rec.positions, rec.illumination, truth):.4f}"
     illumination = np.asarray(rec.illumination)
-    illumination = illumination[0] if illumination.ndim == 3 else illumination  # the entrance slice's
-    t_obj = np.asarray(truth.object)
+    if obj.ndim == 3 and illumination.ndim == 3:
+        illumination = illumination[0]  # the entrance slice's
+    t_obj = _truth_object(data) if obj.ndim == 2 else np.asarray(truth.object)
+    windows = []
 
     def against(estimate, true_object):
         ref = SimpleNamespace(object=true_object, positions=truth.positions)
-        return nrmse_vs_truth(estimate, rec.positions, illumination, ref)
+        value, window = nrmse_vs_truth(estimate, rec.positions, illumination, ref, max_side=max_side,
+                                       return_window=True)
+        windows.append(window)
+        return value
 
-    text = ""
-    if t_obj.ndim == 3 and t_obj.shape[0] == obj.shape[0]:
-        per = ", ".join(f"{against(obj[k], t_obj[k]):.4f}" for k in range(obj.shape[0]))
-        text += f", object NRMSE vs truth per slice [{per}]"
-        t_obj = np.prod(t_obj, axis=0)
-    elif t_obj.ndim == 3:  # a different number of slices: only the projections compare
-        t_obj = np.prod(t_obj, axis=0)
-    return text + f", projected object NRMSE vs truth {against(np.prod(obj, axis=0), t_obj):.4f}"
+    if obj.ndim == 2:
+        text = f", object NRMSE vs truth {against(obj, t_obj):.4f}"
+    else:
+        text = ""
+        if t_obj.ndim == 3 and t_obj.shape[0] == obj.shape[0]:
+            per = ", ".join(f"{against(obj[k], t_obj[k]):.4f}" for k in range(obj.shape[0]))
+            text += f", object NRMSE vs truth per slice [{per}]"
+        if t_obj.ndim == 3:  # the true projection (also when the slice counts differ)
+            t_obj = np.prod(t_obj, axis=0)
+        text += f", projected object NRMSE vs truth {against(np.prod(obj, axis=0), t_obj):.4f}"
+    window = windows[-1]
+    if window is not None:
+        y0, y1, x0, x1 = window
+        side = f"{y1 - y0}²" if y1 - y0 == x1 - x0 else f"{y1 - y0}×{x1 - x0}"
+        text += f" (central {side} crop)"
+    return text
+
+
+def _has_truth_object(truth) -> bool:
+    """Whether the data hold truth/object, without reading it."""
+    if truth is None:
+        return False
+    shapes = getattr(truth, "shapes", None)
+    return "object" in shapes() if callable(shapes) else getattr(truth, "object", None) is not None
+
+
+def _truth_object(data):
+    """truth/object of a data set: the store's Zarr array when there is one (only the compared
+    crop is then read), else the in-memory array."""
+    import os
+
+    path = getattr(data, "path", None)
+    if path and os.path.isfile(os.path.join(path, "truth", "object", "zarr.json")):
+        import zarr
+
+        return zarr.open_array(os.path.join(path, "truth", "object"), mode="r")
+    return data.truth.object

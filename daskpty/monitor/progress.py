@@ -1,37 +1,120 @@
-"""A one-line-per-epoch progress report on stderr (quiet when not attached to a terminal)."""
+"""Per-epoch progress on stderr: a text line (redrawn in place on a terminal) or a tqdm bar.
+
+``reconstruct(progress=None)`` (the default) shows progress when the session is interactive
+(:func:`interactive`: stderr is a terminal, or a Jupyter kernel runs) and stays silent in tests,
+pipelines and batch jobs. A tqdm bar is used there when tqdm is installed (it is optional).
+"""
 from __future__ import annotations
 
 import sys
 import time
 
+#: what the ``loss`` of each noise model / AD loss is, for the progress and summary lines
+LOSS_LABELS = {"poisson": "Poisson NLL + const", "gaussian": "amplitude LSQ", "intensity": "intensity LSQ"}
+
+
+def loss_label(kind) -> str:
+    """``"loss (Poisson NLL + const)"`` and the like: the loss named with what it measures (the
+    Poisson negative log-likelihood leaves out log(y!), so it is often large and negative)."""
+    what = LOSS_LABELS.get(kind)
+    return f"loss ({what})" if what else "loss"
+
+
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter (IPython) kernel."""
+    shell = sys.modules.get("IPython")
+    if shell is None or "ipykernel" not in sys.modules:
+        return False
+    try:
+        ip = shell.get_ipython()
+    except Exception:
+        return False
+    return ip is not None and hasattr(ip, "kernel")
+
+
+def interactive(stream=None) -> bool:
+    """Whether someone is watching: ``stream`` (stderr) is a terminal, or a notebook runs."""
+    stream = sys.stderr if stream is None else stream
+    try:
+        tty = bool(stream.isatty())
+    except (AttributeError, ValueError):
+        tty = False
+    return tty or in_notebook()
+
+
+def make_progress(epochs: int, n_patterns: int, *, start_epoch: int = 0, loss: str | None = None,
+                  stream=None, bar: bool | None = None):
+    """The progress callback: a tqdm bar (``bar`` None: when tqdm is installed and the session is
+    :func:`interactive`), else a :class:`ProgressPrinter`."""
+    if bar is None:
+        bar = interactive(stream)
+    if bar:
+        try:
+            import tqdm.auto  # noqa: F401
+        except ImportError:
+            bar = False
+    cls = TqdmProgress if bar else ProgressPrinter
+    return cls(epochs, n_patterns, start_epoch=start_epoch, loss=loss, stream=stream)
+
 
 class ProgressPrinter:
     """Callback printing epoch, loss, patterns/s and ETA.
 
-    On a terminal the line is redrawn in place; otherwise one line every ``every`` epochs.
+    ``epochs`` is the run's last epoch and ``start_epoch`` the epoch it starts after (a resumed
+    run's stored epoch), so a resumed run counts on from there (``epoch 11/20``). On a terminal
+    the line is redrawn in place; otherwise one line every ``every`` epochs (and the first and
+    the last).
     """
 
-    def __init__(self, epochs: int, n_patterns: int, stream=None, every: int = 10):
+    takes_epoch_state = True  # reads the metrics only: the state may stay on the workers
+
+    def __init__(self, epochs: int, n_patterns: int, stream=None, every: int = 10, *, start_epoch: int = 0,
+                 loss: str | None = None):
         self.epochs = epochs
         self.n_patterns = n_patterns
         self.stream = stream or sys.stderr
         self.every = every
+        self.start_epoch = start_epoch
+        self.label = loss_label(loss)
         self.start = time.perf_counter()
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.done = 0
 
-    takes_epoch_state = True  # reads the metrics only: the state may stay on the workers
+    def _line(self, epoch, metrics) -> str:
+        elapsed = time.perf_counter() - self.start
+        eta = elapsed / self.done * max(self.epochs - epoch, 0)
+        return (f"epoch {epoch}/{self.epochs}  {self.label} {metrics['loss']:.4g}  "
+                f"{metrics['patterns_per_second']:.3g} patterns/s  ETA {eta:.0f} s")
 
     def __call__(self, epoch, state, metrics):
         self.done += 1
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / self.done * max(self.epochs - self.done, 0)
-        line = (f"epoch {self.done}/{self.epochs}  loss {metrics['loss']:.4g}  "
-                f"{metrics['patterns_per_second']:.3g} patterns/s  ETA {eta:.0f} s")
+        epoch = int(epoch) if epoch is not None else self.start_epoch + self.done
+        line = self._line(epoch, metrics)
+        last = epoch >= self.epochs
         if self.tty:
-            end = "\n" if self.done >= self.epochs else ""
-            self.stream.write("\r" + line.ljust(78) + end)
-        elif self.done % self.every == 0 or self.done >= self.epochs or self.done == 1:
+            self.stream.write("\r" + line.ljust(78) + ("\n" if last else ""))
+        elif epoch % self.every == 0 or last or self.done == 1:
             self.stream.write(line + "\n")
         self.stream.flush()
+        return None
+
+
+class TqdmProgress(ProgressPrinter):
+    """The same callback as a tqdm bar (console or notebook widget, ``tqdm.auto``)."""
+
+    def __init__(self, epochs: int, n_patterns: int, stream=None, every: int = 10, *, start_epoch: int = 0,
+                 loss: str | None = None):
+        super().__init__(epochs, n_patterns, stream, every, start_epoch=start_epoch, loss=loss)
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=epochs, initial=start_epoch, unit="epoch", file=self.stream, dynamic_ncols=True)
+
+    def __call__(self, epoch, state, metrics):
+        self.done += 1
+        epoch = int(epoch) if epoch is not None else self.start_epoch + self.done
+        self.bar.set_postfix_str(f"{self.label} {metrics['loss']:.4g}, "
+                                 f"{metrics['patterns_per_second']:.3g} patterns/s", refresh=False)
+        self.bar.update(max(epoch - self.bar.n, 0))
+        if epoch >= self.epochs:
+            self.bar.close()
         return None
