@@ -153,3 +153,254 @@ def test_a_handled_stale_round_is_not_reported_as_an_error(caplog):
         log.error(template, "k2", "executing", "t", "ValueError('a real failure')", "tb")
     keys = [r.args[0] for r in caplog.records if r.name == "distributed.worker"]
     assert keys == ["k2"]
+
+
+# --- issue 32: out of core, external clusters, clusters without workers ---------------------------
+
+@pytest.mark.slow
+def test_out_of_core_losing_every_worker_recovers_bit_identically(process_client, tmp_path, monkeypatch, caplog):
+    """Round by round (persist=False) the state lives on the client: a round whose workers all
+    die runs again once the nannies' new workers are there, from the same state; the checkpoint
+    and the result equal an undisturbed run (it crashed with FutureCancelledError)."""
+    monkeypatch.setenv("DASKPTY_STALL_SECONDS", "20")
+    ds = make_dataset(grid=10, seed=6)
+    daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(tmp_path / "s.zarr")
+    data = daskpty.open_data(tmp_path / "s.zarr")
+    kw = dict(epochs=7, client=process_client, chunk_length=25, check_data=False, persist=False,
+              checkpoint_every=5)
+    undisturbed = daskpty.reconstruct(data, checkpoint=tmp_path / "u.zarr", **kw)
+    killed = []
+    start = time.monotonic()
+    rec = daskpty.reconstruct(data, checkpoint=tmp_path / "k.zarr",
+                              callback=_kill_every_worker_in_the_next_round(process_client, 3, killed), **kw)
+    assert killed and time.monotonic() - start < 90
+    assert "restarting round" in caplog.text  # the loss was seen and handled
+    assert not rec.options["persist"]
+    np.testing.assert_array_equal(rec.object, undisturbed.object)
+    np.testing.assert_array_equal(rec.probe, undisturbed.probe)
+    assert [h["loss"] for h in rec.history] == [h["loss"] for h in undisturbed.history]
+    np.testing.assert_array_equal(daskpty.Reconstruction.from_zarr(tmp_path / "k.zarr").object, undisturbed.object)
+
+
+def _kill_every_worker_in_the_next_round(client, epoch_to_kill: int, killed: list):
+    """An epoch callback that, after ``epoch_to_kill``, SIGKILLs every worker process as soon as
+    the next round's tasks are running (from a thread: the callback must return first)."""
+    import threading
+
+    pids = list(client.run(os.getpid).values())
+
+    def kill_when_busy():
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if any(client.processing().values()):
+                for pid in pids:
+                    os.kill(pid, signal.SIGKILL)
+                killed.append(time.monotonic())
+                return
+            time.sleep(0.005)
+
+    def callback(epoch, state, metrics):
+        if epoch == epoch_to_kill and not killed:
+            threading.Thread(target=kill_when_busy, daemon=True).start()
+
+    callback.takes_epoch_state = True
+    return callback
+
+
+def test_a_cluster_without_workers_is_a_bounded_wait_and_one_line(monkeypatch, tmp_path):
+    """client= on LocalCluster(n_workers=0) used to hang forever in the first gather."""
+    from daskpty.execution.cluster import ClusterUnavailable
+
+    monkeypatch.setenv("DASKPTY_WORKER_WAIT_SECONDS", "2")
+    ds = make_dataset(grid=6, seed=1)
+    lines = []
+    with LocalCluster(n_workers=0, processes=False, dashboard_address=None) as cluster, Client(cluster) as c:
+        start = time.monotonic()
+        with pytest.raises(ClusterUnavailable) as info:
+            daskpty.reconstruct(ds, epochs=2, client=c, checkpoint=tmp_path / "r.zarr")
+        took = time.monotonic() - start
+        from daskpty.execution.cluster import wait_for_workers
+
+        with pytest.raises(ClusterUnavailable):
+            wait_for_workers(c, timeout=1.5, say=lines.append)
+    assert 2 <= took < 15
+    message = str(info.value)
+    assert "\n" not in message and "no dask worker joined the scheduler" in message and "within 2 s" in message
+    assert lines and "has no workers; waiting up to 2 s" in lines[0]
+    assert not (tmp_path / "r.zarr").exists()
+
+
+def test_scheduler_addresses_that_are_no_scheduler_are_one_line():
+    """A closed port and an HTTP server (a dashboard's port) are refused within seconds (a closed
+    port gave a traceback after 32 s, an HTTP port hung)."""
+    import http.server
+    import socket
+    import threading
+
+    from daskpty.execution.cluster import ClusterUnavailable, connect
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    start = time.monotonic()
+    with pytest.raises(ClusterUnavailable, match="cannot connect to a dask scheduler at 127.0.0.1:"):
+        connect(f"tcp://127.0.0.1:{closed}")
+    assert time.monotonic() - start < 5
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(ClusterUnavailable, match="is an HTTP server .* not a dask scheduler"):
+            connect(f"127.0.0.1:{server.server_address[1]}")
+        assert time.monotonic() - start < 10
+    finally:
+        server.shutdown()
+    with pytest.raises(ClusterUnavailable, match="bad scheduler address"):
+        connect("tcp://:x")
+
+
+def test_too_many_local_workers_are_refused_with_the_maximum():
+    from daskpty.execution.cluster import check_worker_count
+
+    cores = os.cpu_count() or 1
+    check_worker_count(max(4 * cores, 8))
+    with pytest.raises(ValueError, match=f"at most {max(4 * cores, 8)} .4 per core"):
+        check_worker_count(1000)
+
+
+def test_chunk_length_longer_than_the_data_is_the_data(client):
+    """--chunk-length 100000 on a few hundred patterns was refused for memory it never needs."""
+    ds = make_dataset(grid=6, seed=2)
+    with pytest.warns(UserWarning, match="longer than the data set .36 patterns.; using one chunk of 36"):
+        rec = daskpty.reconstruct(ds, epochs=2, client=client, chunk_length=100_000, check_data=False)
+    same = daskpty.reconstruct(ds, epochs=2, client=client, chunk_length=36, check_data=False)
+    assert rec.options["chunk_length"] == 36
+    np.testing.assert_array_equal(rec.object, same.object)
+
+
+def test_loss_noise_goes_to_info_and_other_errors_pass():
+    """distributed's ERROR tracebacks after a handled loss are routed to INFO (hidden at
+    distributed's WARNING level); unrelated errors are untouched."""
+    import logging
+
+    from daskpty.execution.watchdog import quiet_handled_losses
+
+    log = logging.getLogger("distributed.worker")
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    keep = Keep()
+    log.addHandler(keep)
+    old = log.level
+    log.setLevel(logging.WARNING)
+    try:
+        with quiet_handled_losses():
+            log.error("failed during get data with %s -> %s", "tcp://a", "tcp://b", exc_info=(OSError, OSError(), None))
+            log.error("Compute Failed\nKey: %s\nException: %r", "k", "CancelledError('lost')")
+            log.error("Compute Failed\nKey: %s\nException: %r", "k2", "ValueError('a real failure')")
+            logging.getLogger("asyncio").error("Task exception was never retrieved",
+                                               exc_info=(ValueError, ValueError("real"), None))
+        log.error("failed during get data with %s -> %s", "tcp://a", "tcp://b")  # filter removed
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(old)
+    assert [r.getMessage()[:20] for r in records] == ["Compute Failed\nKey: ", "failed during get da"]
+    assert "k2" in records[0].getMessage()
+
+
+# --- the command line against an external scheduler and workers (real processes) -----------------
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dask(*args):
+    import shutil
+    import subprocess
+    import sys
+
+    dask = shutil.which("dask", path=os.path.dirname(sys.executable)) or "dask"
+    return subprocess.Popen([dask, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+@pytest.fixture
+def external_cluster():
+    """``dask scheduler`` and one ``dask worker --nworkers 2`` process of 300 MiB workers (a node);
+    yields (address, scheduler process, worker process); both are killed at the end."""
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    procs = [_dask("scheduler", "--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0")]
+    procs.append(_dask("worker", address, "--nworkers", "2", "--nthreads", "1", "--memory-limit", "300MiB",
+                       "--no-dashboard"))
+    try:
+        with Client(address, timeout=60) as c:
+            c.wait_for_workers(2, timeout=120)
+        yield address, procs[0], procs[1]
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the process and the workers it spawned
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=30)
+
+
+def _cli_run_until_checkpoint(tmp_path, address, env):
+    """A ``daskpty reconstruct --scheduler`` subprocess, returned once its first checkpoint exists."""
+    import subprocess
+    import sys
+
+    ds = make_dataset(grid=10, seed=7)
+    daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(tmp_path / "s.zarr")
+    out = tmp_path / "r.zarr"
+    proc = subprocess.Popen([sys.executable, "-m", "daskpty", "reconstruct", str(tmp_path / "s.zarr"), "-o",
+                             str(out), "--scheduler", address, "--epochs", "400", "--checkpoint-every", "2",
+                             "--chunk-length", "25", "--quiet"],
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    deadline = time.monotonic() + 120
+    while not (out / "zarr.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proc.poll() is None, proc.stderr.read()
+    return proc, out
+
+
+def _ends_in_one_line(proc, out, expect: str, bound: float):
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=bound + 60)
+    took = time.monotonic() - start
+    errors = [line for line in err.splitlines() if line.startswith("daskpty: error:")]
+    assert proc.returncode == 2, err
+    assert len(errors) == 1 and expect in errors[0], err
+    assert "Traceback" not in err, err
+    assert took < bound, (took, err)
+    kept = int(errors[0].split(" of epoch ")[1].split()[0])
+    assert daskpty.Reconstruction.from_zarr(out).epochs == kept  # the checkpoint named is intact
+    return err
+
+
+@pytest.mark.slow
+def test_a_lost_node_ends_in_one_line_with_the_checkpoint(tmp_path, external_cluster):
+    """The external ``dask worker`` process dies with its workers and none comes back: after the
+    watchdog's wait, one line, exit 2, the checkpoint named in it intact."""
+    address, _, node = external_cluster
+    proc, out = _cli_run_until_checkpoint(tmp_path, address, {"DASKPTY_STALL_SECONDS": "8"})
+    os.killpg(node.pid, signal.SIGKILL)
+    err = _ends_in_one_line(proc, out, "was lost and none came back", bound=90)
+    assert "is kept" in err
+
+
+@pytest.mark.slow
+def test_a_killed_scheduler_ends_in_one_line_with_the_checkpoint(tmp_path, external_cluster):
+    """It gave KeyError: 'workers' from the restart path, exit 1."""
+    address, scheduler, _ = external_cluster
+    proc, out = _cli_run_until_checkpoint(tmp_path, address, {"DASKPTY_STALL_SECONDS": "30"})
+    os.killpg(scheduler.pid, signal.SIGKILL)
+    _ends_in_one_line(proc, out, f"the dask scheduler at {address} is gone", bound=40)

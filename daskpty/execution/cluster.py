@@ -286,15 +286,17 @@ def live_workers(client) -> dict:
     deadline = time.monotonic() + RECONNECT_SECONDS
     while client.status == "connecting" and time.monotonic() < deadline:
         time.sleep(0.1)
+    again = "start it and its workers again and continue with --resume (API: resume=)"
     if client.status != "running":
-        raise SchedulerLost(f"the dask scheduler at {scheduler_address(client)} is gone (the client's "
-                            f"connection is {client.status})")
+        raise SchedulerLost(f"the dask scheduler at {scheduler_address(client)} is gone (no connection for "
+                            f"{RECONNECT_SECONDS:.0f} s); {again}")
     try:
         info = client.scheduler_info(n_workers=-1)
     except OSError as exc:
-        raise SchedulerLost(f"the dask scheduler at {scheduler_address(client)} is gone ({exc})") from None
+        raise SchedulerLost(f"the dask scheduler at {scheduler_address(client)} is gone ({exc}); {again}") from None
     if "workers" not in info or client.status != "running":
-        raise SchedulerLost(f"the dask scheduler at {scheduler_address(client)} is gone (it no longer answers)")
+        raise SchedulerLost(f"the dask scheduler at {scheduler_address(client)} is gone (it no longer answers); "
+                            f"{again}")
     return dict(info["workers"])
 
 
@@ -343,7 +345,8 @@ def wait_for_workers(client, timeout: float | None = None, *, say=None, lost: bo
         time.sleep(min(0.25, left))
     if lost:
         raise ClusterUnavailable(f"every dask worker of the scheduler at {address} was lost and none came back "
-                                 f"within {timeout:.0f} s (DASKPTY_STALL_SECONDS sets the wait)")
+                                 f"within {timeout:.0f} s (DASKPTY_STALL_SECONDS sets the wait); start workers "
+                                 "and continue with --resume (API: resume=)")
     raise ClusterUnavailable(f"no dask worker joined the scheduler at {address} within {timeout:.0f} s; "
                              f"start workers (dask worker {address}) or check that they can reach it "
                              "(DASKPTY_WORKER_WAIT_SECONDS sets the wait)")
