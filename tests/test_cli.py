@@ -203,7 +203,11 @@ def test_reconstruct_help_groups_every_option_and_shows_its_default(capsys, monk
     monkeypatch.setenv("COLUMNS", "100")
     assert main(["reconstruct", "--help"]) == 0
     text = capsys.readouterr().out
-    assert "LSQML or AD" in text and "with the LSQML engine" not in text
+    assert "LSQML by default" in text and "with the LSQML engine" not in text
+    from daskpty.cli.reconstruct import ENGINE_NAMES
+    from daskpty.execution.engine_registry import ENGINES
+
+    assert ENGINE_NAMES == list(ENGINES) and "{lsqml,ad,rpie,epie}" in text
     groups, group, options = {}, None, {}
     current = None
     for line in text.splitlines():

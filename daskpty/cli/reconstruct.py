@@ -7,22 +7,26 @@ import os
 import sys
 
 NAME = "reconstruct"
+#: the engines of daskpty.execution.engine_registry.ENGINES, in its order (not imported here: it
+#: loads dask; tests/test_cli.py checks that the two agree)
+ENGINE_NAMES = ["lsqml", "ad", "rpie", "epie"]
 
 
 def add_parser(subparsers):
     p = subparsers.add_parser(
         NAME, help="reconstruct object and probe from a data-set store", formatter_class=_DefaultsFormatter,
         description="Reconstruct a data-set store on a dask cluster (the embedded local cluster "
-                    "unless --scheduler is given) with the LSQML or AD engine and write a "
+                    "unless --scheduler is given) with one of the engines (LSQML by default) and write a "
                     "reconstruction store, updated every --checkpoint-every epochs. Prints one "
                     "progress line per epoch on a terminal (every 10th otherwise) and a summary; "
                     "with truth/ in the store, the object NRMSE against it.")
     p.add_argument("data", metavar="DATA", help="data-set store (.zarr)")
 
     g = p.add_argument_group("engine")
-    g.add_argument("--engine", default="lsqml", choices=["lsqml", "ad"],
+    g.add_argument("--engine", default="lsqml", choices=ENGINE_NAMES,
                    help="lsqml: least-squares maximum likelihood (Odstrčil 2018); ad: gradient "
-                        "descent on a loss with exact adjoints")
+                        "descent on a loss with exact adjoints; rpie: regularised PIE in minibatch "
+                        "rounds (Maiden 2017); epie: rPIE with alpha = 1")
     g.add_argument("--epochs", type=int, default=100,
                    help="total passes over all patterns (with --resume: including those already done)")
     g.add_argument("--noise", default="gaussian", choices=["gaussian", "poisson"],
