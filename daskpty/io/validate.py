@@ -14,6 +14,8 @@ import math
 
 import numpy as np
 
+from .dask_client import current_client
+
 FORMAT_NAME = "daskpty-dataset"
 FORMAT_VERSION = 1
 INTENSITY_DTYPES = (np.dtype("uint16"), np.dtype("uint32"), np.dtype("float32"))
@@ -261,8 +263,6 @@ def check_values(data, client=None) -> ValueReport:
     blocks = x.to_delayed().ravel()
     parts = [dask.delayed(_block_stats, pure=True)(b, int(o)) for b, o in zip(blocks, offsets)]
     if client is None:
-        from daskpty.execution.cluster import current_client
-
         client = current_client()
     try:
         if client is not None:

@@ -22,6 +22,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
 
+from .dask_client import current_client
 from .lock import StoreLock, check_unlocked
 from .integrity import EVERY_CHUNK, WRITE_ALL
 from .metadata import Truth, jsonable
@@ -264,8 +265,6 @@ def write_blocks(x: da.Array, arr, root: str, *, client=None, progress: bool = F
     current distributed client) when there is one, else a small local thread pool computing one
     chunk per thread; at most a few chunks are in memory at a time.
     """
-    from daskpty.execution.cluster import current_client
-
     offsets = np.concatenate([[0], np.cumsum(x.chunks[0])[:-1]]).astype(int)
     bar = TextProgress(len(offsets), label, enabled=progress)
     if client is None:
