@@ -425,46 +425,7 @@ def test_every_scatter_of_the_same_array_gets_its_own_keys(client):
     np.testing.assert_array_equal(client.compute(second).result(), inten)
 
 
-# --------------------------------------------------------------------------- the docs page
-
-PAGE = os.path.join(os.path.dirname(__file__), "..", "docs", "howto", "own-data.md")
-
-
-def page_commands():
-    """The ``daskpty`` lines of docs/howto/own-data.md: the first bash block, then the exports."""
-    import re
-
-    text = open(PAGE).read()
-    blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
-    four = [ln for ln in blocks[0].splitlines() if ln.startswith("daskpty ")]
-    exports = [ln.split("#")[0].strip() for b in blocks for ln in b.splitlines()
-               if ln.startswith("daskpty export")]
-    return four, exports
-
-
-@pytest.mark.skipif(not os.path.isfile(REAL_CXI), reason="shared real data not present")
-def test_own_data_page_runs(tmp_path):
-    import shlex
-    import subprocess
-    import sys
-
-    pytest.importorskip("matplotlib")
-    four, exports = page_commands()
-    assert [c.split()[1] for c in four] == ["import", "info", "reconstruct", "show"]
-    os.symlink(os.path.abspath(REAL_CXI), tmp_path / os.path.basename(REAL_CXI))
-    for line in four + exports:
-        argv = shlex.split(line)[1:]
-        if argv[0] == "reconstruct":  # the page's run, shortened for the test
-            argv = [a if a != "50" else "2" for a in argv] + ["--workers", "1", "--quiet"]
-        proc = subprocess.run([sys.executable, "-m", "daskpty", *argv], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"{line}\n{proc.stdout}\n{proc.stderr}"
-        assert "Traceback" not in proc.stderr
-    for name in ("p25.zarr", "p25-scan.png", "p25-recon.zarr", "p25.png", "p25.cxi", "p25.h5",
-                 "p25-phase.png", "p25.tif"):
-        assert os.path.getsize(tmp_path / name) > 0 or os.path.isdir(tmp_path / name), name
-    rec = daskpty.Reconstruction.from_zarr(str(tmp_path / "p25-recon.zarr"))
-    assert rec.epochs == 2 and rec.probe.shape[-1] == 64
+# docs/howto/own-data.md's commands run in tests/test_own_data.py
 
 
 @pytest.mark.parametrize("step, warns", [(2.0, False), (30.0, True)])
