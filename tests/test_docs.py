@@ -61,6 +61,7 @@ def test_index_lists_every_command_and_how_to():
         assert f"(howto/{page.name})" in row, f"docs/index.md's how-to list lacks {page.name}"
 
 
+@pytest.mark.slow          # builds the site: ~5-10 s
 def test_every_page_is_built(site):
     pages = sorted(p.relative_to(ROOT / "docs").with_suffix("")
                    for p in (ROOT / "docs").rglob("*.md"))
@@ -70,6 +71,7 @@ def test_every_page_is_built(site):
         assert html.is_file(), f"{page}.md was not built"
 
 
+@pytest.mark.slow          # builds the site: ~5-10 s
 def test_api_reference_is_generated(site):
     html = (site / "api" / "index.html").read_text()
     for name in ("daskpty.api.reconstruct", "daskpty.io.store.open_data", "daskpty.io.store.from_arrays",
@@ -79,6 +81,7 @@ def test_api_reference_is_generated(site):
     assert "rounds_per_epoch" in html          # parameters come from the docstrings
 
 
+@pytest.mark.slow          # builds the site: ~5-10 s
 def test_examples_are_embedded_and_figure_is_shown(site):
     page = (site / "howto" / "cpu-laptop" / "index.html").read_text()
     assert "nrmse_vs_truth" in page            # the script itself, via pymdownx.snippets
@@ -86,6 +89,7 @@ def test_examples_are_embedded_and_figure_is_shown(site):
     assert "img/summary.png" in (site / "index.html").read_text()
 
 
+@pytest.mark.slow          # builds the site: ~5-10 s
 def test_site_works_offline(site):
     """No page loads scripts or styles from a CDN (highlight.js is off; Pygments colours code)."""
     for html in site.rglob("*.html"):
