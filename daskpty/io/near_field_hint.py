@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-#: frames read from a store for the test (a contiguous run from the middle of the scan)
-SAMPLE_FRAMES = 256
+#: frames read from a store for the test (a contiguous run from the middle of the scan), binned
+#: to at most MAX_SIDE pixels a side (a 512² detector: 4 x 4 bins), so the test stays cheap
+SAMPLE_FRAMES, MAX_SIDE = 256, 128
 #: pairs: each anchor with its nearest neighbours in position
 ANCHORS, NEIGHBOURS = 48, 3
 #: how well the best-match shifts must follow the positions (R² of the linear fit), how strong
@@ -65,8 +66,13 @@ def near_field_evidence(frames, positions, mean=None) -> NearFieldEvidence:
         return NearFieldEvidence(float("nan"), float("nan"), float("nan"), 0)
     flat = np.where(lit, frames / np.where(lit, mean, 1.0) - 1.0, 0.0)
     flat -= np.where(lit, flat.sum(axis=(1, 2), keepdims=True) / lit.sum(), 0.0)
-    spectra = np.fft.rfft2(flat)
     power = np.sqrt((flat ** 2).sum(axis=(1, 2)))
+    cache: dict[int, np.ndarray] = {}
+
+    def spectrum(i):
+        if i not in cache:
+            cache[i] = np.fft.rfft2(flat[i])
+        return cache[i]
 
     h, w = frames.shape[1:]
     anchors = np.unique(np.linspace(0, n - 1, min(ANCHORS, n)).round().astype(int))
@@ -77,7 +83,7 @@ def near_field_evidence(frames, positions, mean=None) -> NearFieldEvidence:
         for k in np.argsort(dist)[:NEIGHBOURS]:
             if not np.isfinite(dist[k]) or power[j] == 0 or power[k] == 0:
                 continue
-            c = np.fft.irfft2(spectra[j] * np.conj(spectra[k]), s=(h, w)) / (power[j] * power[k])
+            c = np.fft.irfft2(spectrum(j) * np.conj(spectrum(k)), s=(h, w)) / (power[j] * power[k])
             py, px = np.unravel_index(int(np.argmax(c)), c.shape)
             shifts.append(((py + h // 2) % h - h // 2, (px + w // 2) % w - w // 2))
             steps.append(positions[j] - positions[k])
@@ -101,6 +107,10 @@ def _sample(data):
     frames = frames.astype(np.float32)
     if data.mask is not None:
         frames *= np.asarray(data.mask, dtype=np.float32)
+    b = -(-max(frames.shape[1:]) // MAX_SIDE)            # bin factor, ceil
+    if b > 1:
+        h, w = (s // b * b for s in frames.shape[1:])
+        frames = frames[:, :h, :w].reshape(len(frames), h // b, b, w // b, b).mean(axis=(2, 4))
     return frames, np.asarray(data.positions[start:stop])
 
 
