@@ -43,3 +43,62 @@ def test_persist_needs_room_for_the_share_and_the_working_set(small_workers):
     assert persist_fits(small_workers, 40 * 2**20)                            # 20 MiB each
     assert not persist_fits(small_workers, 40 * 2**20, working_bytes=30 * 2**20)  # 50 > 38.4 MiB
     assert not persist_fits(small_workers, 70 * 2**20)                        # > half of 128 MiB
+
+
+def _pause_every_worker(dask_worker):
+    from distributed.core import Status
+
+    dask_worker.memory_manager.memory_pause_fraction = False  # the monitor would unpause them (memory is low)
+    dask_worker.status = Status.paused  # what the monitor does at the pause threshold
+
+
+def test_a_round_stalled_by_paused_workers_says_so(tmp_path, monkeypatch):
+    """Workers paused at their memory limit for DASKPTY_PAUSED_SECONDS end the run with one line
+    that says so and keeps the checkpoint (it stalled 5 minutes, then said nothing of memory)."""
+    import time
+
+    from daskpty.execution.cluster import WorkersPaused
+
+    monkeypatch.setenv("DASKPTY_PAUSED_SECONDS", "3")
+    ds = make_dataset(grid=8, seed=3)
+    path = tmp_path / "s.zarr"
+    daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(path)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as c:
+        def pause_after_two(epoch, state, metrics):
+            if epoch == 2:
+                c.run(_pause_every_worker)
+
+        start = time.monotonic()
+        with pytest.raises(WorkersPaused) as info:
+            daskpty.reconstruct(daskpty.open_data(path), epochs=20, client=c, persist=False, chunk_length=16,
+                                checkpoint=tmp_path / "r.zarr", checkpoint_every=1, callback=pause_after_two,
+                                check_data=False)
+        took = time.monotonic() - start
+    message = str(info.value)
+    assert "\n" not in message and "workers paused at their memory limit" in message
+    assert "epoch 2 is kept" in message and took < 60
+    assert daskpty.Reconstruction.from_zarr(tmp_path / "r.zarr").epochs == 2
+
+
+def test_workers_paused_by_their_memory_monitor_are_named_at_the_start(tmp_path, monkeypatch):
+    """Workers whose process is over the pause threshold (in-process workers with a limit below
+    this process's memory: dask's monitor pauses them for real) end the run before it starts."""
+    import time
+
+    import psutil
+
+    from daskpty.execution.cluster import WorkersPaused
+
+    monkeypatch.setenv("DASKPTY_PAUSED_SECONDS", "3")
+    ds = make_dataset(grid=6, seed=3)
+    limit = int(psutil.Process().memory_info().rss * 0.9)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, memory_limit=limit,
+                      dashboard_address=None) as cluster, Client(cluster) as c:
+        deadline = time.monotonic() + 10
+        while not all(str(w["status"]).endswith("paused") for w in c.scheduler_info(n_workers=-1)["workers"].values()):
+            assert time.monotonic() < deadline, "the memory monitor did not pause the worker"
+            time.sleep(0.1)
+        with pytest.raises(WorkersPaused, match="all 1 workers paused at their memory limit"):
+            daskpty.reconstruct(ds, epochs=2, client=c, check_data=False, checkpoint=tmp_path / "r.zarr")
+    assert not (tmp_path / "r.zarr").exists()

@@ -323,6 +323,7 @@ def wait_for_workers(client, timeout: float | None = None, *, say=None, lost: bo
 
     workers = live_workers(client)
     if workers:
+        _wait_while_paused(client, workers)
         return len(workers)
     timeout = worker_wait_seconds() if timeout is None else float(timeout)
     address = scheduler_address(client)
@@ -411,3 +412,69 @@ def connect(address: str, timeout: float = 10.0):
     except (OSError, TimeoutError) as exc:
         raise ClusterUnavailable(f"cannot connect to a dask scheduler at {address} within {timeout:.0f} s "
                                  f"({' '.join(str(exc).split())})") from None
+
+
+class WorkersPaused(ClusterUnavailable):
+    """Every worker stayed paused at its memory limit: the round cannot progress."""
+
+
+#: A wait during which every worker stays paused at its memory limit this long ends the run
+#: (``DASKPTY_PAUSED_SECONDS`` overrides it).
+DEFAULT_PAUSED_SECONDS = 60.0
+
+
+def _paused(info: dict) -> bool:
+    return str(info.get("status", "")).endswith("paused")
+
+
+def _paused_seconds() -> float:
+    return float(os.environ.get("DASKPTY_PAUSED_SECONDS") or DEFAULT_PAUSED_SECONDS)
+
+
+def _all_paused_message(workers: dict, seconds: float) -> str:
+    smallest = min((w.get("memory_limit") or 0) for w in workers.values())
+    return (f"all {len(workers)} workers paused at their memory limit ({smallest / 2**20:.0f} MiB) for "
+            f"{seconds:.0f} s, so the round cannot go on; give each worker more memory (memory_limit=, fewer "
+            "workers per machine), a shorter chunk_length or persist=False")
+
+
+def _wait_while_paused(client, workers: dict) -> None:
+    """Return once a worker is not paused; :class:`WorkersPaused` when all stay paused for
+    ``DASKPTY_PAUSED_SECONDS`` (a scatter to paused workers fails with 'No valid workers')."""
+    import time
+
+    limit = _paused_seconds()
+    deadline = time.monotonic() + limit
+    while workers and all(_paused(w) for w in workers.values()):
+        if time.monotonic() >= deadline:
+            raise WorkersPaused(_all_paused_message(workers, limit))
+        time.sleep(0.25)
+        workers = live_workers(client)
+
+
+def result_unless_paused(client, future, timeout: float | None):
+    """``future.result(timeout)``, but a wait during which every worker stays paused at its memory
+    limit (dask pauses a worker at 80 % of it) for ``DASKPTY_PAUSED_SECONDS`` (60 s) ends with
+    :class:`WorkersPaused`, one line that says so, instead of the watchdog's 5-minute stall that
+    did not mention memory. Raises TimeoutError after ``timeout`` like ``future.result``."""
+    import time
+
+    limit = _paused_seconds()
+    deadline = None if timeout is None else time.monotonic() + timeout
+    paused_since = None
+    while True:
+        now = time.monotonic()
+        step = 2.0 if deadline is None else min(2.0, max(deadline - now, 0.0))
+        try:
+            return future.result(timeout=step)
+        except TimeoutError:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise
+        workers = live_workers(client)
+        if not (workers and all(_paused(w) for w in workers.values())):
+            paused_since = None
+            continue
+        paused_since = now if paused_since is None else paused_since
+        if now - paused_since >= limit:
+            raise WorkersPaused(_all_paused_message(workers, limit))

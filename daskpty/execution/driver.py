@@ -28,7 +28,7 @@ from ..engines import lsqml
 from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
                                  options_for, settle_start, start_arrays, start_from_arrays, start_parameters,
                                  window_parameters)
-from .cluster import live_workers, wait_for_workers
+from .cluster import live_workers, result_unless_paused, wait_for_workers
 from .device_state import fetch_host_state
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
@@ -370,7 +370,8 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 following = graph.submit(pending)
                 pending.release_last_round()  # the scheduler keeps them for the new graph
             try:
-                epoch, scalars, ended_at, on_device = pending.summary.result(timeout=watchdog.bound())
+                epoch, scalars, ended_at, on_device = result_unless_paused(client, pending.summary,
+                                                                           watchdog.bound())
                 pending.on_device = on_device
                 pending.summary.release()
             except (CancelledError, StaleRoundState, TimeoutError, OSError) as exc:

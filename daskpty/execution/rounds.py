@@ -203,10 +203,13 @@ def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0
     restarts = 0
     while True:
         try:
+            wait_for_workers(client, timeout=timeout, lost=restarts > 0)  # (a scatter to paused workers waits 30 s)
             return _map_reduce_once(client, data, func, payload, round_index=round_index, rounds=rounds,
                                     split_every=split_every, local=local, timeout=timeout)
         except (CancelledError, KilledWorker, OSError, _RoundTimedOut) as exc:
-            paused = paused_workers(client)  # (SchedulerLost first, when the scheduler is gone)
+            # workers there and not all paused (else SchedulerLost / WorkersPaused / a bounded wait)
+            wait_for_workers(client, timeout=timeout, lost=True)
+            paused = paused_workers(client)
             reason = " ".join(f"{type(exc).__name__}: {exc}".rstrip(": ").split())
             if isinstance(exc, _RoundTimedOut) and paused:
                 raise ReconstructionStalled(
@@ -238,6 +241,8 @@ def _unstick(client) -> None:
 
 def _map_reduce_once(client, data: ChunkedData, func, payload, *, round_index: int, rounds: int,
                      split_every: int | None, local: dict | None, timeout: float | None) -> Partial:
+    from .cluster import result_unless_paused
+
     payload_future = client.scatter(payload, broadcast=True, hash=False)
     if data.persisted or local is not None:  # one task per chunk (persisted: on its chunk's worker)
         blocks = list(data.intensities.to_delayed().ravel())
@@ -263,7 +268,7 @@ def _map_reduce_once(client, data: ChunkedData, func, payload, *, round_index: i
     future = client.compute(root, optimize_graph=False)
     try:
         try:
-            return future.result(timeout=timeout)
+            return result_unless_paused(client, future, timeout)
         except TimeoutError:
             raise _RoundTimedOut(f"it did not finish within {timeout:.0f} s (see DASKPTY_STALL_SECONDS)") from None
     finally:
