@@ -133,3 +133,65 @@ def test_a_first_ctrl_c_waits_for_the_cluster_start_and_a_second_does_not():
             reached.append("after the second")
     assert reached == ["after the first"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _store(tmp_path):
+    sys.path.insert(0, os.path.dirname(__file__))
+    import daskpty
+    from synthetic import make_dataset
+
+    ds = make_dataset(grid=8, seed=1)
+    daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(tmp_path / "s.zarr")
+    return tmp_path / "s.zarr"
+
+
+def _command(data, out, *extra):
+    return subprocess.Popen([sys.executable, "-m", "daskpty", "reconstruct", str(data), "-o", str(out),
+                             "--workers", "1", "--epochs", "500", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_a_signal_while_the_command_imports_is_one_line(tmp_path, name):
+    """In the first second (Python importing daskpty) SIGTERM ended the command with -15 and no
+    word, Ctrl-C with a KeyboardInterrupt traceback, SIGHUP likewise silently."""
+    out = tmp_path / "r.zarr"
+    run = _command(os.devnull, out)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # daskpty/__init__ has set its handlers before NumPy loads
+        try:
+            with open(f"/proc/{run.pid}/maps") as f:
+                if "numpy" in f.read():
+                    break
+        except OSError:
+            time.sleep(0.3)
+            break
+        time.sleep(0.005)
+    run.send_signal(getattr(signal, name))
+    _, err = run.communicate(timeout=60)
+    assert run.returncode == 130, (run.returncode, err)
+    assert err.splitlines() == ["daskpty: interrupted while starting; nothing was written"], err
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_sighup_stops_a_run_with_its_stop_checkpoint(tmp_path):
+    """A closed terminal (SIGHUP) ends the run like Ctrl-C: the stop checkpoint is written (no
+    periodic one here) and the message names its epoch (SIGHUP used to kill the run, no checkpoint)."""
+    import daskpty
+
+    out = tmp_path / "r.zarr"
+    run = _command(_store(tmp_path), out, "--checkpoint-every", "100000")
+    lines = []
+    for line in run.stderr:  # progress lines: epoch 1 is the first
+        lines.append(line)
+        if line.startswith("epoch 1/"):
+            break
+    run.send_signal(signal.SIGHUP)
+    _, err = run.communicate(timeout=120)
+    err = "".join(lines) + err
+    assert run.returncode == 130, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("daskpty: interrupted; epoch ") and "Traceback" not in err, err
+    saved = int(last.split("epoch ")[1].split()[0])
+    assert saved >= 1 and daskpty.Reconstruction.from_zarr(out).epochs == saved
