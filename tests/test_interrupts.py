@@ -195,3 +195,24 @@ def test_sighup_stops_a_run_with_its_stop_checkpoint(tmp_path):
     assert last.startswith("daskpty: interrupted; epoch ") and "Traceback" not in err, err
     saved = int(last.split("epoch ")[1].split()[0])
     assert saved >= 1 and daskpty.Reconstruction.from_zarr(out).epochs == saved
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("after", [0.0, 1.5])
+def test_sigterm_while_the_cluster_starts_is_one_line(tmp_path, after):
+    """Once worker processes are being spawned: one line, nothing else (there were 'Nanny failed
+    to start' tracebacks and asyncio's 'Task exception was never retrieved … AllExit')."""
+    import psutil
+
+    out = tmp_path / "r.zarr"
+    run = _command(_store(tmp_path), out, "--quiet")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and run.poll() is None:
+        if any("spawn_main" in " ".join(c.cmdline()) for c in psutil.Process(run.pid).children()):
+            break
+        time.sleep(0.02)
+    time.sleep(after)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 130, err
+    assert len(err.splitlines()) == 1 and err.startswith("daskpty: interrupted"), err
