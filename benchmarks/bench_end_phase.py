@@ -81,6 +81,8 @@ class RssSampler:
         self.workers_peak = 0
         self.end_phase_peak = 0
         self.in_end_phase = False
+        self.timeline = []  # (seconds since start, client RSS) every ~1 s
+        self._start = time.perf_counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -95,6 +97,9 @@ class RssSampler:
             except psutil.Error:
                 return
             self.client_peak = max(self.client_peak, rss)
+            now = time.perf_counter() - self._start
+            if not self.timeline or now - self.timeline[-1][0] >= 1.0:
+                self.timeline.append((round(now, 1), round(rss / MiB)))
             if self.in_end_phase:
                 self.end_phase_peak = max(self.end_phase_peak, rss)
             for kid in kids:
@@ -129,7 +134,8 @@ def reconstruct(data, out, epochs, workers, rounds=None):
     reader = threading.Thread(target=read_stdout, daemon=True)
     reader.start()
     for line in child.stderr:
-        sys.stderr.write(line)
+        rss = sampler.timeline[-1][1] if sampler.timeline else 0
+        sys.stderr.write(f"[{time.perf_counter() - start:7.1f} s, client ~{rss:5d} MiB] {line}")
         for part in line.split("\r"):
             if epochs_done is None and last_epoch.match(part.strip()):
                 epochs_done = time.perf_counter()
@@ -144,6 +150,8 @@ def reconstruct(data, out, epochs, workers, rounds=None):
             "client_peak_rss_mib": sampler.client_peak / MiB,
             "end_phase_peak_rss_mib": sampler.end_phase_peak / MiB,
             "workers_peak_rss_mib": sampler.workers_peak / MiB,
+            "end_phase_timeline": [(t, m) for t, m in sampler.timeline
+                                   if epochs_done is not None and t >= epochs_done - start - 1],
             "summary": "".join(stdout).strip()}
 
 
@@ -165,6 +173,9 @@ def main(argv=None):
     print(f"client peak RSS {result['client_peak_rss_mib']:.0f} MiB "
           f"(end phase {result['end_phase_peak_rss_mib']:.0f} MiB); "
           f"workers' peak RSS {result['workers_peak_rss_mib']:.0f} MiB each at most")
+    timeline = result["end_phase_timeline"]
+    if timeline:
+        print("end phase, client RSS (s: MiB): " + ", ".join(f"{t:.0f}: {m}" for t, m in timeline[::max(len(timeline) // 40, 1)]))
     print(json.dumps(result))
     return 0 if result["rc"] == 0 else 1
 

@@ -115,3 +115,28 @@ def test_result_store_is_written_one_row_of_chunks_at_a_time(tmp_path):
     assert peak < 4 * row, (peak, row)
     back = Reconstruction.from_zarr(path)
     assert np.array_equal(back.object, obj) and np.array_equal(back.illumination, rec.illumination)
+
+
+def _carry(size):
+    from daskpty.execution.epoch_graph import EpochCarry
+
+    rng = np.random.default_rng(4)
+    state = SimpleNamespace(object=(rng.standard_normal((size, size)) + 1j).astype(np.complex64),
+                            illumination=rng.random((size, size), np.float32),
+                            probe=np.ones((1, 8, 8), np.complex64), epoch=3, velocity=None)
+    return EpochCarry(state=state, scalars={"loss": 1.0})
+
+
+def test_state_is_fetched_with_its_large_arrays_in_row_blocks(client):
+    """fetch_state (EpochState.get's path for host states): arrays above the limit arrive in row
+    blocks into one client array, equal to the worker's; small ones and other attributes as they are."""
+    from daskpty.execution.fetch import _big_arrays, fetch_state
+
+    future = client.submit(_carry, 300, pure=False)
+    expected = future.result().state
+    assert set(client.submit(_big_arrays, future, 100_000, pure=False).result()) == {"object", "illumination"}
+    state = fetch_state(future, limit=100_000)  # 300² complex64 = 720 kB: 8 blocks of 41 rows
+    assert np.array_equal(state.object, expected.object) and state.object.flags.writeable
+    assert np.array_equal(state.illumination, expected.illumination)
+    assert np.array_equal(state.probe, expected.probe) and state.epoch == 3 and state.velocity is None
+    assert future.result().state.object is not None  # the worker's state is left whole

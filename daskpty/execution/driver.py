@@ -30,6 +30,7 @@ from ..engines.positions import (PositionOptions, affine_parameters, finish_epoc
                                  window_parameters)
 from .cluster import live_workers, result_unless_paused, wait_for_workers
 from .device_state import fetch_host_state
+from .fetch import fetch_state
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
 from .placement import run_stuck_loose_tasks
@@ -215,7 +216,8 @@ class EpochState:
         """The state (gathered from the workers on the first call); with per-pattern state, its
         ``chunk_local`` holds every chunk's, gathered from the workers that keep them."""
         if self._state is None:
-            state = fetch_host_state(self._future) if self._on_device else self._future.result().state
+            # large arrays in row blocks: no transient copies of the object on the client
+            state = fetch_host_state(self._future) if self._on_device else fetch_state(self._future)
             if self._local:
                 local = {}
                 for future in self._local:
