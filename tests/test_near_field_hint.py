@@ -53,7 +53,6 @@ def test_holograms_move_with_the_scan_diffraction_does_not():
         assert not farev.looks_near_field and farev.r2 < 0.5, (defocus, farev)
 
 
-@pytest.mark.slow
 @needs_real
 def test_real_near_field_file_imported_as_far_field_is_recognised(tmp_path, capsys):
     code, out, err = run_cli(["import", REAL_CXI, "-o", tmp_path / "p25.zarr", "--crop", 64],
