@@ -90,3 +90,19 @@ def test_import_of_a_daskpty_store_says_so(tmp_path, capsys, store_path):
     assert err.count("\n") == 1 and "already a daskpty data-set store" in err
     assert "daskpty info" in err and "daskpty reconstruct" in err and "tif" not in err
     assert not os.path.exists(tmp_path / "again.zarr")
+
+
+def test_large_holograms_are_binned_and_still_recognised(tmp_path):
+    """A 192² hologram store (binned 2 x 2 for the test) gets the hint; as near field it does not."""
+    obj, beam, ipos, pos = scan()
+    n = beam.shape[0]
+    windows = np.stack([obj[y - n // 2:y + n // 2, x - n // 2:x + n // 2] for y, x in ipos])
+    holograms = np.abs(beam * (1 + 2 * (windows - windows.mean()))) ** 2
+    big = np.kron(holograms, np.ones((1, 4, 4))).astype(np.float32) * 100   # 192 x 192
+    geometry = dict(wavelength_m=1e-10, detector_distance_m=1.0, detector_pixel_size_m=5e-5)
+    daskpty.from_arrays(big, pos * 4, **geometry).to_zarr(tmp_path / "far.zarr")
+    hint = near_field_hint(daskpty.open_data(str(tmp_path / "far.zarr")))
+    assert hint is not None and "--focus-to-sample" in hint
+    electrons = dict(geometry, wavelength_m=2e-12)                   # 300 keV: never flagged
+    daskpty.from_arrays(big, pos * 4, **electrons).to_zarr(tmp_path / "e.zarr")
+    assert near_field_hint(daskpty.open_data(str(tmp_path / "e.zarr"))) is None
