@@ -106,7 +106,7 @@ class Case:
         worse for refinement: the scan contracts by ~0.7 % to fit the wrong probe size (1 px
         random errors, 50 epochs: 1.21 px left vs 0.61 px from the store's guess)."""
         from daskpty.engines.initial import object_frame, probe_diameter_from_scan, probe_from_mean_pattern
-        from daskpty.half_set import illumination_map
+        from daskpty.metrics import illumination_map
 
         data = simulated(path, preset=preset)
         self.data = data

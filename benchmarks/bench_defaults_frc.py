@@ -6,7 +6,7 @@ Usage (not run in CI):
         [--real PATH.cxi] [--markdown]
 
 For each scan the patterns are split into two checkerboard halves, each reconstructed apart
-(``daskpty.metrics.half_set_frc``: same object frame, registered, FRC over the commonly
+(``daskpty.workflows.half_set_frc``: same object frame, registered, FRC over the commonly
 illuminated region); the rounds rule applies to a half, so "N half" is what it sees. "old R" is
 the rule before issue 15 (:func:`old_auto_rounds`, kept here), "new R" what ``reconstruct``
 picks today with ``rounds_per_epoch="auto"`` (read back from the result). Everything else is
@@ -105,7 +105,8 @@ def scan_overlap(positions, probe) -> float:
 
 
 def measure(name, data, overlap, args, client):
-    from daskpty.metrics import half_set_frc, split_halves
+    from daskpty.metrics import split_halves
+    from daskpty.workflows import half_set_frc
 
     n = int(data.intensities.shape[-1])
     half_n = len(split_halves(data.positions)[0])

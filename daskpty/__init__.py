@@ -54,6 +54,8 @@ _LAZY = {
     "reconstruct": ("daskpty.api", "reconstruct"),
     "Reconstruction": ("daskpty.results", "Reconstruction"),
     "metrics": ("daskpty.metrics", None),
+    "workflows": ("daskpty.workflows", None),
+    "half_set_frc": ("daskpty.workflows", "half_set_frc"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__", "simulate"]

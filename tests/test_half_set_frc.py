@@ -1,17 +1,18 @@
-"""Half-set FRC (daskpty.metrics.half_set_frc and its parts) and the rounds rule for small scans."""
+"""Half-set FRC (daskpty.workflows.half_set_frc and its parts in daskpty.metrics) and the rounds rule for small scans."""
 import numpy as np
 import pytest
 
 from daskpty.execution.data import auto_rounds
 from daskpty.metrics import (
     HalfSetFRC,
+    common_region,
     frc,
-    half_set_frc,
+    illumination_map,
     registered_frc,
     split_halves,
 )
-from daskpty.half_set import common_region, illumination_map
-from daskpty.metrics import _fourier_shift
+from daskpty.metrics.registration import _fourier_shift
+from daskpty.workflows import half_set_frc
 
 
 def _object(shape=(160, 160), seed=0):

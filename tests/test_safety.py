@@ -402,7 +402,7 @@ def test_interrupts_say_which_epoch_was_kept(tmp_path, data_path):
         start.kill()
     forced = "did not stop within 5 s of the second interrupt" in err
     if forced:
-        warnings.warn("the interrupt guard had to end a stuck run:\n" + err)
+        warnings.warn("the interrupt guard had to end a stuck run:\n" + err, stacklevel=1)
     assert rc == 130, err
     last = err.strip().splitlines()[-1]
     m = re.match(r"daskpty: interrupted; epoch (\d+) is saved in (\S+) \(continue with --resume", last)

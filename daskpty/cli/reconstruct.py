@@ -1,10 +1,12 @@
-"""``daskpty reconstruct DATA.zarr -o RECON.zarr``: run LSQML on a data-set store."""
+"""``daskpty reconstruct DATA.zarr -o RECON.zarr``: reconstruct a data-set store with one of the engines."""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import os
 import sys
+
+from ..physics.noise_models import noise_model_names
 
 NAME = "reconstruct"
 #: the engines of daskpty.execution.engine_registry.ENGINES, in its order (not imported here: it
@@ -29,10 +31,10 @@ def add_parser(subparsers):
                         "rounds (Maiden 2017); epie: rPIE with alpha = 1")
     g.add_argument("--epochs", type=int, default=100,
                    help="total passes over all patterns (with --resume: including those already done)")
-    g.add_argument("--noise", default="gaussian", choices=["gaussian", "poisson"],
+    g.add_argument("--noise", default="gaussian", choices=noise_model_names(lsqml=True),
                    help="noise model of the far-field correction and of the reported loss (poisson: "
                         "the negative log-likelihood up to a constant, often large and negative)")
-    g.add_argument("--loss", default=None, choices=["gaussian", "poisson", "intensity"],
+    g.add_argument("--loss", default=None, choices=noise_model_names(),
                    help="AD loss (default: --noise)")
     g.add_argument("--optimizer", default=None, choices=["adam", "sgd", "cg"],
                    help="AD optimiser (default: sgd; adam for --loss intensity)")

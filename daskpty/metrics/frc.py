@@ -1,15 +1,10 @@
-"""Half-set Fourier ring correlation: a figure of merit for measured data, which has no ground truth.
+"""Fourier ring correlation, and the parts of the half-set FRC that need no reconstruction.
 
-The patterns are split into two spatially interleaved halves, each half is reconstructed on its own,
-the two objects are registered (sub-pixel shift, linear phase ramp, global complex scale) and their
-Fourier ring correlation is computed over the region both halves illuminate, apodised by a window
-that falls smoothly to zero at the region's edge. Two reconstructions from independent photons
-agree only where both resolve the same structure, so the FRC against the ½-bit threshold estimates
-the resolution, and its mean over 0.1–0.6 Nyquist is a single number to compare settings by.
-
-:func:`registered_frc` (two images, NumPy/SciPy only) and :func:`split_halves` are usable on their
-own; :func:`half_set_frc` runs the two reconstructions with :func:`daskpty.reconstruct` (dask is
-imported only then). Re-exported by :mod:`daskpty.metrics`.
+The half-set FRC is a figure of merit for measured data, which has no ground truth: the patterns are
+split into two spatially interleaved halves (:func:`split_halves`), each half is reconstructed on its
+own (:func:`daskpty.workflows.half_set_frc` runs both), and the two objects are registered and
+compared by :func:`registered_frc` over the region both halves illuminate (:func:`common_region`),
+apodised by a window that falls smoothly to zero at the region's edge.
 """
 from __future__ import annotations
 
@@ -17,16 +12,112 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .metrics import Alignment, _check_mask, _check_pair, align, frc
+from .registration import Alignment, _check_mask, _check_pair, align
 
-__all__ = ["BAND", "HalfSetFRC", "common_region", "half_set_frc", "illumination_map", "registered_frc",
-           "split_halves"]
+@dataclass(frozen=True)
+class FRCResult:
+    """Result of :func:`frc`.
+
+    Attributes
+    ----------
+    frequency : ndarray
+        Ring centre frequencies in cycles/pixel, 0 … 0.5.
+    frc : ndarray
+        Fourier ring correlation per ring.
+    half_bit : ndarray
+        ½-bit threshold per ring (van Heel & Schatz 2005).
+    n_pixels : ndarray
+        Number of Fourier pixels in each ring.
+    resolution : float or None
+        First frequency (above DC, linearly interpolated between rings) where ``frc`` drops below
+        ``half_bit``; ``None`` if it never does.
+    """
+
+    frequency: np.ndarray
+    frc: np.ndarray
+    half_bit: np.ndarray
+    n_pixels: np.ndarray
+    resolution: float | None
+
+
+def frc(a, b, *, n_bins=None, window=True) -> FRCResult:
+    """Fourier ring correlation of two images with the ½-bit threshold.
+
+    ``FRC(ring) = Re sum A conj(B) / sqrt(sum |A|^2 sum |B|^2)`` over the Fourier pixels of each ring
+    (``A``, ``B`` the 2-D DFTs). The real part is the standard (unbiased) definition; for complex
+    reconstructions remove the global phase first (e.g. with :func:`align`). Threshold
+    ``T(n) = (0.2071 + 1.9102/sqrt(n)) / (1.2071 + 0.9102/sqrt(n))`` with ``n`` the ring's pixel count
+    (van Heel & Schatz 2005).
+
+    Parameters
+    ----------
+    a, b : array_like, shape (H, W)
+        Real or complex images of equal shape (e.g. two independent reconstructions).
+    n_bins : int, optional
+        Number of rings between 0 and 0.5 cycles/pixel; ring ``i`` collects pixels with
+        ``round(|f| / (0.5/n_bins)) == i``. Default ``min(H, W) // 2`` (one-pixel rings). Corner
+        pixels beyond 0.5 cycles/pixel are ignored, as are empty rings.
+    window : bool or float
+        Apodise both images with a separable Tukey window before the DFT to suppress the edge
+        discontinuity of non-periodic images. ``True`` uses taper fraction 0.25; a float in (0, 1]
+        sets it (1 = Hann). ``False``: no window.
+
+    Returns
+    -------
+    FRCResult
+    """
+    a, b = _check_pair(a, b, names=("a", "b"))
+    h, w = a.shape
+    a = a.astype(np.complex128)
+    b = b.astype(np.complex128)
+    if window is not False and window is not None:
+        alpha = 0.25 if window is True else float(window)
+        if not 0 < alpha <= 1:
+            raise ValueError(f"window taper fraction must lie in (0, 1]; got {window}")
+        from scipy.signal.windows import tukey
+
+        win = tukey(h, alpha)[:, None] * tukey(w, alpha)[None, :]
+        a = a * win
+        b = b * win
+    A = np.fft.fft2(a)
+    B = np.fft.fft2(b)
+    if n_bins is None:
+        n_bins = max(min(h, w) // 2, 1)
+    n_bins = int(n_bins)
+    if n_bins < 1:
+        raise ValueError(f"n_bins must be positive; got {n_bins}")
+    width = 0.5 / n_bins
+    radius = np.hypot(np.fft.fftfreq(h)[:, None], np.fft.fftfreq(w)[None, :])
+    idx = np.rint(radius / width).astype(np.int64)
+    keep = idx <= n_bins
+    idx = idx[keep]
+    count = np.bincount(idx, minlength=n_bins + 1)
+    num = np.bincount(idx, weights=np.real(A * np.conj(B))[keep], minlength=n_bins + 1)
+    pa = np.bincount(idx, weights=(np.abs(A) ** 2)[keep], minlength=n_bins + 1)
+    pb = np.bincount(idx, weights=(np.abs(B) ** 2)[keep], minlength=n_bins + 1)
+    ring = np.nonzero(count)[0]
+    den = np.sqrt(pa[ring] * pb[ring])
+    values = np.divide(num[ring], den, out=np.zeros(ring.size), where=den > 0)
+    n = count[ring].astype(np.float64)
+    rn = np.sqrt(n)
+    half_bit = (0.2071 + 1.9102 / rn) / (1.2071 + 0.9102 / rn)
+    freq = ring * width
+
+    resolution = None
+    below = np.nonzero((values < half_bit) & (ring > 0))[0]
+    if below.size:
+        i = int(below[0])
+        resolution = float(freq[i])
+        if i > 0 and ring[i - 1] > 0:  # interpolate the crossing between the previous ring and this one
+            d0 = values[i - 1] - half_bit[i - 1]
+            d1 = values[i] - half_bit[i]
+            resolution = float(freq[i - 1] + (freq[i] - freq[i - 1]) * d0 / (d0 - d1))
+    return FRCResult(frequency=freq, frc=values, half_bit=half_bit, n_pixels=count[ring], resolution=resolution)
+
+
 
 #: Band of the mean FRC, as fractions of the Nyquist frequency (0.5 cycles/pixel).
 BAND = (0.1, 0.6)
-
-#: Reconstruct options that cannot be shared by the two half reconstructions.
-_REFUSED = ("object", "resume", "checkpoint")
 
 
 @dataclass(frozen=True)
@@ -113,7 +204,7 @@ def split_halves(positions, method: str = "checkerboard") -> tuple[np.ndarray, n
     index = np.arange(len(pos))
     if method == "alternate":
         return index[0::2], index[1::2]
-    from .io.scan import nearest_neighbour_steps
+    from ..io.scan import nearest_neighbour_steps
 
     step = float(np.median(nearest_neighbour_steps(pos)))
     by_y = np.argsort(pos[:, 0], kind="stable")
@@ -129,7 +220,7 @@ def split_halves(positions, method: str = "checkerboard") -> tuple[np.ndarray, n
 
 def illumination_map(probe, positions, shape) -> np.ndarray:
     """Σ_j Σ_k |P_k|² placed at each position's integer window (float64, shape ``shape``)."""
-    from .physics import split_positions
+    from ..physics import split_positions
 
     p = np.asarray(probe)
     if p.ndim == 2:
@@ -228,79 +319,3 @@ def _crossing(curve, start: float) -> float | None:
         return float(f[i])
     d0, d1 = v[i - 1] - t[i - 1], v[i] - t[i]
     return float(f[i - 1] + (f[i] - f[i - 1]) * d0 / (d0 - d1))
-
-
-# --------------------------------------------------------------------------------------------------
-# the half-set measurement
-
-
-def half_set_frc(data, *, split="checkerboard", fraction: float = 0.3, ramp: bool = True,
-                 taper: float | None = None, band=BAND, client=None, n_workers: int | None = None,
-                 **reconstruct_options) -> HalfSetFRC:
-    """Reconstruct two interleaved halves of ``data`` apart and return their registered FRC.
-
-    Parameters
-    ----------
-    data : str or PtychoData
-        A data-set store path or an opened data set (e.g. from :func:`daskpty.from_arrays`).
-    split : {"checkerboard", "alternate"} or array of bool
-        How to halve the patterns (:func:`split_halves`), or a boolean array of length N marking
-        the second half.
-    fraction : float
-        The region compared is where both halves' illumination (``Σ |probe|²`` of their own
-        reconstructed probe at their positions) exceeds this fraction of its maximum.
-    ramp, taper, band
-        Passed to :func:`registered_frc`.
-    client, n_workers
-        Cluster for both reconstructions (one embedded cluster serves both when none is given).
-    **reconstruct_options
-        Passed to :func:`daskpty.reconstruct` for both halves (``epochs``, ``rounds_per_epoch``,
-        ``engine``, ``probe``, ...). The halves share the object frame of the whole scan, so
-        ``object``, ``resume`` and ``checkpoint`` are refused.
-
-    Returns
-    -------
-    HalfSetFRC
-        With ``halves`` (the two Reconstruction results), ``indices`` and ``seconds_per_epoch``.
-    """
-    from .api import reconstruct
-    from .engines.initial import object_frame
-    from .execution.cluster import client_context
-    from .io.store import from_arrays, open_data
-
-    refused = sorted(set(reconstruct_options) & set(_REFUSED))
-    if refused:
-        raise TypeError(f"half_set_frc does not take {refused}: the halves share a fresh object frame")
-    if isinstance(data, (str, bytes)) or hasattr(data, "__fspath__"):
-        data = open_data(data)
-    positions = np.asarray(data.positions, dtype=np.float64)
-    n = int(data.intensities.shape[-1])
-    if isinstance(split, str):
-        idx_a, idx_b = split_halves(positions, split)
-    else:
-        second = np.asarray(split, dtype=bool)
-        if second.shape != (len(positions),):
-            raise ValueError(f"a split array must have one boolean per pattern ({len(positions)}); "
-                             f"got shape {second.shape}")
-        idx_a, idx_b = np.nonzero(~second)[0], np.nonzero(second)[0]
-    if min(len(idx_a), len(idx_b)) == 0:
-        raise ValueError("one half of the split is empty")
-    shape, origin = object_frame(positions, n)
-    frame = positions + origin
-    halves = []
-    with client_context(client, n_workers=n_workers) as c:
-        for idx in (idx_a, idx_b):
-            half = from_arrays(data.intensities[idx], frame[idx], mask=getattr(data, "mask", None),
-                               probe=getattr(data, "probe", None))
-            halves.append(reconstruct(half, object=np.ones(shape, dtype=np.complex64), client=c,
-                                      **reconstruct_options))
-    ra, rb = halves
-    region = common_region(illumination_map(ra.probe, ra.positions, shape),
-                           illumination_map(rb.probe, rb.positions, shape), fraction)
-    if not region.any():
-        raise ValueError("the two halves share no illuminated region; lower `fraction`")
-    result = registered_frc(ra.object, rb.object, region, ramp=ramp, taper=taper, band=band)
-    seconds = [h.get("seconds") for r in halves for h in (r.history[1:] or r.history)
-               if h.get("seconds") is not None]
-    return HalfSetFRC(**{**result.__dict__, "halves": (ra, rb), "indices": (idx_a, idx_b),
-                         "seconds_per_epoch": float(np.median(seconds)) if seconds else None})
