@@ -359,7 +359,10 @@ def _cli_run_until_checkpoint(tmp_path, address, env):
     import sys
 
     ds = make_dataset(grid=10, seed=7)
-    daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(tmp_path / "s.zarr")
+    # an explicit client: the current one may be another test's, whose workers were killed
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as c:
+        daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(tmp_path / "s.zarr", client=c)
     out = tmp_path / "r.zarr"
     proc = subprocess.Popen([sys.executable, "-m", "daskpty", "reconstruct", str(tmp_path / "s.zarr"), "-o",
                              str(out), "--scheduler", address, "--epochs", "400", "--checkpoint-every", "2",
