@@ -407,3 +407,21 @@ def test_a_killed_scheduler_ends_in_one_line_with_the_checkpoint(tmp_path, exter
     proc, out = _cli_run_until_checkpoint(tmp_path, address, {"DASKPTY_STALL_SECONDS": "30"})
     os.killpg(scheduler.pid, signal.SIGKILL)
     _ends_in_one_line(proc, out, f"the dask scheduler at {address} is gone", bound=40)
+
+
+def _damaged_chunk(intensities, positions, payload):
+    raise FileNotFoundError("intensities/c/3/0/0 is missing")
+
+
+def test_an_error_of_a_chunk_task_is_not_taken_for_a_lost_worker(client):
+    """Rounds restart after losses of the cluster (comms, cancelled tasks), never after an OSError
+    a chunk task raised itself (a damaged store): that one reaches the caller unchanged, at once."""
+    from daskpty.execution.data import prepare_data
+    from daskpty.execution.rounds import map_reduce
+
+    ds = make_dataset(grid=4, seed=1)
+    data = prepare_data(client, ds.intensities, ds.positions, chunk_length=8, persist=False)
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="intensities/c/3/0/0 is missing"):
+        map_reduce(client, data, _damaged_chunk, None)
+    assert time.monotonic() - start < 10

@@ -92,9 +92,14 @@ def test_workers_paused_by_their_memory_monitor_are_named_at_the_start(tmp_path,
 
     monkeypatch.setenv("DASKPTY_PAUSED_SECONDS", "3")
     ds = make_dataset(grid=6, seed=3)
+    import dask
+
     limit = int(psutil.Process().memory_info().rss * 0.9)
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, memory_limit=limit,
-                      dashboard_address=None) as cluster, Client(cluster) as c:
+    pause_only = {"distributed.worker.memory.pause": 0.8, "distributed.worker.memory.target": False,
+                  "distributed.worker.memory.spill": False, "distributed.worker.memory.terminate": False}
+    with dask.config.set(pause_only), LocalCluster(n_workers=1, threads_per_worker=1, processes=False,
+                                                   memory_limit=limit, dashboard_address=None) as cluster, \
+            Client(cluster) as c:
         deadline = time.monotonic() + 10
         while not all(str(w["status"]).endswith("paused") for w in c.scheduler_info(n_workers=-1)["workers"].values()):
             assert time.monotonic() < deadline, "the memory monitor did not pause the worker"

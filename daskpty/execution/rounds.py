@@ -21,6 +21,7 @@ import dask
 import dask.array as da
 import numpy as np
 from distributed import KilledWorker
+from distributed.comm.core import CommClosedError
 
 from ..engines.partials import Partial, sum_partials
 from .placement import chunk_annotations
@@ -206,11 +207,13 @@ def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0
             wait_for_workers(client, timeout=timeout, lost=restarts > 0)  # (a scatter to paused workers waits 30 s)
             return _map_reduce_once(client, data, func, payload, round_index=round_index, rounds=rounds,
                                     split_every=split_every, local=local, timeout=timeout)
-        except (CancelledError, KilledWorker, OSError, _RoundTimedOut) as exc:
+        except (CancelledError, KilledWorker, CommClosedError, _ClusterError, _RoundTimedOut) as exc:
+            # (not any OSError: one raised by a chunk task, a damaged store, is the user's to see)
             # workers there and not all paused (else SchedulerLost / WorkersPaused / a bounded wait)
             wait_for_workers(client, timeout=timeout, lost=True)
             paused = paused_workers(client)
-            reason = " ".join(f"{type(exc).__name__}: {exc}".rstrip(": ").split())
+            reason = str(exc) if isinstance(exc, _ClusterError) else " ".join(
+                f"{type(exc).__name__}: {exc}".rstrip(": ").split())
             if isinstance(exc, _RoundTimedOut) and paused:
                 raise ReconstructionStalled(
                     f"a round did not finish within {timeout:.0f} s: {len(paused)} worker(s) paused at their "
@@ -230,6 +233,10 @@ class _RoundTimedOut(Exception):
     pass
 
 
+class _ClusterError(Exception):
+    """The scatter of a round's payload failed: the cluster's doing, never a task's."""
+
+
 def _unstick(client) -> None:
     from .placement import run_stuck_loose_tasks
 
@@ -243,7 +250,10 @@ def _map_reduce_once(client, data: ChunkedData, func, payload, *, round_index: i
                      split_every: int | None, local: dict | None, timeout: float | None) -> Partial:
     from .cluster import result_unless_paused
 
-    payload_future = client.scatter(payload, broadcast=True, hash=False)
+    try:
+        payload_future = client.scatter(payload, broadcast=True, hash=False)
+    except OSError as exc:  # the comm closed under it, or no worker took it in time
+        raise _ClusterError(" ".join(f"{type(exc).__name__}: {exc}".split())) from None
     if data.persisted or local is not None:  # one task per chunk (persisted: on its chunk's worker)
         blocks = list(data.intensities.to_delayed().ravel())
         pinned = chunk_annotations(client, data.intensities, blocks) if data.persisted else {}
