@@ -71,7 +71,7 @@ CASES = [
     ("rounds-above-patterns", ["reconstruct", "{w}/data.zarr", "-o", "{w}/o.zarr", *R, "--rounds-per-epoch", "26"], r"rounds_per_epoch=26 exceeds the 25 patterns"),
     ("chunk-length-zero", ["reconstruct", "{w}/data.zarr", "-o", "{w}/o.zarr", *R, "--chunk-length", "0"], r"chunk_length must be >= 1"),
     ("noise-unknown", ["reconstruct", "{w}/data.zarr", "-o", "{w}/o.zarr", *R, "--noise", "laplace"], r"invalid choice: 'laplace'"),
-    ("engine-unknown", ["reconstruct", "{w}/data.zarr", "-o", "{w}/o.zarr", *R, "--engine", "epie"], r"invalid choice: 'epie'"),
+    ("engine-unknown", ["reconstruct", "{w}/data.zarr", "-o", "{w}/o.zarr", *R, "--engine", "nonesuch"], r"invalid choice: 'nonesuch'"),
     ("optimizer-unknown", ["reconstruct", "{w}/data.zarr", "-o", "{w}/o.zarr", *R, "--engine", "ad", "--optimizer", "lbfgs"], r"invalid choice: 'lbfgs'"),
     ("lr-without-ad", ["reconstruct", "{w}/data.zarr", "-o", "{w}/o.zarr", *R, "--lr", "0.1"], r"apply to --engine ad only"),
     ("loss-without-ad", ["reconstruct", "{w}/data.zarr", "-o", "{w}/o.zarr", *R, "--loss", "poisson"], r"apply to --engine ad only"),
