@@ -107,3 +107,22 @@ def test_workers_paused_by_their_memory_monitor_are_named_at_the_start(tmp_path,
         with pytest.raises(WorkersPaused, match="all 1 workers paused at their memory limit"):
             daskpty.reconstruct(ds, epochs=2, client=c, check_data=False, checkpoint=tmp_path / "r.zarr")
     assert not (tmp_path / "r.zarr").exists()
+
+
+@pytest.mark.slow
+def test_worker_processes_too_small_for_their_own_process_are_refused_up_front():
+    """Worker processes of 180 MiB pause at 144 MiB, below what a worker process running chunk
+    steps takes by itself (117–151 MiB measured): refused before the run, naming the memory that
+    would do (it used to start, then stall with every worker paused at its limit)."""
+    from daskpty.execution.memory import WORKER_PROCESS_BYTES, _baseline
+
+    ds = make_dataset(n=32, grid=6, seed=1)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, memory_limit="180MiB",
+                      dashboard_address=None) as cluster, Client(cluster) as c:
+        assert _baseline(c) >= WORKER_PROCESS_BYTES          # measured on the worker, never below the floor
+        with pytest.raises(ValueError) as info:
+            daskpty.reconstruct(ds, epochs=2, client=c, check_data=False)
+    message = str(info.value)
+    assert "\n" not in message and "pauses at 144 MiB (180 MiB limit)" in message
+    needed = int(message.split("give each worker at least ")[1].split()[0])
+    assert needed > 180

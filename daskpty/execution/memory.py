@@ -21,15 +21,40 @@ from .data import WORKING_BYTES_PER_PIXEL, smallest_worker_memory
 #: Bytes per object pixel of one state copy and its apply: ~8 complex64 object-sized arrays.
 STATE_BYTES_PER_PIXEL = 64
 MIB = 2**20
-#: Memory of a worker process before it holds any data (Python, NumPy, SciPy, dask, daskpty
-#: imported: 84 MiB measured) — counted for worker processes (with a nanny) only; in-process
-#: workers share the client's process.
-WORKER_PROCESS_BYTES = 100 * MIB
+#: Memory of a worker process besides the data and the step's arrays: 84 MiB with Python, NumPy,
+#: SciPy, dask and daskpty imported, but dask reported 117–151 MiB of unmanaged memory on workers
+#: running chunk steps (FFT plans and scratch, the allocator's arenas; issue 32's 180–220 MiB
+#: workers, which the former 100 MiB let start, then paused at their limit). Counted for worker
+#: processes (with a nanny) only; in-process workers share the client's process.
+WORKER_PROCESS_BYTES = 150 * MIB
+
+
+def _process_bytes() -> int:
+    """(Runs on a worker.) Its resident memory once the engines a chunk step runs are imported."""
+    import importlib
+
+    import psutil
+
+    for module in ("daskpty.execution.engine_registry", "daskpty.physics.kernels"):
+        importlib.import_module(module)
+    return int(psutil.Process().memory_info().rss)
 
 
 def _baseline(client) -> int:
-    workers = client.scheduler_info(n_workers=-1).get("workers", {}).values()
-    return WORKER_PROCESS_BYTES if any(w.get("nanny") for w in workers) else 0
+    """A worker process's own memory before it holds any data: the largest resident memory of the
+    worker processes with daskpty's engines imported, less the data dask manages there, at least
+    :data:`WORKER_PROCESS_BYTES`; 0 for in-process workers (they share the client's process).
+    Measured because it varies: 117–151 MiB were seen on workers the constant alone let run,
+    paused at their limit, for a whole run (issue 32)."""
+    workers = {a: w for a, w in client.scheduler_info(n_workers=-1).get("workers", {}).items() if w.get("nanny")}
+    if not workers:
+        return 0
+    try:
+        rss = client.run(_process_bytes, workers=list(workers))
+    except Exception:  # a worker that cannot answer: the constant, as before
+        return WORKER_PROCESS_BYTES
+    managed = {a: int((w.get("metrics") or {}).get("managed_bytes") or 0) for a, w in workers.items()}
+    return max([WORKER_PROCESS_BYTES, *(int(rss[a]) - managed.get(a, 0) for a in rss)])
 
 
 def _fraction(name: str, default: float) -> float:
