@@ -9,11 +9,13 @@ script (``--8<-- "examples/x.py"``) is run by tests/test_examples.py, which this
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +31,9 @@ INCLUDE = re.compile(r'^--8<--\s+"(?P<path>[^"]+)"\s*$')
 SPAWNS = re.compile(r"\b(simulate|reconstruct|LocalCluster|LocalCUDACluster|cuda_cluster|Client)\(")
 #: at most this many blocks may be skipped (GPU, SLURM, remote scheduler, the reader's own file)
 MAX_SKIPS = 9
+#: scripts run at once: most of a block's time is its cluster starting and closing, which waits
+#: more than it computes, so two at a time take about half the wall time on two cores
+CONCURRENCY = 2
 
 
 @dataclass(frozen=True)
@@ -103,16 +108,33 @@ def test_block_is_a_guarded_script(snippet):
         assert re.search(r"^import daskpty\b|^from daskpty", snippet.code, re.M), snippet.id
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("snippet", RUNNABLE, ids=lambda s: s.id)
-def test_block_runs_as_a_script(snippet, tmp_path):
-    for module in snippet.requires:
-        pytest.importorskip(module, reason=f"{snippet.id} needs {module}")
-    script = tmp_path / "snippet.py"
+def _run(snippet: Snippet, directory: Path) -> subprocess.CompletedProcess:
+    """Run ``snippet`` as ``snippet.py`` in the empty ``directory`` with the installed package only."""
+    script = directory / "snippet.py"
     script.write_text(snippet.code)
     env = {**os.environ, "PYTHONPATH": ""}   # what a reader has: the installed package only
-    proc = subprocess.run([sys.executable, script.name], cwd=tmp_path, env=env,
+    return subprocess.run([sys.executable, script.name], cwd=directory, env=env,
                           capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def snippet_runs(request, tmp_path_factory):
+    """The selected blocks' runs, started :data:`CONCURRENCY` at a time in test order as soon as
+    the first of them is asked for; each test waits for its own."""
+    selected = [item.callspec.params["snippet"] for item in request.session.items
+                if getattr(item, "originalname", None) == "test_block_runs_as_a_script"]
+    runnable = [s for s in selected if all(importlib.util.find_spec(m) for m in s.requires)]
+    pool = ThreadPoolExecutor(max_workers=CONCURRENCY)
+    yield {s.id: pool.submit(_run, s, tmp_path_factory.mktemp("snippet")) for s in runnable}
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("snippet", RUNNABLE, ids=lambda s: s.id)
+def test_block_runs_as_a_script(snippet, snippet_runs):
+    for module in snippet.requires:
+        pytest.importorskip(module, reason=f"{snippet.id} needs {module}")
+    proc = snippet_runs[snippet.id].result()
     assert proc.returncode == 0, f"{snippet.id} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     # no traceback, except those distributed logs when a worker loses the scheduler while the
     # cluster shuts down on a loaded machine (a log record, not an error of the script)

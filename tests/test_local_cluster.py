@@ -27,3 +27,25 @@ def test_scripts_with_a_file_or_none_keep_worker_processes(monkeypatch, tmp_path
     assert main_module_importable()
     monkeypatch.delattr(sys.modules["__main__"], "__file__", raising=False)
     assert main_module_importable()     # python -c, notebooks: spawn does not re-import
+
+
+def _worker_filters_handled_losses() -> bool:
+    import logging
+
+    from daskpty.execution.watchdog import HandledLossNoise
+
+    record = logging.LogRecord("distributed.worker.state_machine", logging.WARNING, __file__, 1,
+                               "Async instruction for %s ended with %s", ("<Task cancelled>", "CancelledError"), None)
+    handlers = [h for name in ("distributed", "") for h in logging.getLogger(name).handlers]
+    filtered = any(isinstance(f, HandledLossNoise) for h in handlers for f in h.filters)
+    return filtered and not all(f.filter(record) for h in handlers for f in h.filters)
+
+
+@pytest.mark.slow
+def test_embedded_worker_processes_route_handled_loss_reports_to_info():
+    """The embedded cluster's worker processes install the handled-loss filter at start (a
+    preload): a task cancelled as an interrupted run closes the cluster is no WARNING on stderr."""
+    from distributed import Client
+
+    with start_local_cluster(n_workers=1, gpu=False, dashboard=False) as cluster, Client(cluster) as client:
+        assert all(client.run(_worker_filters_handled_losses).values())

@@ -106,6 +106,7 @@ def start_local_cluster(n_workers: int | None = None, threads_per_worker: int = 
         processes = False
     if processes:
         kwargs.setdefault("host", "127.0.0.1")
+        kwargs.setdefault("preload", ["daskpty.execution.worker_noise"])  # handled losses: INFO there too
     return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
                         processes=processes, memory_limit=memory_limit,
                         dashboard_address=address, **kwargs)

@@ -30,7 +30,7 @@ from ..engines.positions import (PositionOptions, affine_parameters, finish_epoc
                                  window_parameters)
 from .cluster import live_workers, result_unless_paused, wait_for_workers
 from .device_state import fetch_host_state
-from .fetch import fetch_state
+from .fetch import BLOCK_BYTES, fetch_state
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
 from .placement import run_stuck_loose_tasks
@@ -196,9 +196,11 @@ class EpochState:
     the state is on the client anyway).
     """
 
-    def __init__(self, epoch: int, state=None, future=None, local_futures=(), on_device: bool = False):
+    def __init__(self, epoch: int, state=None, future=None, local_futures=(), on_device: bool = False,
+                 object_bytes: int = 0):
         self.epoch = int(epoch)
         self._on_device = on_device  # then fetched as a host copy made on its worker
+        self._in_blocks = object_bytes > BLOCK_BYTES  # fetch the large arrays in row blocks
         self._state = state
         self._future = None
         self._local = []
@@ -217,7 +219,10 @@ class EpochState:
         ``chunk_local`` holds every chunk's, gathered from the workers that keep them."""
         if self._state is None:
             # large arrays in row blocks: no transient copies of the object on the client
-            state = fetch_host_state(self._future) if self._on_device else fetch_state(self._future)
+            if self._on_device:
+                state = fetch_host_state(self._future)
+            else:
+                state = fetch_state(self._future) if self._in_blocks else self._future.result().state
             if self._local:
                 local = {}
                 for future in self._local:
@@ -411,7 +416,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 continue
             if reaches > done:  # (else an epoch recomputed after a restart: already reported)
                 handle = EpochState(epoch, future=pending.ends[0], local_futures=pending.locals,
-                                    on_device=on_device)
+                                    on_device=on_device, object_bytes=int(state.object.nbytes))
                 seconds, last_end = ended_at - last_end, ended_at
                 watchdog.observe(seconds)
                 yield handle, scalars, seconds

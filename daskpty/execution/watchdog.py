@@ -102,6 +102,7 @@ LOSS_MESSAGES = (
     "Connection to scheduler broken", "Unable to connect to scheduler", "Nanny failed to start",
     "Worker stream died", "Failed to connect to", "Task exception was never retrieved",
     "Scheduler for Client", "Lost connection to", "exit status was already read",
+    "Async instruction for",   # a worker's task cancelled while the cluster closes (an interrupt)
 )
 #: Exceptions that mark a "Compute Failed" report as a consequence of the loss.
 LOSS_EXCEPTIONS = ("CancelledError", "CommClosedError", "KilledWorker", "AllExit", "StreamClosedError",
@@ -109,8 +110,8 @@ LOSS_EXCEPTIONS = ("CancelledError", "CommClosedError", "KilledWorker", "AllExit
 #: distributed's loggers that report losses
 LOSS_LOGGERS = ("distributed", "distributed.worker", "distributed.core", "distributed.nanny",
                 "distributed.scheduler", "distributed.client", "distributed.comm", "distributed.utils",
-                "distributed.batched", "distributed.worker.memory", "distributed.process", "tornado.application",
-                "asyncio")
+                "distributed.batched", "distributed.worker.memory", "distributed.worker.state_machine",
+                "distributed.process", "tornado.application", "asyncio")
 
 
 class HandledLossNoise(logging.Filter):
@@ -118,7 +119,12 @@ class HandledLossNoise(logging.Filter):
     ``failed during get data``, heartbeats, ``Compute Failed`` of cancelled tasks; asyncio's
     ``Task exception was never retrieved … AllExit``) to INFO without the traceback: they show
     only where INFO logging is on (distributed's own loggers are at WARNING in daskpty's local
-    clusters). Other records pass unchanged."""
+    clusters). Other records pass unchanged. On a handler (``handler_level``), a record demoted
+    below that handler's level is dropped: handlers test the level before their filters run."""
+
+    def __init__(self, handler_level: int = logging.NOTSET):
+        super().__init__()
+        self.handler_level = handler_level
 
     def filter(self, record) -> bool:
         msg = str(record.msg)
@@ -133,7 +139,7 @@ class HandledLossNoise(logging.Filter):
             return True
         record.levelno, record.levelname = logging.INFO, "INFO"
         record.exc_info, record.exc_text, record.stack_info = None, None, None
-        return logging.getLogger(record.name).isEnabledFor(logging.INFO)
+        return self.handler_level <= logging.INFO and logging.getLogger(record.name).isEnabledFor(logging.INFO)
 
 
 def install_loss_filter() -> list:
@@ -146,7 +152,8 @@ def install_loss_filter() -> list:
     targets += [h for log in targets + [logging.getLogger()] for h in log.handlers]
     for target in targets:
         if not any(isinstance(f, HandledLossNoise) for f in target.filters):
-            target.addFilter(HandledLossNoise())
+            level = target.level if isinstance(target, logging.Handler) else logging.NOTSET
+            target.addFilter(HandledLossNoise(level))
             added.append(target)
     return added
 
