@@ -483,6 +483,13 @@ def end_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
         else:
             state.velocity = change.astype(np.complex64)
     state.epoch_start_object = None  # only needed within the epoch (keeps gathered states small)
+    return close_epoch(state, options)
+
+
+def close_epoch(state, options):
+    """The end of every engine's epoch that keeps LSQML's state: probe-mode orthogonalisation
+    (``options.orthogonalize``), scale-ambiguity removal every ``options.normalize_every``
+    epochs, and the epoch counter."""
     if options.orthogonalize and state.probe.shape[0] > 1:
         state.probe = orthogonalize_modes(state.probe)
     if options.normalize_every and (state.epoch + 1) % options.normalize_every == 0:

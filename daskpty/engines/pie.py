@@ -25,12 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..physics import fft2, get_noise_model, get_xp, ifft2, orthogonalize_modes
+from ..physics import fft2, get_noise_model, get_xp, ifft2
 from ..physics.backend import asarray_like, to_numpy
 from ..physics.kernels import far_field_update
 from ..physics.patches import PatchIndex
 from ..physics.shifts import shift_ramps, split_positions
-from .lsqml import LSQMLState, normalize_scale
+from .lsqml import LSQMLState, close_epoch
 from .partials import BoxedArray, Partial
 
 #: target bytes of one sub-batch's (b, M, n, n) complex64 exit waves
@@ -178,9 +178,4 @@ def begin_epoch(state: LSQMLState, options: PIEOptions) -> LSQMLState:
 
 def end_epoch(state: LSQMLState, options: PIEOptions) -> LSQMLState:
     """Probe-mode orthogonalisation and scale-ambiguity removal, as LSQML's epoch end."""
-    if options.orthogonalize and state.probe.shape[0] > 1:
-        state.probe = orthogonalize_modes(state.probe)
-    if options.normalize_every and (state.epoch + 1) % options.normalize_every == 0:
-        normalize_scale(state)
-    state.epoch += 1
-    return state
+    return close_epoch(state, options)

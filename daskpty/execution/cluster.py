@@ -15,7 +15,7 @@ import warnings
 
 from distributed import Client, LocalCluster
 
-from .watchdog import ReconstructionStalled
+from .watchdog import ReconstructionStalled, seconds_from_env
 
 
 def current_client():
@@ -249,16 +249,7 @@ WORKERS_PER_CORE = 4
 
 def worker_wait_seconds() -> float:
     """The wait for a first worker (``DASKPTY_WORKER_WAIT_SECONDS`` or the default, 60 s)."""
-    text = os.environ.get("DASKPTY_WORKER_WAIT_SECONDS")
-    if not text:
-        return DEFAULT_WORKER_WAIT_SECONDS
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"DASKPTY_WORKER_WAIT_SECONDS must be a number of seconds, got {text!r}") from None
-    if not value >= 0:
-        raise ValueError(f"DASKPTY_WORKER_WAIT_SECONDS must be >= 0, got {text!r}")
-    return value
+    return seconds_from_env("DASKPTY_WORKER_WAIT_SECONDS", DEFAULT_WORKER_WAIT_SECONDS, zero_allowed=True)
 
 
 def check_worker_count(n_workers: int | None) -> None:
@@ -429,7 +420,7 @@ def _paused(info: dict) -> bool:
 
 
 def _paused_seconds() -> float:
-    return float(os.environ.get("DASKPTY_PAUSED_SECONDS") or DEFAULT_PAUSED_SECONDS)
+    return seconds_from_env("DASKPTY_PAUSED_SECONDS", DEFAULT_PAUSED_SECONDS)
 
 
 def _all_paused_message(workers: dict, seconds: float) -> str:

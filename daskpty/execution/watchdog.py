@@ -53,18 +53,25 @@ def check_loss(epoch: int, scalars: dict, rounds: int) -> None:
                                      f"updates diverged; {hint}")
 
 
-def stall_seconds() -> float:
-    """The floor of the watchdog's bound (``DASKPTY_STALL_SECONDS`` or the default)."""
-    text = os.environ.get("DASKPTY_STALL_SECONDS")
+def seconds_from_env(name: str, default: float, *, zero_allowed: bool = False) -> float:
+    """A number of seconds from the environment variable ``name`` (``default`` when unset or
+    empty); one-line ValueError for a value that is not a number, negative, or zero where
+    ``zero_allowed`` is False."""
+    text = os.environ.get(name)
     if not text:
-        return DEFAULT_STALL_SECONDS
+        return default
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"DASKPTY_STALL_SECONDS must be a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise ValueError(f"DASKPTY_STALL_SECONDS must be positive, got {text!r}")
+        raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
+    if not (value >= 0 if zero_allowed else value > 0):
+        raise ValueError(f"{name} must be {'>= 0' if zero_allowed else 'positive'}, got {text!r}")
     return value
+
+
+def stall_seconds() -> float:
+    """The floor of the watchdog's bound (``DASKPTY_STALL_SECONDS`` or the default)."""
+    return seconds_from_env("DASKPTY_STALL_SECONDS", DEFAULT_STALL_SECONDS)
 
 
 #: Until the first epoch (or round) has finished, the bound also allows reading the data at this
