@@ -372,6 +372,7 @@ def _initial_probe(ds, client):
     return daskpty.reconstruct(ds, epochs=0, object=np.ones_like(ds.truth.object), client=client).probe
 
 
+@pytest.mark.slow
 def test_n_workers_equal_one_worker():
     """1 and 2 worker processes: same chunks, rounds and reduction tree → the same object and probe."""
     ds = make_dataset(grid=8, seed=5)
@@ -392,6 +393,7 @@ def test_n_workers_equal_one_worker():
     assert np.linalg.norm(results[1].object - 1) / np.linalg.norm(np.ones_like(results[1].object)) > 1e-2
 
 
+@pytest.mark.slow
 def test_default_adam_converges_like_lsqml(threads_client):
     """Defaults, no tuning: within 1.2× LSQML's object NRMSE after 3× as many epochs (same rounds)."""
     ds = make_dataset(grid=14, seed=11)

@@ -37,6 +37,7 @@ def test_subprocess_help_and_version():
     assert r.returncode == 0 and r.stdout.strip() == f"daskpty {daskpty.__version__}"
 
 
+@pytest.mark.slow
 def test_subprocess_simulate_then_info(tmp_path):
     out = tmp_path / "cli.zarr"
     r = _cli("simulate", out, "--grid", "6x5", "--probe-size", "32", "--workers", "1", "--quiet")

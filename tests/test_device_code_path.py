@@ -271,6 +271,7 @@ def _cpu_and_both_state_layouts(data, calls: dict, counter: str, **kwargs):
 
 
 @pytest.mark.parametrize("engine", ["lsqml", "ad"])
+@pytest.mark.slow
 def test_state_stays_on_device_between_rounds(fake_cupy, engine):
     """Device-resident state: each worker uploads its copy of the object once; the chunk steps,
     the worker's own sums and ``apply`` then run on the device, round after round and epoch
@@ -294,6 +295,7 @@ def test_state_stays_on_device_between_rounds(fake_cupy, engine):
 
 
 @pytest.mark.parametrize("engine", ["lsqml", "ad"])
+@pytest.mark.slow
 def test_multislice_state_stays_on_device(fake_cupy, engine):
     """The multislice engines' (K, H, W) state is device-resident too: same result as the CPU and
     as the host-state layout, with far fewer uploads of the slices."""

@@ -41,6 +41,7 @@ def _adapters(ds):
 
 
 @pytest.mark.parametrize("which,fused", [("lsqml", True), ("lsqml", False), ("ad-adam", True)])
+@pytest.mark.slow
 def test_epoch_graph_equals_rounds_from_the_client(process_client, which, fused, monkeypatch):
     ds = make_dataset(grid=10, seed=3)
     data = prepare_data(process_client, ds.intensities, ds.positions, chunk_length=20, persist=True)

@@ -62,6 +62,7 @@ def test_help(script):
     assert out.startswith("usage:") and script in out
 
 
+@pytest.mark.slow
 def test_cpu_quickstart(tmp_path):
     out = ok(run("cpu_quickstart.py", "--grid", 10, "--probe-size", 32, "--epochs", 30,
                  "--workers", 2, "--out", tmp_path, cwd=tmp_path))
@@ -76,6 +77,7 @@ def test_cpu_quickstart(tmp_path):
 
 
 @pytest.mark.skipif(not have("h5py"), reason="h5py is not installed (optional dependency)")
+@pytest.mark.slow
 def test_from_hdf5_round_trip(tmp_path):
     out = ok(run("from_hdf5.py", "--grid", 6, "--probe-size", 32, cwd=tmp_path))
     assert "wrote synthetic CXI file" in out
@@ -87,6 +89,7 @@ def test_from_hdf5_round_trip(tmp_path):
 
 
 @pytest.mark.skipif(not have("h5py"), reason="h5py is not installed (optional dependency)")
+@pytest.mark.slow
 def test_from_hdf5_converts_a_given_file(tmp_path):
     """The file-to-store path with a crop: write a synthetic file, keep it, convert it again."""
     out = ok(run("from_hdf5.py", "--grid", 5, "--probe-size", 32, "--keep", cwd=tmp_path))

@@ -38,6 +38,7 @@ def _kill_every_worker_at(client, epoch_to_kill: int, killed: list):
     return callback
 
 
+@pytest.mark.slow
 def test_losing_every_worker_recovers_bit_identically(process_client, tmp_path, monkeypatch):
     monkeypatch.setenv("DASKPTY_STALL_SECONDS", "20")
     ds = make_dataset(grid=10, seed=3)
@@ -56,6 +57,7 @@ def test_losing_every_worker_recovers_bit_identically(process_client, tmp_path, 
     assert [h["loss"] for h in rec.history] == [h["loss"] for h in undisturbed.history]
 
 
+@pytest.mark.slow
 def test_losing_in_memory_data_ends_in_one_line(process_client, monkeypatch, tmp_path):
     """In-memory data die with the workers: no hang, one line naming what happened and the kept
     checkpoint, within the restarts' bounded time."""
@@ -207,6 +209,7 @@ def _kill_every_worker_in_the_next_round(client, epoch_to_kill: int, killed: lis
     return callback
 
 
+@pytest.mark.slow
 def test_a_cluster_without_workers_is_a_bounded_wait_and_one_line(monkeypatch, tmp_path):
     """client= on LocalCluster(n_workers=0) used to hang forever in the first gather."""
     from daskpty.execution.cluster import ClusterUnavailable
@@ -223,7 +226,7 @@ def test_a_cluster_without_workers_is_a_bounded_wait_and_one_line(monkeypatch, t
 
         with pytest.raises(ClusterUnavailable):
             wait_for_workers(c, timeout=1.5, say=lines.append)
-    assert 2 <= took < 15
+    assert 2 <= took < 60   # a bound, not a timing: it ended instead of hanging (2 s wait; loaded CI)
     message = str(info.value)
     assert "\n" not in message and "no dask worker joined the scheduler" in message and "within 2 s" in message
     assert lines and "has no workers; waiting up to 2 s" in lines[0]
@@ -406,7 +409,7 @@ def test_a_killed_scheduler_ends_in_one_line_with_the_checkpoint(tmp_path, exter
     address, scheduler, _ = external_cluster
     proc, out = _cli_run_until_checkpoint(tmp_path, address, {"DASKPTY_STALL_SECONDS": "30"})
     os.killpg(scheduler.pid, signal.SIGKILL)
-    _ends_in_one_line(proc, out, f"the dask scheduler at {address} is gone", bound=40)
+    _ends_in_one_line(proc, out, f"the dask scheduler at {address} is gone", bound=90)
 
 
 def _damaged_chunk(intensities, positions, payload):

@@ -59,6 +59,7 @@ def _alive(pid) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_stuck_command_ends_after_the_second_interrupt():
     run, child = _stuck(insist_s=1.0, still_stopping_s=0.5)
     try:

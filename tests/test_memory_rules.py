@@ -52,6 +52,7 @@ def _pause_every_worker(dask_worker):
     dask_worker.status = Status.paused  # what the monitor does at the pause threshold
 
 
+@pytest.mark.slow
 def test_a_round_stalled_by_paused_workers_says_so(tmp_path, monkeypatch):
     """Workers paused at their memory limit for DASKPTY_PAUSED_SECONDS end the run with one line
     that says so and keeps the checkpoint (it stalled 5 minutes, then said nothing of memory)."""
@@ -81,6 +82,7 @@ def test_a_round_stalled_by_paused_workers_says_so(tmp_path, monkeypatch):
     assert daskpty.Reconstruction.from_zarr(tmp_path / "r.zarr").epochs == 2
 
 
+@pytest.mark.slow
 def test_workers_paused_by_their_memory_monitor_are_named_at_the_start(tmp_path, monkeypatch):
     """Workers whose process is over the pause threshold (in-process workers with a limit below
     this process's memory: dask's monitor pauses them for real) end the run before it starts."""

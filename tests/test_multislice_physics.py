@@ -260,6 +260,7 @@ def _fit(ds, n_slices, epochs=40):
 
 
 @pytest.mark.parametrize("n_slices", [2, 3])
+@pytest.mark.slow
 def test_multislice_lsqml_recovers_each_slice_far_better_than_one_slice(n_slices):
     from daskpty.physics.probes import electron_probe
 

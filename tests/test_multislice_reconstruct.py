@@ -49,6 +49,7 @@ def _in_truth_frame(array, origin, shape):
 
 
 @pytest.mark.parametrize("engine", ["lsqml", "ad"])
+@pytest.mark.slow
 def test_each_slice_recovered_far_better_than_a_one_slice_fit(two_slices, client, engine):
     ds, data = two_slices
     multi = _run(data, client, engine=engine, slices=2, slice_spacing_m=SPACING)

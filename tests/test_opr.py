@@ -158,6 +158,7 @@ def _multiple_r(features, target):
 
 
 @pytest.mark.parametrize("engine", ["lsqml", "ad"])
+@pytest.mark.slow
 def test_opr_recovers_the_object_and_the_flux(runs, engine):
     plain, opr = runs[engine, "plain"], runs[engine, "opr"]
     w = runs[engine, "weights"]
@@ -172,6 +173,7 @@ def test_opr_recovers_the_object_and_the_flux(runs, engine):
 
 
 @pytest.mark.parametrize("fit", [{"fit_intensity": True}, {"opr_modes": 1}])
+@pytest.mark.slow
 def test_lsqml_weight_momentum_keeps_the_flux_out_of_the_object(client, fit):
     """From the true object and probe, a flickering beam (±20 %, 11.5 % rms) with the factors
     starting at 1. The object takes up part of every pattern's flux error where only that
@@ -192,6 +194,7 @@ def test_lsqml_weight_momentum_keeps_the_flux_out_of_the_object(client, fit):
 
 
 @pytest.mark.parametrize("engine", ["ad", "lsqml"])
+@pytest.mark.slow
 def test_opr_against_the_constant_probe_scan(client, engine):
     """The drifting, flickering scan with OPR K = 2 (weights from epoch 15, the engines' default
     steps) against the same scan with one constant probe: both engines within the issue's 1.2×
@@ -243,6 +246,7 @@ def test_eigen_probe_steps_are_limited_to_the_trust_region():
     np.testing.assert_allclose(out[1] / np.linalg.norm(out[1]), step[1] / np.linalg.norm(step[1]), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_ad_opr_with_three_modes_on_a_minibatched_raster_beats_no_opr(client):
     """A 24 × 24 raster (576 patterns) with the drifting, flickering beam in R = 3 rounds (what
     "auto" picks there without OPR): unlimited eigen-probe steps grew from round to round and
@@ -297,6 +301,7 @@ def test_settings_left_none_take_the_engines_defaults():
 
 
 @pytest.mark.parametrize("engine", ["lsqml", "ad"])
+@pytest.mark.slow
 def test_two_workers_equal_one_and_rounds_from_the_client(client, engine):
     from distributed import Client, LocalCluster
 
@@ -365,6 +370,7 @@ def test_bad_runs_are_refused(client):
         pm.check_finite({"opr_weights": np.array([[1.0, np.nan]])}, pm.ProbeModelOptions(opr_modes=2), 3)
 
 
+@pytest.mark.slow
 def test_cli_fits_opr_and_show_draws_the_weights(tmp_path):
     """``daskpty reconstruct --opr-modes K --fit-intensity --background constant`` stores the
     weights; ``daskpty show`` writes the eigen-probes and weight maps beside the summary."""

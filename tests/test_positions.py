@@ -113,6 +113,7 @@ def _truth(ds):
 
 
 @pytest.mark.parametrize("engine, epochs", [("lsqml", 40), ("ad", 60)])
+@pytest.mark.slow
 def test_refinement_recovers_positions(scan, client, engine, epochs):
     ds, nominal = scan
     truth = ds.truth.positions
@@ -256,6 +257,7 @@ def wide_scan():
     return ds, perturb(ds.truth.positions, seed=3)
 
 
+@pytest.mark.slow
 def test_window_correction_removes_the_scans_rotation_and_scale(wide_scan, client):
     """LSQML on a scan with 1 px random, 1.5 % scale and 0.5° rotation errors: the per-pattern
     shifts leave most of the global part; the window correction (window_gain, default 0.5)
@@ -286,6 +288,7 @@ def test_window_correction_removes_the_scans_rotation_and_scale(wide_scan, clien
     assert "affine_window_rotation_deg" in on.history[-1]
 
 
+@pytest.mark.slow
 def test_ad_window_correction_removes_the_scans_rotation_and_scale(wide_scan, client):
     """AD on the same scan from the true probe: with the window correction (rotation, scale and
     shear, window_scale) the global part of the errors and the position error fall."""
@@ -314,6 +317,7 @@ def test_ad_window_correction_removes_the_scans_rotation_and_scale(wide_scan, cl
 
 
 @pytest.mark.parametrize("engine", ["lsqml", "ad"])
+@pytest.mark.slow
 def test_two_workers_equal_one_and_rounds_from_the_client(scan, client, engine):
     """Bit for bit up to float32 rounding: 1 worker, 2 workers, and round by round from the
     client (chunks not persisted, positions travel with the tasks)."""
@@ -333,6 +337,7 @@ def test_two_workers_equal_one_and_rounds_from_the_client(scan, client, engine):
 
 
 @pytest.mark.parametrize("engine", ["lsqml", "ad"])
+@pytest.mark.slow
 def test_resume_with_refinement_is_bit_identical(scan, client, tmp_path, engine):
     ds, nominal = scan
     kw = dict(engine=engine, rounds_per_epoch=2, refine_positions={"start_epoch": 1, "momentum": 0.5})
@@ -348,6 +353,7 @@ def test_resume_with_refinement_is_bit_identical(scan, client, tmp_path, engine)
     np.testing.assert_array_equal(resumed.object, straight.object)
 
 
+@pytest.mark.slow
 def test_auto_start_waits_for_the_probe_to_settle(scan, client, monkeypatch):
     """LSQML's default start ("auto"): refinement starts in the epoch after the first one (from
     epoch 2 on) whose probe changed by at most PROBE_SETTLED, measured here from the epochs'
@@ -383,6 +389,7 @@ def test_auto_start_waits_for_the_probe_to_settle(scan, client, monkeypatch):
 
 
 @pytest.mark.filterwarnings("ignore:daskpty. position refinement starts at epoch")  # the run that stops before it
+@pytest.mark.slow
 def test_resume_across_the_auto_start_is_bit_identical(scan, client, tmp_path):
     """Checkpoints before and after "auto" decides the start: both resume bit-identically."""
     ds, nominal = scan
@@ -458,6 +465,7 @@ def test_window_scale_follows_the_start_probe(scan, client):
     assert PositionOptions().for_start_probe(guessed=True).window_scale is False
 
 
+@pytest.mark.slow
 def test_cli_refines_and_show_draws_the_corrections(scan, tmp_path):
     """``daskpty reconstruct --refine-positions k=v`` stores refined and nominal positions;
     ``daskpty show`` draws them as a panel; a bad setting is one line, exit 2."""

@@ -27,6 +27,7 @@ def _relative_difference(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
+@pytest.mark.slow
 def test_n_workers_equal_one_worker():
     """1, 2 and 4 worker processes give the same object and probe (same chunks, same reduction tree)."""
     ds = make_dataset(grid=10, seed=5)
@@ -48,6 +49,7 @@ def test_n_workers_equal_one_worker():
     ("gaussian", 2, 4, 40, 0.06),
     ("poisson", 2, 4, 40, 0.08),
 ])
+@pytest.mark.slow
 def test_ground_truth_convergence(threads_client, noise, modes, rounds, epochs, threshold):
     """Poisson-noise data: object NRMSE falls in trend and reaches a documented threshold."""
     ds = make_dataset(grid=14, modes=modes, seed=11)
@@ -66,6 +68,7 @@ def test_ground_truth_convergence(threads_client, noise, modes, rounds, epochs, 
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_probe_recovered_up_to_ambiguities(threads_client):
     ds = make_dataset(grid=14, seed=2)
     initial = daskpty.reconstruct(ds, epochs=0, object=np.ones_like(ds.truth.object), client=threads_client)
@@ -74,6 +77,7 @@ def test_probe_recovered_up_to_ambiguities(threads_client):
     assert probe_error(rec.probe, ds.truth.probe) < 0.5 * probe_error(initial.probe, ds.truth.probe)
 
 
+@pytest.mark.slow
 def test_scheduler_task_count_stays_flat(threads_client):
     """Lineage is cut every epoch: the scheduler holds no more tasks after 200 epochs than after 50."""
     ds = make_dataset(n=16, grid=6, step=3, seed=1)

@@ -54,6 +54,7 @@ def test_resume_refuses_a_store_of_other_data(tmp_path, client):
         daskpty.reconstruct(other, epochs=2, client=client, resume=ckpt)
 
 
+@pytest.mark.slow
 def test_crash_during_checkpoint_write_keeps_previous(tmp_path):
     """A process killed while writing epoch 4's checkpoint leaves epoch 3's readable; resuming from
     it reproduces the uninterrupted run."""
@@ -89,6 +90,7 @@ def test_crash_during_checkpoint_write_keeps_previous(tmp_path):
     np.testing.assert_array_equal(resumed.object, full.object)
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_round_gives_the_same_result(tmp_path):
     """A worker process dies inside a chunk step of round 3; the round is recomputed from the data
     and the reconstruction equals the undisturbed run."""

@@ -180,6 +180,7 @@ def test_a_second_writer_gets_one_line_naming_the_first(tmp_path, ds, data_path,
     assert not os.path.exists(lock_path(out))
 
 
+@pytest.mark.slow
 def test_two_simulations_of_one_store_at_once(tmp_path):
     out = tmp_path / "s.zarr"
     args = ["simulate", out, "--grid", "24x24", "--probe-size", "64", "--workers", "1", "--quiet"]
@@ -314,6 +315,7 @@ def test_disk_full_or_read_only_during_a_checkpoint(tmp_path, ds, client, how):
             assert not os.path.exists(lock_path(out))
 
 
+@pytest.mark.slow
 def test_cli_disk_full_mid_run_is_one_line_exit_2(tmp_path, data_path):
     mnt = tmp_path / "mnt"
     with tmpfs(mnt, "3m") as reason:
@@ -364,6 +366,7 @@ def test_a_closed_pipe_is_not_an_error(data_path):
     assert rc == 0 and err == "", err
 
 
+@pytest.mark.slow
 def test_interrupts_say_which_epoch_was_kept(tmp_path, data_path):
     out = tmp_path / "r.zarr"
     start = _cli("reconstruct", data_path, "-o", tmp_path / "early.zarr", "--epochs", "100000",
