@@ -9,15 +9,15 @@ from __future__ import annotations
 import sys
 import time
 
-#: what the ``loss`` of each noise model / AD loss is, for the progress and summary lines
-LOSS_LABELS = {"poisson": "Poisson NLL + const", "gaussian": "amplitude LSQ", "intensity": "intensity LSQ"}
+from ..physics.noise_models import NOISE_MODELS
 
 
 def loss_label(kind) -> str:
-    """``"loss (Poisson NLL + const)"`` and the like: the loss named with what it measures (the
-    Poisson negative log-likelihood leaves out log(y!), so it is often large and negative)."""
-    what = LOSS_LABELS.get(kind)
-    return f"loss ({what})" if what else "loss"
+    """``"loss (Poisson NLL + const)"`` and the like: the loss named with what it measures, from
+    the noise model's registry entry (the Poisson negative log-likelihood leaves out log(y!), so
+    it is often large and negative)."""
+    model = NOISE_MODELS.get(kind)
+    return f"loss ({model.loss_label})" if model is not None else "loss"
 
 
 def in_notebook() -> bool:
