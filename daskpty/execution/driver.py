@@ -218,21 +218,28 @@ class EpochState:
         """The state (gathered from the workers on the first call); with per-pattern state, its
         ``chunk_local`` holds every chunk's, gathered from the workers that keep them."""
         if self._state is None:
-            # large arrays in row blocks: no transient copies of the object on the client
-            if self._on_device:
-                state = fetch_host_state(self._future)
-            else:
-                state = fetch_state(self._future) if self._in_blocks else self._future.result().state
-            if self._local:
-                local = {}
-                for future in self._local:
-                    local.update(future.result())
-                    future.release()
-                state = with_local(state, local)
-            self._state = state
+            try:
+                self._state = self._fetch()
+            except OSError:  # the comm closed under the fetch: a lost scheduler is one line
+                live_workers(self._future.client)
+                raise
             self._future.release()
             self._future, self._local = None, []
         return self._state
+
+    def _fetch(self):
+        # large arrays in row blocks: no transient copies of the object on the client
+        if self._on_device:
+            state = fetch_host_state(self._future)
+        else:
+            state = fetch_state(self._future) if self._in_blocks else self._future.result().state
+        if self._local:
+            local = {}
+            for future in self._local:
+                local.update(future.result())
+                future.release()
+            state = with_local(state, local)
+        return state
 
 
 def _metrics(epoch: int, scalars: dict, seconds: float, n_total: int, rounds: int) -> dict:
