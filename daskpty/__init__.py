@@ -56,6 +56,15 @@ _LAZY = {
     "metrics": ("daskpty.metrics", None),
     "workflows": ("daskpty.workflows", None),
     "half_set_frc": ("daskpty.workflows", "half_set_frc"),
+    # reconstruct's option groups (daskpty.options)
+    "options": ("daskpty.options", None),
+    "EngineOptions": ("daskpty.options", "EngineOptions"),
+    "ProbeModelOptions": ("daskpty.options", "ProbeModelOptions"),
+    "PositionOptions": ("daskpty.options", "PositionOptions"),
+    "SampleOptions": ("daskpty.options", "SampleOptions"),
+    "ExecutionOptions": ("daskpty.options", "ExecutionOptions"),
+    "RunOptions": ("daskpty.options", "RunOptions"),
+    "OptionError": ("daskpty.options", "OptionError"),
 }
 
 __all__ = sorted(_LAZY) + ["__version__", "simulate"]

@@ -11,13 +11,12 @@ from .engines.initial import object_frame, probe_diameter_from_scan, probe_from_
 from .execution.cluster import client_context, wait_for_workers
 from .execution.data import auto_rounds, choose_chunk_length, prepare_data, should_persist, workers_have_gpus
 from .execution.driver import run_epochs, with_local
-from .execution.engine_registry import engine_spec
 from .execution.local_state import PatternLayout
 from .execution.options import ExecutionOptions
 from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
 from .io.identity import DataChanged, DataWatch
 from .engines.positions import PositionOptions, PositionsDiverged
-from .engines.probe_model import ProbeModelDiverged, ProbeModelOptions, effective_weights
+from .engines.probe_model import ProbeModelDiverged, effective_weights
 from .execution.latency import enable_low_latency
 from .execution.memory import (check_step_fits, clamp_chunk_length, largest_fitting_chunk, state_bytes,
                                step_bytes)
@@ -25,10 +24,11 @@ from .physics import check_windows_inside, split_positions
 from .io.validate import check_intensity_layout, check_values
 from .inputs import (RESUMED_SETTINGS, check_initial_object, check_object_size, check_positions_bulk,
                      check_rounds, resume_settings)
-from .io.lock import holding_lock_of
+from .io.lock import StoreLock
 from .io.safety import check_checkpoint_target, check_free_space, reconstruction_bytes
 from .results import Reconstruction
-from .sample import SampleOptions, initial_probe as sample_probe
+from .options import Options, resolve
+from .sample import initial_probe as sample_probe
 
 
 
@@ -118,11 +118,6 @@ def _resume_from(path, positions, n):
         raise ValueError(f"the resume store {path} has a {rec.probe.shape[-1]}-pixel probe but the data "
                          f"have {n}-pixel patterns; resume with the data set it was made from")
     return rec
-
-
-def _engine(engine, noise, loss, optimizer, lr, engine_options):
-    """Validated options and the execution adapter of ``engine`` (see :mod:`.execution.engine_registry`)."""
-    return engine_spec(engine).make(noise, loss, optimizer, lr, engine_options)
 
 
 def _probe_modes_hint(probe, probe_modes, resumed) -> int:
@@ -269,30 +264,37 @@ def _saying_what_is_kept(exc, checkpoint, checkpointer):
     return type(exc)(f"{exc}; {kept}")
 
 
-@holding_lock_of("checkpoint")  # one writer per store (daskpty.io.lock)
-def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, object=None,
-                refine_positions=False, opr_modes: int | None = None, fit_intensity: bool = False,
-                background: str | None = None, probe_model=None, probe_modes: int | None = None, noise: str = "gaussian", rounds_per_epoch="auto",
-                client=None, n_workers: int | None = None, seed: int = 0, callback=None,
-                progress: bool | None = None, chunk_length: int | None = None, persist="auto", device: str = "auto",
-                split_every: int | None = None, sort: bool = True, execution=None, rescale_probe: bool = True,
-                checkpoint=None, checkpoint_every: int = 10, resume=None, dashboard: bool = False,
-                check_data: bool = True, sample=None, slices: int | None = None,
-                slice_spacing_m: float | None = None,
-                loss: str | None = None, optimizer: str | None = None, lr: float | None = None,
-                **engine_options) -> Reconstruction:
+def reconstruct(data, engine="lsqml", epochs: int = 100, *, probe=None, object=None,
+                probe_modes: int | None = None, refine_positions=False, probe_model=None, sample=None,
+                execution=None, run=None, client=None, **shortcuts) -> Reconstruction:
     """Reconstruct object and probe from a ptychography data set on a dask cluster.
+
+    The settings come in groups by concern (`daskpty.options`): ``engine``, ``probe_model``,
+    ``refine_positions``, ``sample``, ``execution`` and ``run``, each an instance of its frozen
+    class or a dict of its fields, validated before any work starts. The common settings are also
+    keyword shortcuts (below, under their group). One merge rule for all of them: a shortcut may
+    repeat a value its group sets but not change it (an `daskpty.options.OptionError` naming
+    both); a keyword that names no setting is an OptionError with the close matches.
 
     Parameters
     ----------
     data : str or PtychoData
         A daskpty data-set store path (see `daskpty.open_data`) or an opened data set.
-    engine : {"lsqml", "ad", "rpie", "epie"}
-        LSQML (least-squares maximum likelihood, Odstrčil et al. 2018), AD (gradient descent
-        with exact hand-written adjoints; see ``loss``, ``optimizer``, ``lr``), or the PIE family
-        in minibatch rounds: rPIE (Maiden et al. 2017) and ePIE, its alpha = 1 case (probe modes;
-        no position refinement, varying probe or multislice yet). The table of engines is
-        `daskpty.execution.engine_registry.ENGINES`.
+    engine : str, dict or EngineOptions
+        The engine group (`daskpty.options.EngineOptions`), or just its name: "lsqml" (least-squares
+        maximum likelihood, Odstrčil et al. 2018), "ad" (gradient descent with exact hand-written
+        adjoints), or the PIE family in minibatch rounds: "rpie" (Maiden et al. 2017) and "epie",
+        its alpha = 1 case (probe modes; no position refinement, varying probe or multislice
+        yet). The table of engines is `daskpty.execution.engine_registry.ENGINES`.
+        Shortcuts: ``noise`` ("gaussian" | "poisson": the LSQML far-field correction, the AD
+        default loss and the reported loss); ``loss``, ``optimizer``, ``lr`` (AD only:
+        "gaussian" | "poisson" | "intensity", default ``noise``; "sgd" (Nesterov; default) |
+        "adam" (default for the intensity loss) | "cg"; the object step size); ``seed`` (every
+        random choice, e.g. extra probe modes; the engines are deterministic); ``rescale_probe``
+        (scale the probe so that the model's total intensity matches the data before epoch 1);
+        and any field of the engine's options class: `daskpty.engines.lsqml.LSQMLOptions` (beta,
+        delta, momentum, ...), `daskpty.engines.ad.ADOptions` (probe_lr, schedule, ...),
+        `daskpty.engines.pie.PIEOptions` (alpha, probe_alpha, object_step, ...).
     epochs : int
         Total number of passes over all patterns (when resuming, including those already done).
     probe : array or "aperture", optional
@@ -303,143 +305,112 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     object : array, optional
         Initial object (H, W); positions are then in its pixel frame. Default: ones, sized to
         cover every probe window plus a margin; ``result.origin`` says where position (0, 0) lies.
-    refine_positions : bool, dict or PositionOptions
-        Refine the scan positions (both engines): True for the defaults, or a dict of
-        `daskpty.engines.positions.PositionOptions` fields (``start_epoch``: LSQML ``"auto"``, the
-        epoch after the probe has settled, between 3 and 10; AD 5;
-        ``max_step`` 0.3 px per epoch, ``gain``, ``regularization``, ``momentum``,
-        ``optimizer``/``lr`` for AD; the affine fit (``affine``, ``affine_gain``: LSQML 6, AD 2,
-        ``affine_blend``), the window correction of both engines (``window_gain``;
-        ``window_every``: LSQML every epoch, AD every 2nd; ``window_scale``, by default on when
-        the run starts from a given or stored probe and off when the probe is guessed from the
-        data), ``remove_drift``,
-        ``max_displacement``). Each chunk's positions are updated on the worker holding its data;
-        ``result.positions`` are the refined ones, ``result.nominal_positions`` the measured ones.
-    opr_modes, fit_intensity, background : int, bool, {None, "constant", "pixel"}
-        A probe that varies over the scan (both engines; `daskpty.engines.probe_model`): K modes
-        of orthogonal probe relaxation (the mean probe and K − 1 eigen-probes with per-pattern
-        weights, ``result.probe_weights`` (N, K)), a per-pattern intensity factor
-        (``result.intensity_scale``) and a fitted background added to the model intensity.
-        ``probe_model``: a dict of further `ProbeModelOptions` fields (``start_epoch``,
-        ``weight_step``, ...) or a ProbeModelOptions.
     probe_modes : int, optional
         Number of incoherent probe modes (default: those of ``probe``, else 1).
-    noise : {"gaussian", "poisson"}
-        Noise model of the LSQML far-field correction (and the default AD loss).
-    rounds_per_epoch : int or "auto"
-        1 = compact LSQML (one update per epoch from all patterns); R > 1 = minibatch semantics,
-        round r using slice r::R of every chunk. "auto" (:func:`daskpty.execution.data.auto_rounds`):
-        when the data are persisted about 150 patterns per update (N // 150, like Pty-Chi's
-        default batches) but at most one round per 6 Mi pattern-pixels (at least 3), clipped to
-        1…16; a small data set (under 450 patterns) gets 3 rounds when each still holds 1 Mi
-        pattern-pixels (e.g. 258 patterns of 128²), else compact LSQML; 1 out of core (each round
-        re-reads every chunk), with several object slices (minibatches let the slices drift
-        apart at low spatial frequencies) and with OPR weights or intensity factors (minibatches
-        let the per-pattern fit drift against the object). Depends only on the data and the
-        model, not on the cluster.
+    probe_model : dict or ProbeModelOptions, optional
+        A probe that varies over the scan (`daskpty.engines.probe_model.ProbeModelOptions`).
+        Shortcuts: ``opr_modes`` K modes of orthogonal probe relaxation (the mean probe and
+        K − 1 eigen-probes with per-pattern weights, ``result.probe_weights`` (N, K)),
+        ``fit_intensity`` a per-pattern intensity factor (``result.intensity_scale``),
+        ``background`` (None, "constant", "pixel") a fitted background added to the model
+        intensity; the group holds the rest (``start_epoch``, ``weight_step``, ...).
+    refine_positions : bool, dict or PositionOptions
+        Refine the scan positions: True for the defaults, or a dict / instance of
+        `daskpty.engines.positions.PositionOptions` (``start_epoch``: LSQML ``"auto"``, the
+        epoch after the probe has settled, between 3 and 10; AD 5; ``max_step`` 0.3 px per
+        epoch, ``gain``, ``regularization``, ``momentum``, ``optimizer``/``lr`` for AD; the
+        affine fit (``affine``, ``affine_gain``: LSQML 6, AD 2, ``affine_blend``), the window
+        correction (``window_gain``; ``window_every``: LSQML every epoch, AD every 2nd;
+        ``window_scale``, by default on when the run starts from a given or stored probe and off
+        when the probe is guessed from the data), ``remove_drift``, ``max_displacement``). Each
+        chunk's positions are updated on the worker holding its data; ``result.positions`` are
+        the refined ones, ``result.nominal_positions`` the measured ones.
+    sample : dict or SampleOptions, optional
+        Thick samples and detector geometry (`daskpty.sample.SampleOptions`). Shortcuts:
+        ``slices`` K object slices ``slice_spacing_m`` apart (multislice; wavelength and object
+        pixel size from the data's metadata); ``result.object`` is then (K, H, W). The group
+        holds further fields (``detector``, ``aperture``, ...). A near-field data set (metadata
+        ``detector="near_field"``) uses the near-field detector operator, also with one slice.
+        Every combination of slices or near field with position refinement and a varying probe
+        is taken.
+    execution : dict or ExecutionOptions, optional
+        Where and how the epochs run (`daskpty.execution.options.ExecutionOptions`), e.g. kept by
+        analysis code and reused across runs. Shortcuts: ``n_workers`` (worker processes of the
+        embedded cluster; default one per core); ``chunk_length`` (patterns per chunk; default
+        from the probe size and a memory budget, independent of the number of workers, so
+        results are too); ``rounds_per_epoch`` (1 = compact LSQML, one update per epoch from
+        all patterns; R > 1 = minibatches, round r using slice r::R of every chunk; "auto",
+        :func:`daskpty.execution.data.auto_rounds`: when the data are persisted about 150
+        patterns per update (N // 150, like Pty-Chi's default batches) but at most one round per
+        6 Mi pattern-pixels (at least 3), clipped to 1…16; a small data set (under 450 patterns)
+        gets 3 rounds when each still holds 1 Mi pattern-pixels, else compact LSQML; 1 out of
+        core, with several object slices and with OPR weights or intensity factors; depends only
+        on the data and the model, not on the cluster); ``persist`` (keep the chunks in worker
+        memory: True, re-read them every round: False, or "auto": when they take at most half
+        the cluster memory); ``device`` ("auto" | "cpu" | "gpu": gpu when every worker sees
+        one); ``split_every`` (fan-in of the tree reduction; default 4 for up to 16 chunks,
+        else 8); ``sort`` (order the patterns along a Morton curve when that makes chunks more
+        compact).
+    run : dict or RunOptions, optional
+        How the run is kept and watched (`daskpty.options.RunOptions`). Shortcuts:
+        ``checkpoint`` (a reconstruction store updated atomically every ``checkpoint_every``
+        epochs (default 10), at the end and on Ctrl-C / SIGTERM); ``resume`` (a store to continue
+        from; the same settings give a result bit-identical to an uninterrupted run);
+        ``progress`` (epoch, loss, patterns/s and ETA on stderr, a tqdm bar when tqdm is
+        installed and the session is interactive, else one line per epoch; default None: on
+        when attached to a terminal or a notebook; with ``noise="poisson"`` the loss is the
+        Poisson NLL up to a constant, labelled "loss (Poisson NLL + const)"); ``dashboard``
+        (publish progress, loss, object and probe to the dask dashboard's ``/daskpty`` page, and
+        dask events, Prometheus gauges; the link goes to stderr); ``callback``
+        (``callback(epoch, state, metrics)`` after every epoch, False stops; a callback with
+        ``takes_epoch_state = True`` gets a handle, ``.get()`` fetches the state, so epochs it
+        does not look at stay on the workers); ``check_data`` (read every intensity once first
+        and refuse NaN, infinite or negative values and damaged chunks; default True).
     client : distributed.Client, optional
         Default: the current client, else an embedded LocalCluster of ``n_workers`` processes
         (127.0.0.1 only) that is closed at the end.
-    n_workers : int, optional
-        Worker processes of the embedded cluster (default: one per core).
-    seed : int
-        Seed of every random choice (extra probe modes); the engines are deterministic.
-    callback : callable, optional
-        ``callback(epoch, state, metrics)`` after every epoch; return False to stop. The state
-        travels from the workers to this process for every epoch; a callback with the attribute
-        ``takes_epoch_state = True`` gets a handle instead (``.epoch``, ``.get()`` fetches the
-        state), so epochs it does not look at stay on the workers.
-    progress : bool, optional
-        Show epoch, loss, patterns/s and ETA on stderr: a tqdm bar when tqdm is installed and
-        the session is interactive, else one text line per epoch. Default (None): on when
-        attached to a terminal or a Jupyter notebook, off otherwise (tests, pipelines, batch
-        jobs). A resumed run counts on from its stored epoch. With ``noise="poisson"`` the loss
-        is the Poisson negative log-likelihood up to a constant (often large and negative),
-        labelled "loss (Poisson NLL + const)".
-    chunk_length : int, optional
-        Patterns per chunk (default from the probe size and a memory budget; it does not depend
-        on the number of workers, so results do not either).
-    persist : bool or "auto"
-        Keep the data chunks in worker memory (True), re-read them from the store every round
-        (False: out of core), or "auto" (persist when they take at most half the cluster memory).
-    device : {"auto", "cpu", "gpu"}
-        NumPy chunks, CuPy chunks on dask-cuda workers, or gpu when every worker sees a GPU.
-    split_every : int, optional
-        Fan-in of the tree reduction (default: 4 for up to 16 chunks, else 8).
-    sort : bool
-        Order patterns along a Morton curve when that makes chunks spatially more compact.
-    execution : ExecutionOptions or dict, optional
-        The settings above (``n_workers``, ``chunk_length``, ``rounds_per_epoch``, ``persist``,
-        ``device``, ``split_every``, ``sort``) as one group
-        (`daskpty.execution.options.ExecutionOptions`), e.g. kept by analysis code and reused
-        across runs. A keyword left at its default takes the group's value; one set to a
-        different value in both places is an error.
-    rescale_probe : bool
-        Scale the probe so that the model's total intensity matches the data before epoch 1.
-    checkpoint : path, optional
-        Reconstruction store updated atomically every ``checkpoint_every`` epochs, at the end,
-        and on Ctrl-C / SIGTERM.
-    checkpoint_every : int
-        Epochs between checkpoint writes.
-    resume : path, optional
-        Reconstruction store (a checkpoint) to continue from; the same settings give a result
-        bit-identical to an uninterrupted run.
-    check_data : bool
-        Read every intensity once before starting and refuse NaN, infinite or negative values and
-        damaged chunks with a clear message (one extra pass over the data).
-    dashboard : bool
-        Publish progress, loss, object and probe images to the dask dashboard's ``/daskpty`` page
-        (and dask events, Prometheus gauges); the link is printed to stderr.
-    loss, optimizer, lr : str, str, float, optional
-        AD engine only: "gaussian" | "poisson" | "intensity" (default: ``noise``), "sgd" (Nesterov;
-        default) | "adam" (default for the intensity loss) | "cg", and the object step size.
-    slices, slice_spacing_m, sample : int, float, dict or SampleOptions
-        Thick samples (`daskpty.sample.SampleOptions`): K object slices ``slice_spacing_m`` apart
-        (multislice LSQML / AD; wavelength and object pixel size from the data's metadata);
-        ``result.object`` is then (K, H, W). ``sample`` holds further fields (``detector``,
-        ``aperture``, ...). A near-field data set (metadata ``detector="near_field"``) uses the
-        near-field detector operator, also with one slice. Position refinement and a varying
-        probe are refused with K > 1 or in the near field.
-    **engine_options
-        Fields of `daskpty.engines.lsqml.LSQMLOptions` (beta, delta, momentum, ...) or, for
-        engine="ad", of `daskpty.engines.ad.ADOptions` (probe_lr, schedule, ...), or for
-        engine="rpie"/"epie", of `daskpty.engines.pie.PIEOptions` (alpha, probe_alpha, object_step, ...).
 
     Returns
     -------
     Reconstruction
         Object, probe, positions in the object frame, origin, illumination and history.
     """
-    spec = engine_spec(engine)
+    opts = resolve(engine, refine_positions=refine_positions, probe_model=probe_model, sample=sample,
+                   execution=execution, run=run, **shortcuts)
     if not isinstance(epochs, (int, np.integer)) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
-    execution = ExecutionOptions.from_arguments(execution, n_workers=n_workers, chunk_length=chunk_length,
-                                                rounds_per_epoch=rounds_per_epoch, persist=persist, device=device,
-                                                split_every=split_every, sort=sort)
     if probe_modes is not None and (not isinstance(probe_modes, (int, np.integer)) or probe_modes < 1):
         raise ValueError(f"probe_modes must be an integer >= 1, got {probe_modes!r}")
+    if opts.run.checkpoint is None:
+        return _reconstruct(data, epochs, probe, object, probe_modes, client, opts)
+    with StoreLock(opts.run.checkpoint):  # one writer per store (daskpty.io.lock)
+        return _reconstruct(data, epochs, probe, object, probe_modes, client, opts)
+
+
+def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options) -> Reconstruction:
+    """:func:`reconstruct` with its settings resolved (and the checkpoint's lock held)."""
+    eng, execution, run, sample, model = opts.engine, opts.execution, opts.run, opts.sample, opts.probe_model
+    spec, engine, checkpoint, resume = eng.spec(), eng.name, run.checkpoint, run.resume
     check_checkpoint_target(checkpoint, data if isinstance(data, (str, os.PathLike)) else getattr(data, "path", None))
     if epochs == 0 and resume is None:
         checkpoint = None  # epochs=0 is a no-op: nothing is written (docs/reliability.md)
-    options, adapter = _engine(engine, noise, loss, optimizer, lr, engine_options)
-    spec.check_features(positions=refine_positions not in (None, False))
-    adapter.positions = PositionOptions.from_argument(refine_positions, engine)
-    sample = SampleOptions.from_arguments(sample, slices, slice_spacing_m)
-    model = ProbeModelOptions.from_arguments(opr_modes, fit_intensity, background, probe_model)
+    options, adapter = eng.make()
+    spec.check_features(positions=opts.positions is not None)
+    adapter.positions = opts.positions
     spec.check_features(probe_model=model is not None)
     _warn_late_start(epochs, adapter.positions, model)
     if model is not None:
-        from .execution.variable_probe import with_probe_model
+        from .execution.parts import with_probe_model
 
         adapter = with_probe_model(adapter, model)
 
     data, intensities, positions = _checked_data(data)
     n = intensities.shape[-1]
     thick = sample.resolve(getattr(data, "metadata", None), n)  # slices and detector operator
-    from .execution.multislice_adapter import multislice_adapter
+    from .execution.parts import with_sample
 
     spec.check_features(multislice=thick.multislice)
-    adapter = multislice_adapter(adapter, thick)  # thin far-field samples keep the adapter
+    adapter = with_sample(adapter, thick)  # slices and the detector (None: one slice, far field)
     if adapter.positions is not None:  # the window scale follows the start probe's size
         adapter.positions = adapter.positions.for_start_probe(guessed=_probe_is_guessed(probe, data))
     if model is not None:
@@ -467,14 +438,14 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
     if checkpoint is not None:
         check_free_space(checkpoint, reconstruction_bytes(obj.shape, (probe_modes or 1, n, n), len(positions)))
 
-    run_options = _run_options(engine, epochs, seed, execution, options, adapter.positions, model,
+    run_options = _run_options(engine, epochs, eng.seed, execution, options, adapter.positions, model,
                                sample if thick.multislice else None)
     layout = PatternLayout()
     make_result = _result_maker(layout, adapter, thick, frame_positions, origin, run_options)
     previous_history = resumed.history if resumed is not None else []
-    checkpointer = Checkpointer(checkpoint, make_result, every=checkpoint_every, history=previous_history)
-    callbacks = _callbacks(checkpointer, callback, getattr(data, "path", None),
-                           _progress(progress, epochs, resumed, len(positions), getattr(options, "loss", noise)))
+    checkpointer = Checkpointer(checkpoint, make_result, every=run.checkpoint_every, history=previous_history)
+    callbacks = _callbacks(checkpointer, run.callback, getattr(data, "path", None),
+                           _progress(run.progress, epochs, resumed, len(positions), getattr(options, "loss", eng.noise)))
 
     with client_context(client, n_workers=execution.n_workers) as c:
         wait_for_workers(c)  # a cluster without workers: a bounded wait and one line, not a hang
@@ -483,14 +454,14 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             from .execution.scatter import scatter_in_memory  # once, not inside every graph
 
             data, intensities = scatter_in_memory(c, data, intensities, execution.chunk_length)
-        if check_data:
+        if run.check_data:
             check_values(data if hasattr(data, "path") else intensities, client=c).raise_if_bad()
         execution = _resolve_persist_and_rounds(c, execution, intensities.nbytes, len(positions), n, obj.shape,
                                                 _probe_modes_hint(probe, probe_modes, resumed), thick,
                                                 per_pattern_probe=model is not None and model.per_pattern)
         run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist)
         publisher = None
-        if dashboard:
+        if run.dashboard:
             from .monitor.dashboard import DashboardPublisher
 
             publisher = DashboardPublisher(c, epochs=epochs, rounds_per_epoch=execution.rounds_per_epoch,
@@ -504,9 +475,9 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
             state = adapter.new_state(resumed.object, resumed.probe, resumed.epochs, resumed.engine_state)
             state.illumination = resumed.illumination
         else:
-            first = sample_probe(probe, data, c, intensities, probe_modes, seed, sample, thick)
+            first = sample_probe(probe, data, c, intensities, probe_modes, eng.seed, sample, thick)
             state = adapter.new_state(obj, first if first is not None else
-                                      _initial_probe(probe, data, c, intensities, probe_modes, seed))
+                                      _initial_probe(probe, data, c, intensities, probe_modes, eng.seed))
         execution = _resolve_device_and_chunks(c, execution, len(positions), n, state.probe.shape[0], obj.shape,
                                                thick)
         run_options.update(chunk_length=execution.chunk_length)
@@ -526,7 +497,7 @@ def reconstruct(data, engine: str = "lsqml", epochs: int = 100, *, probe=None, o
                 state, _ = run_epochs(c, chunked, adapter, state, epochs=remaining,
                                       rounds_per_epoch=execution.rounds_per_epoch,
                                       split_every=execution.split_every,
-                                      callbacks=callbacks, initialise=rescale_probe)
+                                      callbacks=callbacks, initialise=eng.rescale_probe)
         except KeyboardInterrupt:
             checkpointer.write()
             raise

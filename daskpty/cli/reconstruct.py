@@ -166,17 +166,14 @@ def run(args) -> int:
             comm_options(args.protocol)
         except ImportError as exc:
             raise ValueError(str(exc)) from None
-    ad_args = {}
-    if args.engine == "ad":
-        ad_args = {k: v for k, v in (("loss", args.loss), ("optimizer", args.optimizer), ("lr", args.lr),
-                                     ("probe_lr", args.probe_lr)) if v is not None}
-    elif any(v is not None for v in (args.loss, args.optimizer, args.lr, args.probe_lr)):
+    if args.engine != "ad" and any(v is not None for v in (args.loss, args.optimizer, args.lr, args.probe_lr)):
         raise ValueError("--loss, --optimizer, --lr and --probe-lr apply to --engine ad only")
-    from daskpty.sample import SampleOptions
+    from daskpty.options import resolve
 
-    sample = SampleOptions.from_arguments(None, args.slices, args.slice_spacing)  # bad values: one line
+    given = {k: v for k, v in _shortcuts(args).items() if v is not None}
+    options = resolve(args.engine, **given)  # bad values and conflicts: one line, before the data are read
     data = daskpty.open_data(args.data)
-    sample.resolve(data.metadata, data.pattern_shape[-1])  # multislice needs the data's geometry
+    options.sample.resolve(data.metadata, data.pattern_shape[-1])  # multislice needs the data's geometry
     if args.epochs == 0 and args.resume is None:  # documented no-op (docs/reliability.md)
         print(f"daskpty: --epochs 0: nothing to do; {args.output} was not written", file=sys.stderr)
         return 0
@@ -205,18 +202,9 @@ def run(args) -> int:
 
         client = scope.enter_context(client_context(None, n_workers=args.workers, protocol=args.protocol))
     try:
-        rec = daskpty.reconstruct(data, engine=args.engine, epochs=args.epochs, noise=args.noise,
-                                  rounds_per_epoch=args.rounds_per_epoch, probe_modes=args.probe_modes,
-                                  client=client, n_workers=args.workers, seed=args.seed,
-                                  chunk_length=args.chunk_length, progress=not args.quiet,
-                                  checkpoint=args.output, checkpoint_every=args.checkpoint_every,
-                                  resume=args.resume, dashboard=args.dashboard,
-                                  refine_positions=_position_settings(args.refine_positions),
-                                  opr_modes=args.opr_modes, fit_intensity=args.fit_intensity,
-                                  background=args.background,
-                                  probe_model=_probe_model_settings(args.probe_model),
-                                  slices=args.slices, slice_spacing_m=args.slice_spacing, probe=args.probe,
-                                  **ad_args)
+        rec = daskpty.reconstruct(data, args.engine, args.epochs, client=client, probe=args.probe,
+                                  probe_modes=args.probe_modes, progress=not args.quiet, checkpoint=args.output,
+                                  **given)
     except KeyboardInterrupt:
         kept = _kept(args.output)
         if kept is not None:
@@ -236,6 +224,17 @@ def run(args) -> int:
         line += _nrmse_vs_truth(rec, data)
     print(line, file=sys.stdout)
     return 0
+
+
+def _shortcuts(args) -> dict:
+    """``reconstruct``'s groups and keyword shortcuts from the flags (None where not given)."""
+    return dict(noise=args.noise, loss=args.loss, optimizer=args.optimizer, lr=args.lr, probe_lr=args.probe_lr,
+                seed=args.seed, opr_modes=args.opr_modes, fit_intensity=args.fit_intensity or None,
+                background=args.background, probe_model=_probe_model_settings(args.probe_model),
+                refine_positions=_position_settings(args.refine_positions), slices=args.slices,
+                slice_spacing_m=args.slice_spacing, n_workers=args.workers, chunk_length=args.chunk_length,
+                rounds_per_epoch=args.rounds_per_epoch, checkpoint_every=args.checkpoint_every,
+                resume=args.resume, dashboard=args.dashboard or None)
 
 
 def _key_values(text, flag: str) -> dict:
