@@ -1,0 +1,180 @@
+"""Position refinement's global fits, both engines: the affine map of the nominal positions the
+refined ones are pulled towards (its normal equations are additive sums over patterns,
+:func:`affine_sums`, that ride the tree reduce; the state solves them once per epoch,
+:func:`solve_affine` / :func:`fit_affine`), and the scan's global deformation as seen inside the
+windows (:func:`fit_window`, from the sums of
+:class:`~daskpty.engines.window_deformation.WindowDeformation`). Pure NumPy on the host."""
+from __future__ import annotations
+
+import numpy as np
+
+from .position_options import PositionOptions
+
+
+# --- the affine constraint -------------------------------------------------------------------
+
+def _design(nominal):
+    nominal = np.asarray(nominal, dtype=np.float64)
+    return np.concatenate([nominal, np.ones((len(nominal), 1))], axis=1)  # rows (y, x, 1)
+
+
+def affine_sums(nominal, refined) -> dict:
+    """Normal equations of refined ≈ [nominal, 1] · A for these patterns: ``{"affine_xtx":
+    (3, 3), "affine_xty": (3, 2)}`` float64 sums, additive over chunks; plus the sums of the
+    nominal and refined positions (for drift removal) inside ``affine_xty``'s design column."""
+    x = _design(nominal)
+    return {"affine_xtx": x.T @ x, "affine_xty": x.T @ np.asarray(refined, dtype=np.float64)}
+
+
+def solve_affine(xtx, xty, remove_drift: bool = False) -> np.ndarray | None:
+    """The affine map A (3, 2) with refined ≈ [y, x, 1] · A, least squares over all patterns, or
+    None when the system is singular (fewer than three non-collinear positions). With
+    ``remove_drift`` its translation makes the mapped nominal centroid stay where it was."""
+    xtx = np.asarray(xtx, dtype=np.float64)
+    if xtx[2, 2] < 3 or np.linalg.cond(xtx) > 1e12:
+        return None
+    a = np.linalg.solve(xtx, np.asarray(xty, dtype=np.float64))
+    if remove_drift:
+        centroid = xtx[2, :2] / xtx[2, 2]           # mean nominal position
+        mapped = centroid @ a[:2] + a[2]
+        a = a.copy()
+        a[2] += centroid - mapped
+    return a
+
+
+def affine_boost(previous, previous_boost, fitted, gain: float, window=None) -> np.ndarray | None:
+    """The extra affine move of the next epoch: ``gain − 1`` times the change of the fitted map
+    over the last epoch that the refinement made by itself: without the previous boost, and
+    without the epoch's window correction ``window`` (3, 2) (both moved the positions by design;
+    boosted again they would feed back on themselves, and a boosted window correction moves the
+    positions without the object, which the windows then see as a new deformation)."""
+    if gain is None:
+        raise ValueError("affine_gain is unset: resolve the options first (PositionOptions.for_engine)")
+    if previous is None or gain == 1:
+        return None
+    expected = previous if window is None else mapped_affine(previous, window)
+    natural = fitted - expected - (0 if previous_boost is None else previous_boost)
+    return (gain - 1) * natural
+
+
+def mapped_affine(affine, window) -> np.ndarray:
+    """The affine map of positions [r, 1] · A after they move by [r, 1] · W: A W[:2], plus W[2]
+    on the translation row."""
+    affine, window = np.asarray(affine, np.float64), np.asarray(window, np.float64)
+    out = affine @ window[:2]
+    out[2] += window[2]
+    return out
+
+
+def move_to_affine(refined, nominal, affine, boost, blend: float) -> np.ndarray:
+    """Positions moved by the affine ``boost`` (the same map for every pattern), then ``blend``
+    of the way to the (boosted) affine map of the nominal ones."""
+    design = _design(nominal)
+    if boost is not None:
+        refined = refined + design @ boost
+        affine = affine + boost
+    if blend:
+        refined = refined + blend * (design @ affine - refined)
+    return refined
+
+
+def affine_parameters(affine) -> dict:
+    """Readable parameters of A: scale and rotation per axis, shear, translation (for history).
+
+    The linear part M = A[:2].T maps nominal (y, x) to refined; scale_y/scale_x are the norms of
+    its columns, rotation the angle of the x column (degrees), shear the cosine of the angle
+    between the columns' directions minus a right angle (0 for a similarity)."""
+    m = np.asarray(affine[:2]).T
+    col_y, col_x = m[:, 0], m[:, 1]
+    sy, sx = float(np.linalg.norm(col_y)), float(np.linalg.norm(col_x))
+    rotation = float(np.degrees(np.arctan2(col_x[0], col_x[1])))
+    shear = float(col_y @ col_x / (sy * sx)) if sy > 0 and sx > 0 else 0.0
+    return {"affine_scale_y": sy, "affine_scale_x": sx, "affine_rotation_deg": rotation,
+            "affine_shear": shear, "affine_shift_y": float(affine[2, 0]), "affine_shift_x": float(affine[2, 1])}
+
+
+def accumulate_affine(state, total) -> None:
+    """``apply``: add a round's affine normal equations to the state's sums of the epoch (a new
+    dict: copies of a state share the old one)."""
+    if "affine_xtx" in total.arrays:
+        sums = state.affine_sums or {}
+        state.affine_sums = {k: sums.get(k, 0.0) + total.arrays[k] for k in ("affine_xtx", "affine_xty")}
+
+
+def fit_affine(state, options: PositionOptions, window=None) -> None:
+    """End of an epoch: solve the epoch's affine normal equations into ``state.affine`` and the
+    next epoch's ``state.affine_boost``. The state has ``affine``, ``affine_boost``, ``affine_sums``;
+    ``window``: the window correction the epoch applied (LSQML), not boosted."""
+    if state.affine_sums is not None and options.affine:
+        fitted = solve_affine(state.affine_sums["affine_xtx"], state.affine_sums["affine_xty"],
+                              options.remove_drift)
+        if fitted is not None:
+            state.affine_boost = affine_boost(state.affine, state.affine_boost, fitted, options.affine_gain,
+                                              window)
+            state.affine = fitted
+    state.affine_sums = None
+
+
+# --- the scan's global deformation, seen inside the windows (both engines) -------------------
+
+WINDOW_KEYS = ("window_num", "window_gram", "window_positions")
+
+
+def window_correction(deformation, centre, gain: float):
+    """From the windows' deformation L (2, 2): the map of the positions W (3, 2),
+    r ← c + (I + g L)⁻¹ (r − c) as [r, 1] · W, and the object's resampling (matrix, offset),
+    O(x) ← O(c + (I + g L)(x − c)). Together they leave every window where it was on the object
+    and give its content the deformation the data asked for: O_new(r_new + u) = O(r + (I + g L) u)."""
+    m = np.eye(2) + gain * np.asarray(deformation, np.float64)
+    inv = np.linalg.inv(m)
+    c = np.asarray(centre, np.float64)
+    window = np.vstack([inv.T, c - c @ inv.T])
+    return window, m, c - m @ c
+
+
+def solve_window_deformation(num, gram, tikhonov: float = 1e-6) -> np.ndarray | None:
+    """L (2, 2), rows the object axis (y, x) and columns the window offset's, from the summed
+    normal equations of :class:`~daskpty.engines.window_deformation.WindowDeformation`; None if singular."""
+    gram = np.asarray(gram, np.float64)
+    trace = float(np.trace(gram))
+    if not np.isfinite(trace) or trace <= 0:
+        return None
+    return np.linalg.solve(gram + tikhonov * trace / 4 * np.eye(4), np.asarray(num, np.float64)).reshape(2, 2)
+
+
+def window_parameters(deformation) -> dict:
+    """History entries of the windows' deformation L: ``affine_window_scale`` (tr L / 2, the
+    isotropic stretch the data asked for) and ``affine_window_rotation_deg`` ((L_xy − L_yx)/2)."""
+    if deformation is None:
+        return {}
+    L = np.asarray(deformation, np.float64)
+    return {"affine_window_scale": float(np.trace(L) / 2),
+            "affine_window_rotation_deg": float(np.degrees((L[1, 0] - L[0, 1]) / 2))}
+
+
+def accumulate_window(state, total) -> None:
+    """``apply``: add a round's window-deformation sums to the epoch's (a new dict)."""
+    if "window_num" in total.arrays:
+        sums = state.window_sums or {}
+        state.window_sums = {k: sums.get(k, 0.0) + np.asarray(total.arrays[k], np.float64) for k in WINDOW_KEYS}
+
+
+def fit_window(state, options: PositionOptions):
+    """End of an epoch: the windows' deformation L of the epoch (``state.window_deformation``,
+    for the history) and, with ``window_gain``, the next epoch's map of the positions
+    (``state.window_map``); returns the object's resampling ``(matrix, offset)`` or None."""
+    sums, state.window_sums, state.window_map = state.window_sums, None, None
+    if sums is None:                      # an epoch without the sums (window_every): no L to report
+        state.window_deformation = None
+        return None
+    state.window_deformation = solve_window_deformation(sums["window_num"], sums["window_gram"])
+    count = sums["window_positions"][2]
+    if state.window_deformation is None or not options.window_gain or count < 3:
+        return None
+    centre = sums["window_positions"][:2] / count
+    L = state.window_deformation
+    if not options.window_scale:          # the rotation only: the antisymmetric part of L
+        L = (L - L.T) / 2
+    gain = options.window_gain * (options.window_every or 1)   # the per-epoch gain, taken every window_every
+    state.window_map, matrix, offset = window_correction(L, centre, gain)
+    return matrix, offset

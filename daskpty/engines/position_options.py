@@ -1,0 +1,244 @@
+"""Settings of position refinement (:class:`PositionOptions`, both engines), their validation
+and each engine's defaults; the refinement itself is in :mod:`daskpty.engines.positions` (the
+per-pattern step and the epoch's hooks) and :mod:`daskpty.engines.position_fits` (the affine and
+window fits)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from .engine_defaults import with_engine_defaults
+
+OPTIMIZERS = ("momentum", "adam")
+
+
+class PositionsDiverged(ValueError):
+    """Position refinement moved a pattern too far from its nominal position (or to NaN)."""
+
+
+#: Each engine's defaults of the settings left None (:meth:`PositionOptions.for_engine`),
+#: measured on the 576 × 64² scan of benchmarks/bench_positions.py (see ``affine_gain``).
+ENGINE_DEFAULTS = {"lsqml": {"affine_gain": 6.0, "start_epoch": "auto", "window_every": 1},
+                   "ad": {"affine_gain": 2.0, "start_epoch": 5, "window_every": 2}}
+
+#: ``start_epoch="auto"``: refinement starts in the epoch after the first one in which the probe
+#: changed by at most PROBE_SETTLED (‖P_e − P_e−1‖ / ‖P_e‖, all modes), but not before epoch
+#: AUTO_EARLIEST and at the latest in epoch AUTO_LATEST. LSQML on 576 × 64² (1 px + 1.5 % +
+#: 0.5° errors): from a calibration scan's probe the change falls to 0.009 after epoch 4 (start
+#: 5), from the store's optics guess (10 % defocus error) to 0.007 after epoch 9 (start 10); a
+#: fixed start of 4 was best from the first (three noise draws, 0.27–0.34 px after 50 epochs,
+#: against 0.31–0.37 px from 10) and worst from the second (0.60 against 0.50 px).
+AUTO_START = "auto"
+PROBE_SETTLED = 0.01
+AUTO_EARLIEST = 3
+AUTO_LATEST = 10
+
+
+@dataclass(frozen=True)
+class PositionOptions:
+    """Settings of position refinement (both engines).
+
+    start_epoch: first epoch whose chunk steps move positions (epochs count from 0), or
+        ``"auto"``: the epoch after the probe has settled (:data:`PROBE_SETTLED`, between epochs
+        :data:`AUTO_EARLIEST` and :data:`AUTO_LATEST`). None: the engine's own
+        (:data:`ENGINE_DEFAULTS`: LSQML ``"auto"``, AD 5). LSQML waits until the object and
+        probe have roughly formed: its updates from a blurred object over-step
+        (benchmarks/bench_positions.py, 576 × 64² with 1 px random errors, started from the
+        store's probe guess, 50 epochs: 0.60 px left starting at 20 with 0.1 px steps, 0.54 px
+        starting at 10 with 0.2 px steps), and from a probe still far off the windows' scale
+        follows the probe's size; how soon that is depends on the start probe (see
+        :data:`AUTO_START`). AD's Adam steps with the window correction gain from
+        an earlier start (1 px + 1.5 % + 0.5° errors, 150 epochs, three noise draws, calibration
+        probe: NRMSE 1.13 / 1.16 / 1.11× the true-position run from epoch 10, 1.12 / 1.14 / 1.11×
+        from epoch 5, with ``affine_gain`` 2).
+    max_step: largest move of one pattern per epoch, pixels per axis (default 0.3; LSQML's
+        momentum-driven steps reach it in the first epochs of refinement:
+        576 × 64², 50 epochs, 0.2 → 0.3 px took 1 px + 1.5 % + 0.5° errors 0.627 → 0.611 px,
+        1 px random 0.280 → 0.267 px, 1 px + −1.5 % 0.484 → 0.480 px, NRMSE −1.5 … −2.2 %
+        in each; 0.6 gains nothing more; AD's Adam steps of about ``lr`` are clipped to it).
+    momentum: LSQML heavy-ball memory of the position update (0 disables; default 0.8: the
+        one-step LSQML shift under-steps about 5× at 1 px errors, and momentum lets consistent
+        shifts add up — 1 px random case, 50 epochs: 0.54 px left with 0, 0.41 with 0.5, 0.28
+        with 0.8; 1 px + 1.5 % + 0.5°: 1.22, 1.07, 0.88 px).
+    gain: LSQML fraction of the computed shift applied per epoch (0 < gain ≤ 2).
+    regularization: LSQML Tikhonov term of the shift's denominator, relative to its chunk mean:
+        patterns whose object patch has weak gradients (flat or still blurred) move less.
+    optimizer / lr: AD only: ``"adam"`` (default; steps of about ``lr`` pixels whatever the
+        gradient's scale, within ``max_step``; default lr 0.5 — same 576 × 64² scan, 150 epochs,
+        from a calibration scan's probe, before AD had the window correction: 1 px + 1.5 % +
+        0.5° errors 0.330 → 0.073 px and NRMSE 2.57 → 1.16× the true-position run with lr
+        0.1 → 0.5 (0.3: 0.102 px, 0.8: 0.094 px); 1 px random 0.114 → 0.051 px; 1 px + −1.5 %
+        0.251 → 0.050 px; lr 0.2 or a decaying lr are slower, a second moment pooled over the
+        chunk or β₂ 0.9 / 0.99 gain nothing; see ``window_gain`` for what it then left) or
+        ``"momentum"`` (gradient descent with momentum, ``lr`` in px² per
+        unit gradient).
+    affine: after every epoch fit the best affine map from nominal to refined positions; in the
+        next epoch move every position by ``affine_gain − 1`` times the map's change over the
+        epoch and pull it ``affine_blend`` of the way to the map.
+    affine_gain: speed-up of the affine (global scale, rotation, shear, shift) part of the
+        refinement. Per-pattern updates fix random errors within a few tens of epochs but move
+        the global part only slowly (the object stretches to follow it). The extra move is one
+        affine map for every pattern, so the random part is untouched. None: the engine's own
+        (:data:`ENGINE_DEFAULTS`: LSQML 6, AD 2). On 576 × 64² with 1 px + 1.5 % + 0.5° errors,
+        from the store's probe (docs/benchmarks.md): LSQML 3 / 6 / 10 leave 0.72 / 0.63 / 1.60 px
+        after 50 epochs (0.40 / 0.32 px after 150; 1 px random errors only: 0.28 px either;
+        −1.5 % scale: 0.59 / 0.48 px). AD with its window correction, 150 epochs from a
+        calibration probe, starting at epoch 5: 2 and 3 tie on three noise draws of that case
+        (NRMSE 1.12–1.14× against 1.11–1.13× the true-position run), but 3 leaves 1.24× on
+        1 px random errors only (2: 1.11×) and 1.28× from the store's probe (2: 1.15×).
+    affine_blend: fraction of the way to the affine map each epoch (0 … 1; the classical affine
+        constraint). Default 0: it pulls the random part of the errors back towards the map of
+        the nominal positions (same benchmark: 0.94 px left with 0.1, 0.60 px with 0). Raise it
+        when the scan is known to be an affine map of the nominal one plus little noise.
+    window_gain: fraction of the scan's global rotation, as seen inside the windows, corrected
+        after each epoch (both engines; 0 disables). A global rotation (or scale) error of the
+        positions makes the object turn (or stretch) with them, which the per-pattern shifts
+        cannot see; inside every window the data still see it, as one linear deformation L of
+        the window's content (:class:`~daskpty.engines.window_deformation.WindowDeformation`, tiny additive
+        sums; AD forms them from its loss gradient). The positions then move by (I + g L)⁻¹
+        about their centroid and the object is resampled with them (:func:`window_correction`).
+        LSQML, 576 × 64², 1 px + 1.5 % + 0.5° errors, 50 epochs: 0.88 → 0.74 px (0.63 px with
+        LSQML's affine_gain 6; rotation 0.22° → 0.04° left), NRMSE 1.97 → 1.34× (1.30×) the
+        true-position run; 1 px-only scans unharmed. AD (with ``window_scale``, twelfth
+        session), 150 epochs from a calibration probe: 0.073 → 0.057 px and NRMSE 1.16 →
+        1.13×; on two other noise draws 0.52 / ~0.5 px → 0.06 px, where a global shear of
+        ~0.008 and a patch of edge windows had stayed wrong without it. The intensity loss
+        has no window correction (its gradient is not a constant multiple of the exit-wave
+        update). Above 1 it runs away.
+    window_every: take the windows' sums and correct in every this many epochs of refinement
+        (its first, then every ``window_every``-th; 1 … 10), each correction ``window_every``
+        times ``window_gain``, so the correction per epoch stays ``window_gain``. None: the
+        engine's (:data:`ENGINE_DEFAULTS`: LSQML 1, AD 2). The sums are most of what refinement
+        costs in a chunk step; AD, 576 × 64², 150 epochs (fourteenth session), every 1st / 2nd
+        epoch: 1 px + 1.5 % + 0.5° errors from a calibration probe 1.12 / 1.12× the
+        true-position NRMSE, 0.057 / 0.057 px (second noise draw 1.14 / 1.14×, 0.056 / 0.056 px),
+        1 px random errors 1.11 / 1.11×, from the store's probe 1.13 / 1.12×, 0.061 / 0.059 px;
+        extra time per epoch +29 % / +15 … +19 %. Every 2nd epoch at the gain of every epoch
+        instead left 1.27× / 0.100 px from the store's probe.
+    window_scale: also correct the symmetric part of L (scale and shear; both engines). The probe's size
+        decides what scale the windows ask for, so only with a probe of the right size (from
+        the optics or the store, not guessed from the mean pattern, which made it rescale a
+        scan by 2 % the wrong way): same case 0.88 → 0.51 px, NRMSE 1.24×; −1.5 % scale
+        error: 0.59 → 0.30 px. None (default): on when the run starts from a given probe (the
+        ``probe`` argument or the store's), off when it is guessed from the data
+        (:meth:`for_start_probe`). From a calibration scan's probe (eleventh session, 50
+        epochs): 1 px + 1.5 % + 0.5° errors 0.470 → 0.322 px, NRMSE 1.23 → 1.15× the
+        true-position run; 1 px random errors 0.262 → 0.268 px. It costs nothing extra: the
+        windows' sums are the same either way (first moments on every pattern, the normal
+        matrix on every 4th). Unresolved (None), the chunk steps treat it as False.
+    remove_drift: also remove the mean displacement (the fitted map keeps the nominal centroid).
+    max_displacement: refinement stops with :class:`PositionsDiverged` when a pattern drifts
+        farther than this from its nominal position, pixels (default: a quarter of the probe size).
+    """
+
+    start_epoch: int | None = None
+    max_step: float = 0.3
+    momentum: float = 0.8
+    gain: float = 1.0
+    regularization: float = 1e-3
+    optimizer: str = "adam"
+    lr: float = 0.5
+    affine: bool = True
+    affine_gain: float | None = None
+    affine_blend: float = 0.0
+    window_gain: float = 0.5
+    window_every: int | None = None
+    window_scale: bool | None = None
+    remove_drift: bool = False
+    max_displacement: float | None = None
+
+    def __post_init__(self):
+        def check(ok, message):
+            if not ok:
+                raise ValueError(f"refine_positions: {message}")
+
+        check(self.start_epoch is None or self.start_epoch == AUTO_START
+              or isinstance(self.start_epoch, (int, np.integer))
+              and not isinstance(self.start_epoch, bool) and self.start_epoch >= 0,
+              f"start_epoch must be an integer >= 0 or 'auto', got {self.start_epoch!r}")
+        check(_number(self.max_step) and 0 < self.max_step <= 8,
+              f"max_step must lie in (0, 8] pixels, got {self.max_step!r}")
+        check(_number(self.momentum) and 0 <= self.momentum < 1,
+              f"momentum must lie in [0, 1), got {self.momentum!r}")
+        check(_number(self.gain) and 0 < self.gain <= 2, f"gain must lie in (0, 2], got {self.gain!r}")
+        check(_number(self.regularization) and self.regularization >= 0,
+              f"regularization must be >= 0, got {self.regularization!r}")
+        check(self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        check(_number(self.lr) and self.lr > 0, f"lr must be positive, got {self.lr!r}")
+        check(self.affine_gain is None or _number(self.affine_gain) and 1 <= self.affine_gain <= 20,
+              f"affine_gain must lie in [1, 20], got {self.affine_gain!r}")
+        check(_number(self.affine_blend) and 0 <= self.affine_blend <= 1,
+              f"affine_blend must lie in [0, 1], got {self.affine_blend!r}")
+        check(_number(self.window_gain) and 0 <= self.window_gain <= 1,
+              f"window_gain must lie in [0, 1], got {self.window_gain!r}")
+        check(self.window_every is None or isinstance(self.window_every, (int, np.integer))
+              and not isinstance(self.window_every, bool) and 1 <= self.window_every <= 10,
+              f"window_every must be a whole number of epochs in [1, 10], got {self.window_every!r}")
+        check(self.window_scale is None or isinstance(self.window_scale, (bool, np.bool_)),
+              f"window_scale must be True, False or None, got {self.window_scale!r}")
+        check(self.max_displacement is None or (_number(self.max_displacement) and self.max_displacement > 0),
+              f"max_displacement must be positive or None, got {self.max_displacement!r}")
+
+    @classmethod
+    def from_argument(cls, value, engine: str | None = None) -> "PositionOptions | None":
+        """``reconstruct(refine_positions=...)``: False/None (off), True (defaults), a dict of
+        fields, or a PositionOptions; with ``engine``, settings left None take its defaults."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            options = cls()
+        elif isinstance(value, cls):
+            options = value
+        elif isinstance(value, dict):
+            names = set(cls.__dataclass_fields__)
+            unknown = sorted(set(value) - names)
+            if unknown:
+                raise TypeError(f"refine_positions: unknown option(s) {unknown}; valid: {sorted(names)}")
+            options = cls(**value)
+        else:
+            raise TypeError(f"refine_positions must be True, False, a dict or a PositionOptions, got {value!r}")
+        return options if engine is None else options.for_engine(engine)
+
+    def for_engine(self, engine: str) -> "PositionOptions":
+        """These options with every setting left None set to ``engine``'s default."""
+        return with_engine_defaults(self, ENGINE_DEFAULTS, engine)
+
+    def for_start_probe(self, guessed: bool) -> "PositionOptions":
+        """These options with ``window_scale`` None resolved: off when the start probe is
+        guessed from the data (its size may be wrong, and the scale would follow it), else on."""
+        if self.window_scale is not None:
+            return self
+        return dataclasses.replace(self, window_scale=not guessed)
+
+    def displacement_limit(self, n: int) -> float:
+        return float(self.max_displacement) if self.max_displacement is not None else n / 4.0
+
+    def start_bounds(self) -> tuple[int, int]:
+        """(earliest, latest) epoch in which refinement can start: the start epoch twice, or
+        (:data:`AUTO_EARLIEST`, :data:`AUTO_LATEST`) for ``"auto"``."""
+        if self.start_epoch is None:
+            raise ValueError("start_epoch is unset: resolve the options first (PositionOptions.for_engine)")
+        if self.start_epoch == AUTO_START:
+            return AUTO_EARLIEST, AUTO_LATEST
+        return int(self.start_epoch), int(self.start_epoch)
+
+    def for_state(self, state) -> "PositionOptions":
+        """These options as the chunk steps of ``state``'s epoch use them: ``"auto"`` replaced by
+        the start epoch decided so far (``state.positions_start``, :func:`settle_start`), or by the
+        next epoch while undecided."""
+        if self.start_epoch != AUTO_START:
+            return self
+        decided = state.positions_start
+        return dataclasses.replace(self, start_epoch=int(decided) if decided is not None else state.epoch + 1)
+
+    def active(self, epoch: int) -> bool:
+        if self.start_epoch is None or self.start_epoch == AUTO_START:
+            raise ValueError(f"start_epoch is {self.start_epoch!r}: resolve the options first "
+                             "(PositionOptions.for_engine, then for_state)")
+        return epoch >= self.start_epoch
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool) and np.isfinite(v)
