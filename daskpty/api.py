@@ -27,7 +27,7 @@ from .inputs import (RESUMED_SETTINGS, check_initial_object, check_object_size, 
 from .io.lock import StoreLock
 from .io.safety import check_checkpoint_target, check_free_space, reconstruction_bytes
 from .results import Reconstruction
-from .options import Options, resolve
+from .options import DEFAULT_EPOCHS, Options, resolve
 from .sample import initial_probe as sample_probe
 
 
@@ -264,7 +264,7 @@ def _saying_what_is_kept(exc, checkpoint, checkpointer):
     return type(exc)(f"{exc}; {kept}")
 
 
-def reconstruct(data, engine="lsqml", epochs: int = 100, *, probe=None, object=None,
+def reconstruct(data, engine="lsqml", epochs: int = DEFAULT_EPOCHS, *, probe=None, object=None,
                 probe_modes: int | None = None, refine_positions=False, probe_model=None, sample=None,
                 execution=None, run=None, client=None, **shortcuts) -> Reconstruction:
     """Reconstruct object and probe from a ptychography data set on a dask cluster.

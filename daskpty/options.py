@@ -41,6 +41,10 @@ from .execution.options import ExecutionOptions
 from .sample import SampleOptions
 
 
+#: reconstruct's default number of epochs (also the CLI's --epochs)
+DEFAULT_EPOCHS = 100
+
+
 class OptionError(TypeError, ValueError):
     """A keyword given twice with different values, or one that names no setting. A TypeError,
     as Python's own for a bad keyword; also a ValueError, so the CLI reports it in one line."""
@@ -161,7 +165,7 @@ GROUPS = (
     Group("sample", "sample and geometry", SampleOptions, ("slices", "slice_spacing_m")),
     Group("execution", "execution", ExecutionOptions,
           ("n_workers", "chunk_length", "rounds_per_epoch", "persist", "device", "split_every", "sort")),
-    Group("run", "run: checkpoints and monitoring", RunOptions,
+    Group("run", "run (checkpoints and monitoring)", RunOptions,
           ("checkpoint", "checkpoint_every", "resume", "progress", "dashboard", "callback", "check_data")),
 )
 SHORTCUTS = {name: group for group in GROUPS for name in group.shortcuts}
@@ -171,6 +175,23 @@ def default_of(cls: type, name: str):
     """The default of field ``name`` of the option class ``cls`` (for --help texts)."""
     f = cls.__dataclass_fields__[name]
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def defaults_text(cls: type, skip=()) -> str:
+    """``name=default, ...`` of the option class ``cls`` (for --help texts), fields in ``skip``
+    left out; a default that differs by engine reads ``lsqml-value (ad: ad-value)``."""
+    base = cls()
+    by_engine = {e: base.for_engine(e) for e in ("lsqml", "ad")} if hasattr(base, "for_engine") else {}
+    items = []
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        value = getattr(by_engine["lsqml"], f.name) if by_engine else getattr(base, f.name)
+        text = f"{f.name}={'auto' if value is None else value}"
+        if by_engine and getattr(by_engine["ad"], f.name) != value:
+            text += f" (ad: {getattr(by_engine['ad'], f.name)})"
+        items.append(text)
+    return ", ".join(items)
 
 
 def _hints(unknown, valid) -> str:
@@ -294,6 +315,6 @@ def resolve(engine="lsqml", *, refine_positions=False, probe_model=None, sample=
                    execution=merged["execution"], run=merged["run"])
 
 
-__all__ = ["GROUPS", "SHORTCUTS", "EngineOptions", "ExecutionOptions", "OptionError", "Options",
-           "PositionOptions", "ProbeModelOptions", "RunOptions", "SampleOptions", "default_of", "merge",
+__all__ = ["DEFAULT_EPOCHS", "GROUPS", "SHORTCUTS", "EngineOptions", "ExecutionOptions", "OptionError", "Options",
+           "PositionOptions", "ProbeModelOptions", "RunOptions", "SampleOptions", "default_of", "defaults_text", "merge",
            "resolve"]

@@ -182,3 +182,22 @@ def test_a_run_with_groups_equals_the_run_with_keywords(client, tmp_path):
     np.testing.assert_array_equal(grouped.object, keywords.object)
     stored = daskpty.Reconstruction.from_zarr(str(tmp_path / "g.zarr"))
     assert stored.epochs == 3 and stored.options["beta"] == 0.8 and stored.options["chunk_length"] == 9
+
+
+def test_cli_engine_settings_typo_is_one_line(tmp_path, capsys):
+    rc = main(["reconstruct", str(tmp_path / "missing.zarr"), "-o", str(tmp_path / "out.zarr"),
+               "--engine-settings", "betta=0.5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "unknown option(s) 'betta' (did you mean 'beta'?) for engine 'lsqml'" in err, err
+
+
+def test_cli_help_shows_the_classes_defaults(capsys, monkeypatch):
+    """The settings' defaults in --help come from the option classes (per engine where they differ)."""
+    monkeypatch.setenv("COLUMNS", "400")
+    assert main(["reconstruct", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for cls, skip in ((op.ProbeModelOptions, op.SHORTCUTS), (op.PositionOptions, ())):
+        assert op.defaults_text(cls, skip=skip) in text
+    assert "curvature_damping=0.02 (ad: 0.002)" in text and "start_epoch=auto (ad: 5)" in text
+    assert f"(default: {op.RunOptions().checkpoint_every})" in text and "beta=0.9" in text

@@ -6,6 +6,8 @@ import contextlib
 import os
 import sys
 
+from ..options import (DEFAULT_EPOCHS, GROUPS, EngineOptions, ExecutionOptions, PositionOptions, ProbeModelOptions,
+                       RunOptions, SampleOptions, default_of, defaults_text)
 from ..physics.noise_models import noise_model_names
 
 NAME = "reconstruct"
@@ -24,14 +26,16 @@ def add_parser(subparsers):
                     "with truth/ in the store, the object NRMSE against it.")
     p.add_argument("data", metavar="DATA", help="data-set store (.zarr)")
 
-    g = p.add_argument_group("engine")
-    g.add_argument("--engine", default="lsqml", choices=ENGINE_NAMES,
+    title = {group.keyword: group.title for group in GROUPS}  # the groups of daskpty.options, in order
+    engine = EngineOptions()
+    g = p.add_argument_group(title["engine"])
+    g.add_argument("--engine", default=engine.name, choices=ENGINE_NAMES,
                    help="lsqml: least-squares maximum likelihood (Odstrčil 2018); ad: gradient "
                         "descent on a loss with exact adjoints; rpie: regularised PIE in minibatch "
                         "rounds (Maiden 2017); epie: rPIE with alpha = 1")
-    g.add_argument("--epochs", type=int, default=100,
+    g.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
                    help="total passes over all patterns (with --resume: including those already done)")
-    g.add_argument("--noise", default="gaussian", choices=noise_model_names(lsqml=True),
+    g.add_argument("--noise", default=engine.noise, choices=noise_model_names(lsqml=True),
                    help="noise model of the far-field correction and of the reported loss (poisson: "
                         "the negative log-likelihood up to a constant, often large and negative)")
     g.add_argument("--loss", default=None, choices=noise_model_names(),
@@ -42,10 +46,13 @@ def add_parser(subparsers):
                    help="AD object step size, relative (default: the optimiser's)")
     g.add_argument("--probe-lr", type=float, default=None,
                    help="AD probe step size, relative (default: the optimiser's)")
-    g.add_argument("--seed", type=int, default=0,
+    g.add_argument("--engine-settings", default=None, metavar="KEY=VALUE,...",
+                   help="the engine's own settings, e.g. beta=0.8,momentum=0.6 (defaults: "
+                        f"{_percent(_engine_defaults())})")
+    g.add_argument("--seed", type=int, default=engine.seed,
                    help="seed of the random choices (extra probe modes); the engines are deterministic")
 
-    g = p.add_argument_group("probe model")
+    g = p.add_argument_group(title["probe_model"])
     g.add_argument("--probe", default=None, choices=["aperture"],
                    help="initial probe from the data's geometry (default: the store's probe, else "
                         "one from the mean pattern)")
@@ -59,24 +66,24 @@ def add_parser(subparsers):
     g.add_argument("--background", default=None, choices=["constant", "pixel"],
                    help="fit a background added to the model intensity (default: none)")
     g.add_argument("--probe-model", default=None, metavar="KEY=VALUE,...",
-                   help="settings of the varying probe, e.g. start_epoch=10,weight_smoothing=8 "
-                        "(default: daskpty.engines.probe_model.ProbeModelOptions' defaults)")
+                   help="settings of the varying probe (ProbeModelOptions), e.g. "
+                        "start_epoch=10,weight_smoothing=8 (defaults: "
+                        f"{_percent(defaults_text(ProbeModelOptions, skip=GROUP['probe_model'].shortcuts))})")
 
-    g = p.add_argument_group("positions")
+    g = p.add_argument_group(title["refine_positions"])
     g.add_argument("--refine-positions", nargs="?", const="", default=None, metavar="KEY=VALUE,...",
-                   help="refine the scan positions (both engines); optional settings, e.g. "
-                        "start_epoch=5,max_step=0.5,affine=true,affine_blend=0.02,lr=0.1 "
-                        "(default: fixed positions; the settings' defaults: "
-                        "daskpty.engines.positions.PositionOptions)")
+                   help="refine the scan positions; optional settings (PositionOptions), e.g. "
+                        "start_epoch=5,max_step=0.5,affine=true (default: fixed positions; the "
+                        f"settings' defaults: {_percent(defaults_text(PositionOptions))})")
 
-    g = p.add_argument_group("sample (multislice)")
+    g = p.add_argument_group(title["sample"])
     g.add_argument("--slices", type=int, default=None, metavar="K",
                    help="K object slices (needs the data's wavelength and object pixel size; "
-                        "default: 1, a thin sample)")
+                        f"default: {default_of(SampleOptions, 'slices')}, a thin sample)")
     g.add_argument("--slice-spacing", type=float, default=None, metavar="METRES",
                    help="distance between neighbouring slices, m (default: none; required with --slices > 1)")
 
-    g = p.add_argument_group("execution")
+    g = p.add_argument_group(title["execution"])
     g.add_argument("--workers", type=int, default=None, metavar="W",
                    help="worker processes of the embedded cluster (default: one per core)")
     g.add_argument("--scheduler", default=None, metavar="ADDRESS",
@@ -85,15 +92,17 @@ def add_parser(subparsers):
                    help="transport of the embedded cluster (default: tcp; ucx needs distributed-ucxx)")
     g.add_argument("--chunk-length", type=int, default=None, metavar="L",
                    help="patterns per chunk (default: from the probe size and the workers' memory)")
-    g.add_argument("--rounds-per-epoch", type=_rounds, default="auto", metavar="R",
+    g.add_argument("--rounds-per-epoch", type=_rounds, default=default_of(ExecutionOptions, "rounds_per_epoch"),
+                   metavar="R",
                    help="1 = compact LSQML; R > 1 = R minibatch updates per epoch; auto: ~150 "
                         "patterns per round, at most one per 6 Mi pattern-pixels (>= 3), 1..16, for "
-                        "data held in memory; 1 out of core (default: auto)")
+                        "data held in memory; 1 out of core")
 
-    g = p.add_argument_group("output and run")
-    g.add_argument("-o", "--output", required=True, metavar="RECON", help="reconstruction store to write")
+    g = p.add_argument_group(title["run"])
+    g.add_argument("-o", "--output", required=True, metavar="RECON",
+                   help="reconstruction store to write (the checkpoint)")
     g.add_argument("--overwrite", action="store_true", help="replace an existing output store")
-    g.add_argument("--checkpoint-every", type=int, default=10, metavar="K",
+    g.add_argument("--checkpoint-every", type=int, default=default_of(RunOptions, "checkpoint_every"), metavar="K",
                    help="update the output store every K epochs (and at the end and on Ctrl-C/SIGTERM)")
     g.add_argument("--resume", metavar="RECON", default=None,
                    help="continue from this reconstruction store (e.g. the output of an interrupted "
@@ -116,6 +125,26 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         if action.const is True and action.default is False:  # store_true
             return f"{text} (default: off)"
         return f"{text} (default: %(default)s)"
+
+
+GROUP = {group.keyword: group for group in GROUPS}
+
+
+def _engine_defaults() -> str:
+    """``lsqml (LSQMLOptions): beta=0.9, ...; ad (ADOptions): ...`` without the settings that
+    have their own flags."""
+    from ..engines import ad, lsqml, pie
+
+    own = ("noise", "loss", "optimizer", "lr", "probe_lr")
+    epie = ", ".join(f"{k}={v}" for k, v in pie.VARIANTS["epie"].items())
+    return "; ".join(f"{name} ({cls.__name__}): {defaults_text(cls, skip=own)}"
+                     for name, cls in (("lsqml", lsqml.LSQMLOptions), ("ad", ad.ADOptions),
+                                       ("rpie", pie.PIEOptions))) + f"; epie: rpie's with {epie}"
+
+
+def _percent(text: str) -> str:
+    """``text`` safe inside an argparse help string."""
+    return text.replace("%", "%%")
 
 
 def _rounds(text):
@@ -234,7 +263,8 @@ def _shortcuts(args) -> dict:
                 refine_positions=_position_settings(args.refine_positions), slices=args.slices,
                 slice_spacing_m=args.slice_spacing, n_workers=args.workers, chunk_length=args.chunk_length,
                 rounds_per_epoch=args.rounds_per_epoch, checkpoint_every=args.checkpoint_every,
-                resume=args.resume, dashboard=args.dashboard or None)
+                resume=args.resume, dashboard=args.dashboard or None,
+                **_key_values(args.engine_settings, "--engine-settings"))
 
 
 def _key_values(text, flag: str) -> dict:
