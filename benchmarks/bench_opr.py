@@ -15,7 +15,7 @@ whose defocus drifts along the scan and whose flux varies ±20 %: NRMSE of the s
 constant probe, of the drifting scan without OPR and with OPR (K = --opr-modes, weights from
 --start-epoch), and the correlation of the recovered weights with the true flux and defocus,
 for LSQML and AD. ``--scan`` changes the ground-truth scan (the keywords of
-``daskpty.simulate_variable_probe``): ``step=2.5,grid=22`` overlaps far more, ``defocus=5``
+``daskpty.simulate.variable_probe``): ``step=2.5,grid=22`` overlaps far more, ``defocus=5``
 spreads the probe (half its power within 4.1 px of its centre instead of 1.4 px).
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main(argv=None):
     import daskpty
     from daskpty.execution.data import auto_rounds
     from daskpty.metrics import nrmse_vs_truth
-    from daskpty.simulate_variable_probe import simulate_variable_probe
+    from daskpty.simulate.variable_probe import simulate_variable_probe
 
     def run(ds, client, **kw):
         return daskpty.reconstruct(daskpty.from_arrays(ds.intensities, ds.positions), client=client,
@@ -128,7 +128,7 @@ def chunk_timing(n: int, patterns: int, modes: int = 3, calls: int = 15) -> None
     from daskpty.engines.eigen_probes import initial_eigen_probes
     from daskpty.engines.ad import ADOptions, opr as ad_opr
     from daskpty.engines.ad.gradient import chunk_gradient
-    from daskpty.simulate_variable_probe import simulate_variable_probe
+    from daskpty.simulate.variable_probe import simulate_variable_probe
 
     grid = int(np.ceil(np.sqrt(patterns)))
     ds = simulate_variable_probe(n=n, grid=grid, step=n / 8, photons=1e7)

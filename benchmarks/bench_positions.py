@@ -250,7 +250,7 @@ def chunk_cost(n: int, patterns: int, calls: int = 25) -> None:
     from daskpty.engines.ad.gradient import chunk_gradient, refining_chunk_gradient
     from daskpty.engines.positions import PositionOptions, initial_local
     from daskpty.execution.tuning import tune_allocator
-    from daskpty.simulate_variable_probe import simulate_variable_probe
+    from daskpty.simulate.variable_probe import simulate_variable_probe
 
     tune_allocator()  # glibc's thresholds as in a worker process (see daskpty.execution.tuning)
 

@@ -24,7 +24,7 @@ Multislice case (``--multislice K``, K = 2 or 3; ``--ms-n``, ``--ms-grid``, ``--
 daskpty multislice LSQML vs Pty-Chi multislice LSQML on daskpty's simulated K-slice electron set,
 with Pty-Chi's forward model checked on the truth first; per-slice NRMSE and s/epoch. Variable-probe
 case (``--variable-probe``, ``--opr-modes 3``, ``--opr-start``): both codes' OPR on the drifting-
-probe scan of daskpty.simulate_variable_probe; object NRMSE, weight-flux correlation, s/epoch.
+probe scan of daskpty.simulate.variable_probe; object NRMSE, weight-flux correlation, s/epoch.
 See the docstrings of ``multislice_case`` and ``variable_probe_case``.
 """
 from __future__ import annotations
@@ -313,7 +313,7 @@ def _phase_nrmse(estimate, truth, mask):
 def multislice_case(args):
     """daskpty multislice LSQML vs Pty-Chi multislice LSQML on one simulated K-slice set.
 
-    daskpty's simulator (daskpty.simulate_multislice: 300 kV electrons, lambda = 1.97 pm, 0.25 A
+    daskpty's simulator (daskpty.simulate.multislice: 300 kV electrons, lambda = 1.97 pm, 0.25 A
     pixels, weak-phase slices ``--ms-spacing`` apart, Poisson noise), both codes from the same
     start: K slices of ones in the truth's frame and daskpty's aperture probe from the data's
     geometry (defocus 6 nm, scaled to the data). Pty-Chi's forward model is first checked on the
@@ -325,7 +325,7 @@ def multislice_case(args):
     from daskpty import metrics
     from daskpty.physics.multislice import multislice_intensities
     from daskpty.sample import aperture_probe
-    from daskpty.simulate_multislice import simulate_multislice
+    from daskpty.simulate.multislice import simulate_multislice
     from distributed import Client, LocalCluster
 
     if args.engine != "lsqml":
@@ -441,7 +441,7 @@ def _multiple_r(features, target):
 def variable_probe_case(args):
     """daskpty LSQML with OPR vs Pty-Chi LSQML with OPR on the drifting-probe scan.
 
-    daskpty.simulate_variable_probe (defocus drifting linearly along the scan, flux +-20 %
+    daskpty.simulate.variable_probe (defocus drifting linearly along the scan, flux +-20 %
     random, Poisson noise; the scan of benchmarks/bench_opr.py and tests/test_opr.py), both codes
     from the same start (object ones, daskpty's probe from the mean pattern), OPR with
     ``--opr-modes`` modes from epoch ``--opr-start`` in both (Pty-Chi: eigenmode weights and the
@@ -452,7 +452,7 @@ def variable_probe_case(args):
     import daskpty
     from daskpty.engines.initial import object_frame, probe_diameter_from_scan, probe_from_mean_pattern
     from daskpty.metrics import nrmse_vs_truth
-    from daskpty.simulate_variable_probe import simulate_variable_probe
+    from daskpty.simulate.variable_probe import simulate_variable_probe
     from distributed import Client, LocalCluster
 
     if args.engine != "lsqml":

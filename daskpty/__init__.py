@@ -40,8 +40,8 @@ try:
 except PackageNotFoundError:  # pragma: no cover - running from a source tree without install
     __version__ = "0.0.0+unknown"
 
-# ``simulate`` is bound eagerly: the function must shadow the submodule of the same name, and
-# daskpty/simulate.py imports only NumPy/SciPy/physics at module level (dask loads on call).
+# ``simulate`` is bound eagerly: the function must shadow the subpackage of the same name, and
+# daskpty/simulate/ imports only NumPy/SciPy/physics at module level (dask loads on call).
 from .simulate import simulate  # noqa: E402
 
 # Everything else loads lazily (PEP 562) so that ``import daskpty.physics`` does not pull in dask.

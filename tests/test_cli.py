@@ -166,7 +166,7 @@ def test_reconstruct_multislice_prints_per_slice_and_projected_nrmse(tmp_path, u
 
     from daskpty.cli.reconstruct import _nrmse_vs_truth
     from daskpty.metrics import nrmse_vs_truth
-    from daskpty.simulate_multislice import simulate_multislice
+    from daskpty.simulate.multislice import simulate_multislice
 
     ds = simulate_multislice(n=32, n_slices=2, grid=5, noise=True, seed=1)
     g = ds.geometry

@@ -388,7 +388,7 @@ def test_weight_maps_show_each_weight_over_the_scan():
 
 
 def test_reconstruct_with_opr_publishes_eigen_probes_and_weight_maps(cluster_client):
-    from daskpty.simulate_variable_probe import simulate_variable_probe
+    from daskpty.simulate.variable_probe import simulate_variable_probe
 
     ds = simulate_variable_probe(grid=8)
     rec = daskpty.reconstruct(daskpty.from_arrays(ds.intensities, ds.positions), epochs=4, client=cluster_client,
@@ -409,7 +409,7 @@ def test_reconstruct_with_opr_publishes_eigen_probes_and_weight_maps(cluster_cli
 
 @pytest.mark.skipif(_chromium() is None, reason="no headless chromium installed")
 def test_opr_section_renders_in_headless_chromium(cluster_client):
-    from daskpty.simulate_variable_probe import simulate_variable_probe
+    from daskpty.simulate.variable_probe import simulate_variable_probe
 
     ds = simulate_variable_probe(grid=8)
     daskpty.reconstruct(daskpty.from_arrays(ds.intensities, ds.positions), epochs=3, client=cluster_client,

@@ -300,7 +300,7 @@ def test_multislice_state_stays_on_device(fake_cupy, engine):
     """The multislice engines' (K, H, W) state is device-resident too: same result as the CPU and
     as the host-state layout, with far fewer uploads of the slices."""
     import daskpty
-    from daskpty.simulate_multislice import simulate_multislice
+    from daskpty.simulate.multislice import simulate_multislice
 
     ds = simulate_multislice(n_slices=2, noise=False, seed=2)
     g = ds.geometry

@@ -24,7 +24,7 @@ from daskpty.physics.propagation import (
     near_field_adjoint,
     near_field_kernel,
 )
-from daskpty.simulate_multislice import simulate_multislice
+from daskpty.simulate.multislice import simulate_multislice
 
 from synthetic import make_dataset
 

@@ -1,6 +1,6 @@
 """Issue 14 wiring: multislice and near field through ``reconstruct``, the stores, the CLI, results.
 
-Small simulated 2-slice electron data (daskpty.simulate_multislice: 300 kV, 0.25 Å pixels, slices
+Small simulated 2-slice electron data (daskpty.simulate.multislice: 300 kV, 0.25 Å pixels, slices
 2 nm apart) on the shared test cluster: each slice recovered far better than a 1-slice fit of the
 same data (LSQML and AD), 1 vs 2 workers identical, resume bit-identical, (K, H, W) result store;
 near field through a store with ``detector="near_field"``; bad input one line (CLI exit 2).
@@ -13,7 +13,7 @@ import pytest
 import daskpty
 from daskpty import metrics
 from daskpty.cli import main
-from daskpty.simulate_multislice import simulate_multislice
+from daskpty.simulate.multislice import simulate_multislice
 
 SPACING = 2e-9
 

@@ -12,7 +12,7 @@ from daskpty.engines import pattern_probes as pp
 from daskpty.engines import probe_model as pm
 from daskpty.engines.ad import opr as ad_opr
 from daskpty.metrics import nrmse_vs_truth
-from daskpty.simulate_variable_probe import simulate_variable_probe
+from daskpty.simulate.variable_probe import simulate_variable_probe
 
 OPR = dict(opr_modes=2, probe_model={"start_epoch": 10})
 
@@ -63,7 +63,7 @@ def test_the_unseen_probe_changes_leave_every_patterns_intensities():
     from the object: a pattern's own phase (its intensities do not change) and a probe tilt
     exp(i g y) (the same intensities as the untilted probe over the object times exp(i g y))."""
     from daskpty.physics import model_intensities
-    from daskpty.simulate_variable_probe import disc_probe
+    from daskpty.simulate.variable_probe import disc_probe
 
     rng = np.random.default_rng(3)
     p0 = disc_probe(16, 2.0).astype(np.complex128)
@@ -485,7 +485,7 @@ def test_first_starting_eigen_probe_is_a_focus_change():
     starting eigen-probe of K = 2 (the beam-direction derivative i F⁻¹(|k|² F P_0)) and the
     changes the data do not see (a pattern's own phase, a tilt); the old start
     (P_0 · i(r² − ⟨r²⟩), a curvature of the phase at the sample) would not do."""
-    from daskpty.simulate_variable_probe import disc_probe
+    from daskpty.simulate.variable_probe import disc_probe
 
     p0 = disc_probe(32, 1.9).astype(np.complex128)
     dp = (disc_probe(32, 1.95) - disc_probe(32, 1.85)).astype(np.complex128)
