@@ -10,6 +10,11 @@ from a per-pattern seed, and writes the shard. Results depend only on the parame
 
 Only NumPy/SciPy and the physics layer are imported at module level; dask, distributed and zarr
 are imported when :func:`simulate` runs.
+
+The package's other simulators build small data sets in memory, for tests, examples and
+benchmarks: :mod:`.multislice` (thick samples: K weak-phase slices, an electron probe) and
+:mod:`.variable_probe` (a probe drifting and flickering along the scan, for OPR); both are
+re-exported here.
 """
 from __future__ import annotations
 
@@ -21,8 +26,10 @@ import warnings
 
 import numpy as np
 
-from .io.scan import linear_overlap, morton_order, nearest_neighbour_steps, probe_diameter
-from .physics import model_intensities, orthogonalize_modes, split_positions
+from ..io.scan import linear_overlap, morton_order, nearest_neighbour_steps, probe_diameter
+from ..physics import model_intensities, orthogonalize_modes, split_positions
+from .multislice import simulate_multislice
+from .variable_probe import simulate_variable_probe
 
 #: parameters of the named presets (any of them can be overridden)
 PRESETS = {
@@ -247,7 +254,7 @@ def simulate_patterns(obj, probe, positions, start: int, seed: int, dose, dtype)
 
 
 def _simulate_shard(arr, root, obj, probe, positions, start, seed, dose, dtype):
-    from .io.writing import guarded_write
+    from ..io.writing import guarded_write
 
     t0 = time.perf_counter()
     patterns, stats = simulate_patterns(obj, probe, positions, start, seed, dose, dtype)
@@ -361,11 +368,11 @@ def simulate(path, preset: str = "small", *, scan: str | None = None, grid=None,
     ``seed``. Runs on ``client``, the current client, or an embedded LocalCluster
     (``n_workers``); the ground truth goes into ``truth/``.
     """
-    from .execution.cluster import client_context
-    from .io.progress import TextProgress
-    from .io.metadata import Truth, make_metadata
-    from .io.store import open_data
-    from .io.writing import DEFAULT_SHARD_BYTES, atomic_store, check_target, create_store, shard_layout
+    from ..execution.cluster import client_context
+    from ..io.progress import TextProgress
+    from ..io.metadata import Truth, make_metadata
+    from ..io.store import open_data
+    from ..io.writing import DEFAULT_SHARD_BYTES, atomic_store, check_target, create_store, shard_layout
 
     cfg, overlap, derive_step = _resolve(
         preset, scan, grid, n_patterns, step, jitter, overlap, probe_size, modes, mode_powers,
@@ -472,4 +479,4 @@ def simulate(path, preset: str = "small", *, scan: str | None = None, grid=None,
 
 
 __all__ = ["DEFAULTS", "PRESETS", "SimulationConfig", "make_object", "make_positions",
-           "make_probe", "simulate", "simulate_patterns"]
+           "make_probe", "simulate", "simulate_multislice", "simulate_patterns", "simulate_variable_probe"]

@@ -1,6 +1,6 @@
 """A small multislice simulator: weak-phase slices, an electron probe, far-field patterns (NumPy).
 
-For tests and examples (in memory; :mod:`daskpty.simulate` writes single-slice stores). Defaults:
+For tests and examples (in memory; :func:`daskpty.simulate.simulate` writes single-slice stores). Defaults:
 300 kV electrons (λ = 1.97 pm), 0.25 Å pixels, slices 2 nm apart — Fresnel number λΔz/Δx² ≈ 6,
 so the propagation between slices shifts the phase at the probe's band edge by ~2 rad and no
 single projected slice fits the data.
@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .physics.geometry import electron_wavelength_m
-from .physics.multislice import SliceGeometry, multislice_intensities
-from .physics.probes import electron_probe
+from ..physics.geometry import electron_wavelength_m
+from ..physics.multislice import SliceGeometry, multislice_intensities
+from ..physics.probes import electron_probe
 
 
 def weak_phase_slices(shape, n_slices: int, rng, *, phase: float = 0.4, absorption: float = 0.05,

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .physics import model_intensities
+from ..physics import model_intensities
 
 
 def _smooth(shape, rng, sigma: float) -> np.ndarray:
