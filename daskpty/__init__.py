@@ -52,7 +52,7 @@ _LAZY = {
     "DataError": ("daskpty.io.validate", "DataError"),
     "check_values": ("daskpty.io.validate", "check_values"),
     "reconstruct": ("daskpty.api", "reconstruct"),
-    "Reconstruction": ("daskpty.results", "Reconstruction"),
+    "Reconstruction": ("daskpty.io.results", "Reconstruction"),
     "metrics": ("daskpty.metrics", None),
     "workflows": ("daskpty.workflows", None),
     "half_set_frc": ("daskpty.workflows", "half_set_frc"),

@@ -26,7 +26,7 @@ from .inputs import (RESUMED_SETTINGS, check_initial_object, check_object_size, 
                      check_rounds, resume_settings)
 from .io.lock import StoreLock
 from .io.safety import check_checkpoint_target, check_free_space, reconstruction_bytes
-from .results import Reconstruction
+from .io.results import Reconstruction
 from .options import DEFAULT_EPOCHS, Options, resolve
 from .sample import initial_probe as sample_probe
 

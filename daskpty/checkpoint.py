@@ -7,7 +7,7 @@ import signal
 import threading
 
 from .execution.watchdog import check_finite_result
-from .results import Reconstruction
+from .io.results import Reconstruction
 
 
 class Checkpointer:

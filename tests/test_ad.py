@@ -458,7 +458,7 @@ def test_other_optimisers_and_losses_reduce_the_loss_with_two_modes(threads_clie
 
 def test_resume_from_a_checkpoint_continues_exactly(threads_client, tmp_path):
     """4 epochs in one go == 2 epochs, a round trip through the reconstruction store, 2 more."""
-    from daskpty.results import Reconstruction
+    from daskpty.io.results import Reconstruction
 
     ds = make_dataset(grid=6, seed=8)
     probe = _initial_probe(ds, threads_client)

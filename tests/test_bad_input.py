@@ -35,7 +35,7 @@ from daskpty.io.validate import (
     check_probe,
     check_values,
 )
-from daskpty.results import Reconstruction
+from daskpty.io.results import Reconstruction
 
 from synthetic import make_dataset
 

@@ -19,7 +19,7 @@ import pytest
 
 import daskpty
 from daskpty.cli import main
-from daskpty.results import Reconstruction
+from daskpty.io.results import Reconstruction
 
 from mounts import tmpfs
 from synthetic import make_dataset

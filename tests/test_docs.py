@@ -75,7 +75,7 @@ def test_every_page_is_built(site):
 def test_api_reference_is_generated(site):
     html = (site / "api" / "index.html").read_text()
     for name in ("daskpty.api.reconstruct", "daskpty.io.store.open_data", "daskpty.io.store.from_arrays",
-                 "daskpty.results.Reconstruction", "daskpty.execution.gpu.cuda_cluster",
+                 "daskpty.io.results.Reconstruction", "daskpty.execution.gpu.cuda_cluster",
                  "daskpty.metrics.nrmse", "daskpty.monitor.dashboard.DashboardPublisher"):
         assert f'id="{name}"' in html, f"{name} missing from the API page"
     assert "rounds_per_epoch" in html          # parameters come from the docstrings

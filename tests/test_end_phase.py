@@ -12,7 +12,7 @@ import zarr
 import daskpty
 from daskpty.cli.reconstruct import _nrmse_vs_truth
 from daskpty.metrics import central_window, nrmse, nrmse_vs_truth
-from daskpty.results import Reconstruction
+from daskpty.io.results import Reconstruction
 
 
 def _truth_and_estimate(size, margin=10, seed=0):

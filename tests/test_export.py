@@ -22,7 +22,7 @@ from daskpty.cli import main  # noqa: E402
 from daskpty.io.export import export_cxi, export_hdf5, export_png, export_tiff  # noqa: E402
 from daskpty.io.export import write_file  # noqa: E402
 from daskpty.io.safety import StoreWriteError  # noqa: E402
-from daskpty.results import Reconstruction  # noqa: E402
+from daskpty.io.results import Reconstruction  # noqa: E402
 
 from mounts import tmpfs  # noqa: E402
 

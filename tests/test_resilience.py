@@ -12,7 +12,7 @@ import daskpty
 from daskpty.engines import lsqml
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import LSQMLAdapter, lsqml_chunk, run_epochs
-from daskpty.results import Reconstruction
+from daskpty.io.results import Reconstruction
 
 from synthetic import make_dataset
 
@@ -64,7 +64,7 @@ def test_crash_during_checkpoint_write_keeps_previous(tmp_path):
         sys.path.insert(0, {HERE!r})
         import numpy as np
         import daskpty
-        from daskpty.results import Reconstruction
+        from daskpty.io.results import Reconstruction
         from synthetic import make_dataset
         original = Reconstruction._write
         def dying_write(self, root):

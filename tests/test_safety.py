@@ -24,7 +24,7 @@ import daskpty
 from daskpty.cli import main
 from daskpty.io import safety
 from daskpty.io.lock import StoreLock, StoreLocked, lock_path
-from daskpty.results import RECON_FORMAT, Reconstruction
+from daskpty.io.results import RECON_FORMAT, Reconstruction
 
 from mounts import tmpfs
 from synthetic import make_dataset

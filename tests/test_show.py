@@ -12,7 +12,7 @@ pytest.importorskip("matplotlib")
 import daskpty  # noqa: E402
 from daskpty.cli import COMMANDS, main  # noqa: E402
 from daskpty.monitor import plot  # noqa: E402
-from daskpty.results import Reconstruction  # noqa: E402
+from daskpty.io.results import Reconstruction  # noqa: E402
 
 from synthetic import make_dataset  # noqa: E402
 

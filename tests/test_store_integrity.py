@@ -19,7 +19,7 @@ from daskpty.cli import main
 from daskpty.io.integrity import EVERY_CHUNK, DamagedStoreError
 from daskpty.io.store import open_data
 from daskpty.io.validate import DataError
-from daskpty.results import RECON_VERSION, Reconstruction
+from daskpty.io.results import RECON_VERSION, Reconstruction
 
 from synthetic import make_dataset
 

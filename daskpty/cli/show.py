@@ -45,7 +45,7 @@ def _check_output(path: str, overwrite: bool) -> str:
 
 
 def _read_reconstruction(path: str):
-    from daskpty.results import Reconstruction
+    from daskpty.io.results import Reconstruction
 
     path = os.fspath(path).rstrip("/") or path
     if not os.path.exists(path) and not os.path.isdir(path + ".previous"):  # see Reconstruction.to_zarr

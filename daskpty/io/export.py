@@ -55,7 +55,7 @@ def _fail(msg):
 
 
 def _reconstruction(recon):
-    from daskpty.results import Reconstruction
+    from daskpty.io.results import Reconstruction
 
     if isinstance(recon, Reconstruction):
         return recon

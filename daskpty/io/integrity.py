@@ -195,7 +195,7 @@ def read_checked(arr, store, *, complete: bool = True, label: str | None = None)
         raise locate(arr, store, exc, label) from None
 
 
-#: arrays of a reconstruction store (``daskpty.results``); the first three are required
+#: arrays of a reconstruction store (``daskpty.io.results``); the first three are required
 RECON_ARRAYS = ("object", "probe", "positions", "illumination", "nominal_positions", "probe_weights")
 #: ... and those never all zero, so a missing chunk is damage even in a store of an older daskpty
 NEVER_ZERO = ("object", "probe", "positions", "nominal_positions", "probe_weights")

@@ -108,7 +108,7 @@ def remove_own(path) -> None:
 def written_version(fmt: str) -> int:
     """The format version this daskpty writes for stores of format ``fmt``."""
     if fmt == "daskpty-reconstruction":
-        from daskpty.results import RECON_VERSION
+        from .results import RECON_VERSION
 
         return RECON_VERSION
     from .validate import FORMAT_VERSION

@@ -151,8 +151,8 @@ def plot_object(ax_phase, ax_amp, rec, pixel_size_m=None, *, fraction=DISPLAY_FR
                 colorbar=True, slice_index=None, title=None):
     """Object phase (rad, global phase removed) and amplitude, cropped to the illuminated region.
 
-    ``rec`` is a :class:`~daskpty.results.Reconstruction`; ``fraction`` the illumination threshold
-    of :meth:`~daskpty.results.Reconstruction.illuminated`. With ``pixel_size_m`` each image gets a
+    ``rec`` is a :class:`~daskpty.io.results.Reconstruction`; ``fraction`` the illumination threshold
+    of :meth:`~daskpty.io.results.Reconstruction.illuminated`. With ``pixel_size_m`` each image gets a
     scale bar in metres, otherwise the axes are in object pixels. Either axis may be ``None``.
     A multislice object (K, H, W) is drawn projected (sum of the slices' phases), or its slice
     ``slice_index`` alone. ``title``: the phase panel's title. Returns the two image artists

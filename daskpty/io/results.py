@@ -112,8 +112,8 @@ class Reconstruction:
         """
         import zarr
 
-        from .io.lock import StoreLock
-        from .io.safety import WRITING_MARKER, check_replaceable, clean_stale, intact_note, write_error
+        from .lock import StoreLock
+        from .safety import WRITING_MARKER, check_replaceable, clean_stale, intact_note, write_error
 
         path = os.fspath(path).rstrip("/")
         previous = path + ".previous"
@@ -150,7 +150,7 @@ class Reconstruction:
             arrays.append(("nominal_positions", self.nominal_positions))
         if self.probe_weights is not None:
             arrays.append(("probe_weights", self.probe_weights))
-        from .io.integrity import EVERY_CHUNK, WRITE_ALL
+        from .integrity import EVERY_CHUNK, WRITE_ALL
 
         if self.illumination is not None:
             arrays.append(("illumination", np.asarray(self.illumination, dtype=np.float32)))
@@ -177,7 +177,7 @@ class Reconstruction:
             path = path + ".previous"  # a swap was interrupted between its two renames
         if not os.path.isdir(path):
             raise FileNotFoundError(f"no reconstruction store at {path}")
-        from .io.integrity import EVERY_CHUNK, check_json_files, read_store_arrays
+        from .integrity import EVERY_CHUNK, check_json_files, read_store_arrays
 
         check_json_files(path)  # a truncated zarr.json is named
         try:
