@@ -324,7 +324,7 @@ def multislice_case(args):
     import daskpty
     from daskpty import metrics
     from daskpty.physics.multislice import multislice_intensities
-    from daskpty.sample import aperture_probe
+    from daskpty.engines.sample_options import aperture_probe
     from daskpty.simulate.multislice import simulate_multislice
     from distributed import Client, LocalCluster
 

@@ -7,7 +7,8 @@ import os
 import numpy as np
 
 from .checkpoint import Checkpointer, sigterm_as_interrupt
-from .engines.initial import object_frame, probe_diameter_from_scan, probe_from_mean_pattern
+from .engines.initial import (object_frame, probe_diameter_from_scan, probe_from_mean_hologram,
+                              probe_from_mean_pattern)
 from .execution.cluster import client_context, wait_for_workers
 from .execution.data import auto_rounds, choose_chunk_length, prepare_data, should_persist, workers_have_gpus
 from .execution.driver import run_epochs, with_local
@@ -21,42 +22,15 @@ from .execution.latency import enable_low_latency
 from .execution.memory import (check_step_fits, clamp_chunk_length, largest_fitting_chunk, state_bytes,
                                step_bytes)
 from .physics import check_windows_inside, split_positions
-from .io.validate import check_intensity_layout, check_values
-from .inputs import (RESUMED_SETTINGS, check_initial_object, check_object_size, check_positions_bulk,
-                     check_rounds, resume_settings)
+from .io.validate import check_values
+from .io.inputs import (RESUMED_SETTINGS, check_initial_object, check_object_size, check_initial_probe, check_rounds,
+                        checked_data, resume_settings, resumed_store)
 from .io.lock import StoreLock
 from .io.safety import check_checkpoint_target, check_free_space, reconstruction_bytes
 from .io.results import Reconstruction
 from .options import DEFAULT_EPOCHS, Options, resolve
-from .sample import initial_probe as sample_probe
+from .engines.sample_options import aperture_probe
 
-
-
-def _load(data):
-    if isinstance(data, (str, os.PathLike)):
-        from .io import open_data
-
-        return open_data(data)
-    for attr in ("intensities", "positions"):
-        if not hasattr(data, attr):
-            raise TypeError("data must be a path to a daskpty store or a PtychoData "
-                            "(see daskpty.open_data / daskpty.from_arrays)")
-    return data
-
-
-def _check_probe(probe, n):
-    probe = np.asarray(probe, dtype=np.complex64)
-    if probe.ndim == 2:
-        probe = probe[None]
-    if probe.ndim != 3 or probe.shape[-2:] != (n, n):
-        raise ValueError(f"probe shape {probe.shape} does not match the detector shape ({n}, {n}); "
-                         f"pass a probe of shape (n, n) or (modes, n, n) with n the pattern size")
-    if not np.isfinite(probe).all():
-        raise ValueError("the probe contains NaN or infinite values; pass a finite initial probe")
-    if not np.abs(probe).any():
-        raise ValueError("the probe is all zeros; pass a non-zero initial probe or leave probe=None "
-                         "to derive one from the data")
-    return probe
 
 
 def _probe_is_guessed(probe, data) -> bool:
@@ -71,7 +45,7 @@ def _initial_probe(probe, data, client, intensities, modes, seed):
         mean = client.compute(intensities.mean(axis=0, dtype=np.float64)).result()
         diameter = probe_diameter_from_scan(data.positions, n)
         return probe_from_mean_pattern(np.asarray(mean), modes=modes or 1, seed=seed, diameter=diameter)
-    probe = _check_probe(getattr(data, "probe", None) if probe is None else probe, n)
+    probe = check_initial_probe(getattr(data, "probe", None) if probe is None else probe, n)
     if modes and modes > probe.shape[0]:
         far = np.abs(np.fft.fftshift(np.fft.fft2(probe[0], norm="ortho"))) ** 2
         extra = probe_from_mean_pattern(far, modes=modes, seed=seed)[probe.shape[0]:]
@@ -80,44 +54,33 @@ def _initial_probe(probe, data, client, intensities, modes, seed):
     return probe
 
 
-def _check_positions(positions, n: int = 0):
-    if positions.ndim != 2 or positions.shape[1] != 2:
-        raise ValueError(f"positions must have shape (N, 2), got {positions.shape}")
-    if not np.isfinite(positions).all():
-        raise ValueError("positions contain NaN or infinite values; fix or drop those patterns")
-    unique = np.unique(positions, axis=0)
-    if len(unique) < len(positions):
-        raise ValueError(f"{len(positions) - len(unique)} scan positions are exact duplicates; "
-                         "remove repeated patterns or average them before reconstructing")
-    check_positions_bulk(positions, n)  # one position at 1e9 would ask for a 1e9-pixel object
+def _geometry_probe(probe, data, client, intensities, modes, seed, options, resolved):
+    """The initial probe when the sample model decides it (``probe="aperture"``, or no probe for a
+    near-field data set: :func:`daskpty.engines.initial.probe_from_mean_hologram`); else None (the
+    single-slice default applies)."""
+    if isinstance(probe, str):
+        if probe != "aperture":
+            raise ValueError(f"probe must be an array, None or 'aperture', got {probe!r}")
+        n = intensities.shape[-1]
+        power = float(client.compute(intensities.sum(axis=(1, 2), dtype=np.float64).mean()).result())
+        first = aperture_probe(getattr(data, "metadata", None), n, power=power, positions=data.positions,
+                               aperture=options.aperture)
+        return _more_modes(first, modes, seed)
+    if probe is None and getattr(data, "probe", None) is None and resolved.near_field:
+        mean = client.compute(intensities.mean(axis=0, dtype=np.float64)).result()
+        return probe_from_mean_hologram(np.asarray(mean), resolved.detector_kernel, modes=modes or 1, seed=seed)
+    return None
 
 
-def _checked_data(data):
-    """The opened data set, its intensities and its positions (float64), or one clear error."""
-    data = _load(data)
-    intensities = data.intensities
-    check_intensity_layout(tuple(intensities.shape), np.dtype(intensities.dtype))
-    positions = np.asarray(data.positions, dtype=np.float64)
-    _check_positions(positions, intensities.shape[-1])
-    if len(positions) == 0 or intensities.shape[0] == 0:
-        raise ValueError("the data set is empty; there is nothing to reconstruct")
-    if intensities.shape[0] != len(positions):
-        raise ValueError(f"{intensities.shape[0]} patterns but {len(positions)} positions; "
-                         "they must match one to one")
-    return data, intensities, positions
-
-
-def _resume_from(path, positions, n):
-    rec = Reconstruction.from_zarr(path)
-    nominal = rec.positions if rec.nominal_positions is None else rec.nominal_positions
-    if nominal.shape != positions.shape or not np.allclose(nominal - rec.origin, positions,
-                                                                  atol=1e-6):
-        raise ValueError(f"the resume store {path} does not match the data: its positions differ; "
-                         "resume with the data set it was made from")
-    if rec.probe.shape[-1] != n:
-        raise ValueError(f"the resume store {path} has a {rec.probe.shape[-1]}-pixel probe but the data "
-                         f"have {n}-pixel patterns; resume with the data set it was made from")
-    return rec
+def _more_modes(first, modes, seed):
+    if not modes or modes <= first.shape[0]:
+        return first
+    rng = np.random.default_rng(seed)
+    extra = []
+    for _ in range(modes - first.shape[0]):
+        mode = first[0] * np.exp(2j * np.pi * rng.random(first.shape[-2:]))  # same support, new phase
+        extra.append(mode * np.sqrt(0.05 * (np.abs(first[0]) ** 2).sum() / max((np.abs(mode) ** 2).sum(), 1e-300)))
+    return np.concatenate([first, np.asarray(extra, np.complex64)])
 
 
 def _probe_modes_hint(probe, probe_modes, resumed) -> int:
@@ -326,7 +289,7 @@ def reconstruct(data, engine="lsqml", epochs: int = DEFAULT_EPOCHS, *, probe=Non
         chunk's positions are updated on the worker holding its data; ``result.positions`` are
         the refined ones, ``result.nominal_positions`` the measured ones.
     sample : dict or SampleOptions, optional
-        Thick samples and detector geometry (`daskpty.sample.SampleOptions`). Shortcuts:
+        Thick samples and detector geometry (`daskpty.options.SampleOptions`). Shortcuts:
         ``slices`` K object slices ``slice_spacing_m`` apart (multislice; wavelength and object
         pixel size from the data's metadata); ``result.object`` is then (K, H, W). The group
         holds further fields (``detector``, ``aperture``, ...). A near-field data set (metadata
@@ -404,7 +367,7 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
 
         adapter = with_probe_model(adapter, model)
 
-    data, intensities, positions = _checked_data(data)
+    data, intensities, positions = checked_data(data)
     n = intensities.shape[-1]
     thick = sample.resolve(getattr(data, "metadata", None), n)  # slices and detector operator
     from .execution.parts import with_sample
@@ -420,7 +383,7 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
     if adapter.valid is not None and not thick.near_field:  # far field: DC at index 0
         adapter.valid = np.fft.ifftshift(adapter.valid)
 
-    resumed = _resume_from(resume, positions, n) if resume is not None else None
+    resumed = resumed_store(resume, positions, n) if resume is not None else None
     if resumed is not None and resumed.epochs >= epochs:  # say so: no epoch runs
         import warnings
 
@@ -475,7 +438,7 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
             state = adapter.new_state(resumed.object, resumed.probe, resumed.epochs, resumed.engine_state)
             state.illumination = resumed.illumination
         else:
-            first = sample_probe(probe, data, c, intensities, probe_modes, eng.seed, sample, thick)
+            first = _geometry_probe(probe, data, c, intensities, probe_modes, eng.seed, sample, thick)
             state = adapter.new_state(obj, first if first is not None else
                                       _initial_probe(probe, data, c, intensities, probe_modes, eng.seed))
         execution = _resolve_device_and_chunks(c, execution, len(positions), n, state.probe.shape[0], obj.shape,

@@ -38,7 +38,7 @@ import numpy as np
 from .engines.positions import PositionOptions
 from .engines.probe_model import ProbeModelOptions
 from .execution.options import ExecutionOptions
-from .sample import SampleOptions
+from .engines.sample_options import SampleOptions
 
 
 #: reconstruct's default number of epochs (also the CLI's --epochs)

@@ -226,7 +226,7 @@ def test_all_zero_intensities_name_the_missing_counts(ds, cluster_client, tmp_pa
 
 def test_all_zero_initial_object_is_refused(ds, cluster_client, tmp_path):
     """Issue 32 item 6: an all-zero start has zero exit waves, nothing to update from."""
-    from daskpty.inputs import check_initial_object
+    from daskpty.io.inputs import check_initial_object
 
     _api_error(ValueError, r"initial object \(64 x 64\) is all zeros.*object=None .* non-zero",
                daskpty.reconstruct, ds, epochs=1, object=np.zeros((64, 64), np.complex64),

@@ -98,7 +98,7 @@ def test_one_slice_far_field_keeps_the_single_slice_path(two_slices, client):
     """K = 1 in the far field: the 2-D adapter, the 2-D object and the same numbers as before."""
     from daskpty.execution.driver import LSQMLAdapter
     from daskpty.execution.multislice_adapter import multislice_adapter
-    from daskpty.sample import SampleOptions
+    from daskpty.options import SampleOptions
 
     _, data = two_slices
     thin = SampleOptions().resolve(data.metadata, 32)
@@ -216,7 +216,7 @@ def test_cli_import_electron_voltage_out_of_range(tmp_path, capsys):
 
 def test_chunk_and_rounds_rules_count_the_slices():
     from daskpty.execution.data import auto_rounds, default_chunk_length
-    from daskpty.sample import SampleOptions
+    from daskpty.options import SampleOptions
 
     meta = {"wavelength_m": 2e-12, "object_pixel_size_m": 2.5e-11}
     factor = SampleOptions(slices=4, slice_spacing_m=1e-9).resolve(meta, 128).working_factor

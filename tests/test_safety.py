@@ -225,7 +225,7 @@ def test_positions_far_outside_the_scan_are_refused_by_name(ds, far):
 
 
 def test_real_scans_are_not_outliers(ds):
-    from daskpty.inputs import position_outliers
+    from daskpty.io.inputs import position_outliers
     from daskpty.simulate import make_positions
 
     rng = np.random.default_rng(0)
@@ -242,7 +242,7 @@ def test_real_scans_are_not_outliers(ds):
 def test_an_object_too_large_for_memory_is_refused(ds):
     from types import SimpleNamespace
 
-    from daskpty.inputs import memory_bytes
+    from daskpty.io.inputs import memory_bytes
 
     if not memory_bytes():
         pytest.skip("this platform does not report its memory")

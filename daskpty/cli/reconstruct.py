@@ -210,9 +210,9 @@ def run(args) -> int:
     if held is not None and held >= args.epochs:  # --epochs counts all epochs (docs/cli.md)
         import numpy as np
 
-        from daskpty.api import _resume_from  # the store must still fit the data
+        from daskpty.io.inputs import resumed_store  # the store must still fit the data
 
-        _resume_from(args.resume, np.asarray(data.positions, dtype=np.float64), data.pattern_shape[-1])
+        resumed_store(args.resume, np.asarray(data.positions, dtype=np.float64), data.pattern_shape[-1])
         print(f"daskpty: {args.resume} already holds epoch {held} (--epochs {args.epochs} counts "
               f"the resumed epochs too): nothing to run, {args.output} was not written; pass "
               f"--epochs above {held} to continue", file=sys.stderr)

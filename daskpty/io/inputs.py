@@ -1,5 +1,7 @@
 """Sanity of a reconstruction's inputs, checked before any cluster starts.
 
+* the data set (a path or an opened one): intensities' layout, positions' shape, finiteness
+  and duplicates, one position per pattern; the initial probe; a store to resume from;
 * positions whose scale says a unit mistake (metres as micrometres or pixels);
 * positions far outside the scan's bulk (a robust median / MAD test per axis), which would make
   the default object frame huge;
@@ -12,11 +14,14 @@ Plain NumPy; every refusal is one ``ValueError`` line naming the patterns or the
 """
 from __future__ import annotations
 
+import os
 import warnings
 
 import numpy as np
 
-from .io.validate import check_position_scale
+from .results import Reconstruction
+from .store import open_data
+from .validate import check_intensity_layout, check_position_scale
 
 #: a position is an outlier when it lies more than OUTLIER_MADS robust standard deviations
 #: (1.4826 MAD) plus two probe widths from the median along y or x
@@ -124,5 +129,75 @@ def resume_settings(stored: dict, **given) -> dict:
     return out
 
 
-__all__ = ["check_initial_object", "check_object_size", "check_positions_bulk", "check_rounds",
-           "position_outliers", "resume_settings"]
+def load_data(data):
+    """A data set: ``data`` itself, or the store at the path ``data``."""
+    if isinstance(data, (str, os.PathLike)):
+        return open_data(data)
+    for attr in ("intensities", "positions"):
+        if not hasattr(data, attr):
+            raise TypeError("data must be a path to a daskpty store or a PtychoData "
+                            "(see daskpty.open_data / daskpty.from_arrays)")
+    return data
+
+
+def check_initial_probe(probe, n):
+    """The initial probe as (modes, n, n) complex64, or one line saying what is wrong with it."""
+    probe = np.asarray(probe, dtype=np.complex64)
+    if probe.ndim == 2:
+        probe = probe[None]
+    if probe.ndim != 3 or probe.shape[-2:] != (n, n):
+        raise ValueError(f"probe shape {probe.shape} does not match the detector shape ({n}, {n}); "
+                         f"pass a probe of shape (n, n) or (modes, n, n) with n the pattern size")
+    if not np.isfinite(probe).all():
+        raise ValueError("the probe contains NaN or infinite values; pass a finite initial probe")
+    if not np.abs(probe).any():
+        raise ValueError("the probe is all zeros; pass a non-zero initial probe or leave probe=None "
+                         "to derive one from the data")
+    return probe
+
+
+def check_scan(positions, n: int = 0):
+    """Refuse positions of the wrong shape, non-finite, duplicated or far outside the scan."""
+    if positions.ndim != 2 or positions.shape[1] != 2:
+        raise ValueError(f"positions must have shape (N, 2), got {positions.shape}")
+    if not np.isfinite(positions).all():
+        raise ValueError("positions contain NaN or infinite values; fix or drop those patterns")
+    unique = np.unique(positions, axis=0)
+    if len(unique) < len(positions):
+        raise ValueError(f"{len(positions) - len(unique)} scan positions are exact duplicates; "
+                         "remove repeated patterns or average them before reconstructing")
+    check_positions_bulk(positions, n)  # one position at 1e9 would ask for a 1e9-pixel object
+
+
+def checked_data(data):
+    """The opened data set, its intensities and its positions (float64), or one clear error."""
+    data = load_data(data)
+    intensities = data.intensities
+    check_intensity_layout(tuple(intensities.shape), np.dtype(intensities.dtype))
+    positions = np.asarray(data.positions, dtype=np.float64)
+    check_scan(positions, intensities.shape[-1])
+    if len(positions) == 0 or intensities.shape[0] == 0:
+        raise ValueError("the data set is empty; there is nothing to reconstruct")
+    if intensities.shape[0] != len(positions):
+        raise ValueError(f"{intensities.shape[0]} patterns but {len(positions)} positions; "
+                         "they must match one to one")
+    return data, intensities, positions
+
+
+def resumed_store(path, positions, n):
+    """The reconstruction store at ``path`` to resume from, refused when it does not fit the data."""
+    rec = Reconstruction.from_zarr(path)
+    nominal = rec.positions if rec.nominal_positions is None else rec.nominal_positions
+    if nominal.shape != positions.shape or not np.allclose(nominal - rec.origin, positions,
+                                                                  atol=1e-6):
+        raise ValueError(f"the resume store {path} does not match the data: its positions differ; "
+                         "resume with the data set it was made from")
+    if rec.probe.shape[-1] != n:
+        raise ValueError(f"the resume store {path} has a {rec.probe.shape[-1]}-pixel probe but the data "
+                         f"have {n}-pixel patterns; resume with the data set it was made from")
+    return rec
+
+
+__all__ = ["check_initial_object", "check_initial_probe", "check_object_size", "check_positions_bulk",
+           "check_rounds", "check_scan", "checked_data", "load_data", "position_outliers", "resume_settings",
+           "resumed_store"]

@@ -9,8 +9,12 @@ object pixel size, ``detector`` = ``far_field`` | ``near_field``, ``focus_to_sam
 the near-field detector kernel, or None for the far field.
 
 K = 1 in the far field needs nothing from the metadata and keeps the single-slice engines' code
-path (``ResolvedSample.multislice`` is False); K > 1 or the near field use the multislice engines
-(:mod:`daskpty.execution.multislice_adapter`).
+path (``ResolvedSample.multislice`` is False); K > 1 or the near field use the multislice parts
+(:mod:`daskpty.engines.sample_model`). :func:`aperture_probe` is the probe the geometry implies
+(``probe="aperture"``); the start probe that reads the data is chosen in :mod:`daskpty.api`.
+
+An option group of :func:`daskpty.reconstruct` (:mod:`daskpty.options`), beside the other parts'
+options (``position_options``, ``probe_model``); plain NumPy and physics, no dask.
 """
 from __future__ import annotations
 
@@ -20,8 +24,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from .physics.multislice import SliceGeometry
-from .physics.propagation import near_field_kernel
+from ..physics.multislice import SliceGeometry
+from ..physics.probes import probe_from_geometry
+from ..physics.propagation import near_field_kernel
+from .initial import probe_diameter_from_scan
 
 DETECTORS = ("far_field", "near_field")
 
@@ -181,8 +187,6 @@ class ResolvedSample:
 def aperture_probe(metadata: dict, n: int, *, power: float, positions=None, aperture: dict | None = None):
     """``probe="aperture"``: :func:`daskpty.physics.probes.probe_from_geometry` from the data's
     geometry (electrons when the metadata hold ``electron_voltage_v``, else X-rays)."""
-    from .physics.probes import probe_from_geometry
-
     meta = metadata or {}
     kwargs = dict(aperture or {})
     lam, dx = meta.get("wavelength_m"), meta.get("object_pixel_size_m")
@@ -196,39 +200,5 @@ def aperture_probe(metadata: dict, n: int, *, power: float, positions=None, aper
         geometry.convergence_semiangle_rad = kwargs.pop("convergence_semiangle_rad",
                                                         meta.get("convergence_semiangle_rad"))
     elif "diameter_m" not in kwargs:
-        from .engines.initial import probe_diameter_from_scan
-
         kwargs["diameter_m"] = probe_diameter_from_scan(positions, n) * float(dx)
     return probe_from_geometry(geometry, power=power, **kwargs)
-
-
-def initial_probe(probe, data, client, intensities, modes, seed, options: SampleOptions,
-                  resolved: ResolvedSample):
-    """The initial probe when the sample model decides it (``probe="aperture"``, or no probe for a
-    near-field data set: :func:`daskpty.engines.initial.probe_from_mean_hologram`); else None (the
-    single-slice default applies)."""
-    if isinstance(probe, str):
-        if probe != "aperture":
-            raise ValueError(f"probe must be an array, None or 'aperture', got {probe!r}")
-        n = intensities.shape[-1]
-        power = float(client.compute(intensities.sum(axis=(1, 2), dtype=np.float64).mean()).result())
-        first = aperture_probe(getattr(data, "metadata", None), n, power=power, positions=data.positions,
-                               aperture=options.aperture)
-        return _more_modes(first, modes, seed)
-    if probe is None and getattr(data, "probe", None) is None and resolved.near_field:
-        from .engines.initial import probe_from_mean_hologram
-
-        mean = client.compute(intensities.mean(axis=0, dtype=np.float64)).result()
-        return probe_from_mean_hologram(np.asarray(mean), resolved.detector_kernel, modes=modes or 1, seed=seed)
-    return None
-
-
-def _more_modes(first, modes, seed):
-    if not modes or modes <= first.shape[0]:
-        return first
-    rng = np.random.default_rng(seed)
-    extra = []
-    for _ in range(modes - first.shape[0]):
-        mode = first[0] * np.exp(2j * np.pi * rng.random(first.shape[-2:]))  # same support, new phase
-        extra.append(mode * np.sqrt(0.05 * (np.abs(first[0]) ** 2).sum() / max((np.abs(mode) ** 2).sum(), 1e-300)))
-    return np.concatenate([first, np.asarray(extra, np.complex64)])
