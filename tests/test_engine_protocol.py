@@ -1,5 +1,5 @@
-"""Every registered engine's adapter, and the feature adapters built on them, have the interface the
-round loop uses (execution/engine_protocol.py); a feature an engine does not take is refused."""
+"""Every registered engine's adapter, with any of its parts composed, has the interface the round
+loop uses (execution/engine_protocol.py); a feature an engine does not take is refused."""
 from __future__ import annotations
 
 import pytest
@@ -7,8 +7,8 @@ import pytest
 from daskpty.engines.probe_model import ProbeModelOptions
 from daskpty.execution.engine_protocol import EngineAdapter, RunsOwnRounds
 from daskpty.execution.engine_registry import ENGINES, FEATURES, engine_spec
-from daskpty.execution.multislice_adapter import MultisliceADAdapter, MultisliceLSQMLAdapter
-from daskpty.execution.variable_probe import with_probe_model
+from daskpty.engines.sample_model import SampleModel
+from daskpty.execution.parts import with_probe_model
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
@@ -25,11 +25,14 @@ def test_varying_probe_adapters_keep_the_interface(name):
     assert isinstance(with_probe_model(adapter, ProbeModelOptions(opr_modes=2)), EngineAdapter)
 
 
-def test_multislice_adapters_keep_the_interface():
-    lsqml_options, _ = engine_spec("lsqml").make("gaussian")
-    ad_options, _ = engine_spec("ad").make("gaussian")
-    assert isinstance(MultisliceLSQMLAdapter(lsqml_options), EngineAdapter)
-    assert isinstance(MultisliceADAdapter(ad_options), EngineAdapter)
+@pytest.mark.parametrize("name", [n for n, s in ENGINES.items() if "multislice" in s.features])
+def test_adapters_with_every_part_keep_the_interface(name):
+    """One adapter class per engine: slices, positions and a varying probe are parts it holds."""
+    _, adapter = engine_spec(name).make("gaussian", optimizer="adam" if name == "ad" else None)
+    plain = type(adapter)
+    adapter = with_probe_model(adapter, ProbeModelOptions(opr_modes=2))
+    adapter.sample = SampleModel(3)
+    assert type(adapter) is plain and isinstance(adapter, EngineAdapter)
 
 
 @pytest.mark.parametrize("name", list(ENGINES))

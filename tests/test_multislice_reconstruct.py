@@ -96,14 +96,12 @@ def test_one_and_two_workers_identical_and_resume_bit_identical(two_slices, clie
 
 def test_one_slice_far_field_keeps_the_single_slice_path(two_slices, client):
     """K = 1 in the far field: the 2-D adapter, the 2-D object and the same numbers as before."""
-    from daskpty.execution.driver import LSQMLAdapter
-    from daskpty.execution.multislice_adapter import multislice_adapter
+    from daskpty.execution.parts import sample_model
     from daskpty.options import SampleOptions
 
     _, data = two_slices
     thin = SampleOptions().resolve(data.metadata, 32)
-    adapter = LSQMLAdapter(daskpty.engines.lsqml.LSQMLOptions())
-    assert not thin.multislice and thin.working_factor == 1.0 and multislice_adapter(adapter, thin) is adapter
+    assert not thin.multislice and thin.working_factor == 1.0 and sample_model(thin) is None
     a = daskpty.reconstruct(data, client=client, epochs=3, check_data=False)
     b = daskpty.reconstruct(data, client=client, epochs=3, check_data=False, slices=1)
     assert a.object.shape == b.object.shape and a.object.ndim == 2
@@ -165,7 +163,6 @@ def test_metadata_geometry_keys_and_errors():
     (dict(slices=2, slice_spacing_m=-1e-9), "slice spacing must be positive"),
     (dict(slices=2, slice_spacing_m=0.0), "slice spacing must be positive"),
     (dict(slices=0), "slices must be an integer"),
-    (dict(slices=2, slice_spacing_m=2e-9, refine_positions=True), "position refinement"),
 ])
 def test_bad_sample_options_one_line(two_slices, client, kwargs, match):
     _, data = two_slices

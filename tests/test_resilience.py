@@ -11,7 +11,8 @@ from distributed import Client, LocalCluster
 import daskpty
 from daskpty.engines import lsqml
 from daskpty.execution.data import prepare_data
-from daskpty.execution.driver import LSQMLAdapter, lsqml_chunk, run_epochs
+from daskpty.execution.driver import run_epochs
+from daskpty.execution.lsqml_adapter import LSQMLAdapter, lsqml_chunk
 from daskpty.io.results import Reconstruction
 
 from synthetic import make_dataset

@@ -125,6 +125,8 @@ def warp_object(a, matrix, offset):
     if a is None:
         return None
     xp = get_xp(a)
+    if a.ndim == 3:                    # the slices of a multislice object move together
+        return xp.stack([warp_object(s, matrix, offset) for s in a])
     m, o = np.asarray(matrix, np.float64), np.asarray(offset, np.float64)
     h, w = a.shape[-2:]
     corners = np.array([[0, 0], [0, w - 1], [h - 1, 0], [h - 1, w - 1]], np.float64)
@@ -378,7 +380,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
 
 def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, options: LSQMLOptions,
                         positions: PositionOptions, epoch: int, affine=None, update_probe: bool = True,
-                        valid=None, variable=None) -> Partial:
+                        valid=None, variable=None, step=None) -> Partial:
     """:func:`chunk_step` at the refined positions ``local["positions"]`` of these patterns,
     moving them (from epoch ``positions.start_epoch`` on).
 
@@ -386,14 +388,16 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     last epoch, if any); after it each moves by the LSQML shift with momentum, limited to
     ``max_step`` per axis and kept inside the object. The partial gains the affine normal
     equations of the new positions (additive), ``position_update_sq`` / ``position_refined``
-    (for the rms update) and, in ``local``, the patterns' new per-pattern state.
+    (for the rms update) and, in ``local``, the patterns' new per-pattern state. ``step``: the
+    chunk step of the sample's forward model (default :func:`chunk_step`, one slice in the far
+    field; see :mod:`daskpty.engines.sample_model`).
     """
     n = probe.shape[-1]
     refined = positions_for_step(local, nominal, affine, positions, epoch, n, obj.shape)
     active = positions.active(epoch)
-    part = chunk_step(obj, probe, intensities, refined, options=options, update_probe=update_probe,
-                      valid=valid, position_terms=active, variable=variable,
-                      window_sums=wants_window_sums(positions, epoch))
+    part = (step or chunk_step)(obj, probe, intensities, refined, options=options, update_probe=update_probe,
+                                valid=valid, position_terms=active, variable=variable,
+                                window_sums=wants_window_sums(positions, epoch))
     if not active or not part.scalars:
         part.local = {}
         return part

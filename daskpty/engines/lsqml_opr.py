@@ -79,8 +79,9 @@ def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: in
 
 def variable_chunk_step(obj, probe, intensities, nominal, local: dict | None, *, options, model: ProbeModelOptions,
                         eigen, transform, background, epoch: int, update_probe: bool, valid=None,
-                        positions=None, affine=None):
-    """One LSQML chunk step with the varying probe (and refined positions when ``positions``)."""
+                        positions=None, affine=None, step=None):
+    """One LSQML chunk step with the varying probe (and refined positions when ``positions``);
+    ``step`` the sample's chunk step (default: :func:`daskpty.engines.lsqml.chunk_step`)."""
     model = model.for_engine("lsqml")
     mlocal = model_local(local, transform)
     variable = PatternProbes(model, probe, eigen, mlocal, intensities, active=model.active(epoch),
@@ -88,10 +89,10 @@ def variable_chunk_step(obj, probe, intensities, nominal, local: dict | None, *,
     if positions is not None:
         part = lsqml.refining_chunk_step(obj, probe, intensities, nominal, local, options=options,
                                          positions=positions, epoch=epoch, affine=affine,
-                                         update_probe=update_probe, valid=valid, variable=variable)
+                                         update_probe=update_probe, valid=valid, variable=variable, step=step)
     else:
-        part = lsqml.chunk_step(obj, probe, intensities, nominal, options=options, update_probe=update_probe,
-                                valid=valid, variable=variable)
+        part = (step or lsqml.chunk_step)(obj, probe, intensities, nominal, options=options,
+                                          update_probe=update_probe, valid=valid, variable=variable)
     if mlocal and part.scalars:
         where = part.local.get("positions", local.get("positions", nominal)) if local else nominal
         part.local = {**part.local, **new_model_local(variable, model, epoch, where)}

@@ -41,11 +41,12 @@ from ..physics.multislice import (
 )
 from ..physics.kernels import far_field_update  # fused on the GPU (the NumPy reference on the CPU)
 from ..physics.patches import PatchIndex
-from ..physics.propagation import angular_spectrum_adjoint
+from ..physics.propagation import angular_spectrum, angular_spectrum_adjoint
 from ..physics.shifts import outer_ramps, shift_ramp_factors, split_positions
 from . import lsqml
 from .lsqml import LSQMLOptions, LSQMLState, begin_epoch, rescale_probe  # noqa: F401  (re-exported)
 from .partials import BoxedArray, Partial
+from .positions import accumulate_affine, accumulate_window, central_gradients
 
 
 def detector_adjoint(waves, detector=None):
@@ -56,7 +57,7 @@ def detector_adjoint(waves, detector=None):
 class _Chunk:
     """A chunk's geometry: the object box (K, h, w), windows, shift ramps, S_f P."""
 
-    def __init__(self, obj, probe, intensities, positions, kernel, detector, cdtype=np.complex64):
+    def __init__(self, obj, probe, intensities, positions, kernel, detector, cdtype=np.complex64, variable=None):
         xp = get_xp(intensities)
         self.xp = xp
         obj = obj[None] if obj.ndim == 2 else obj
@@ -73,6 +74,7 @@ class _Chunk:
                              f"of shape {tuple(obj.shape[-2:])}")
         self.obj_box = xp.ascontiguousarray(
             asarray_like(obj[:, self.box0[0]:box1[0], self.box0[1]:box1[1]], intensities), dtype=cdtype)
+        self._object, self._like, self._cdtype, self._box1 = obj, intensities, cdtype, box1
         self.probe = asarray_like(probe, intensities).astype(cdtype, copy=False)
         for name, k in (("kernel", kernel), ("detector", detector)):
             if k is not None and tuple(k.shape) != (n, n):
@@ -82,18 +84,52 @@ class _Chunk:
         self.index = PatchIndex(corners - self.box0, n, self.obj_box.shape, xp)
         ry, rx = shift_ramp_factors(fractions, n, xp, cdtype)
         self.ramps = outer_ramps(ry, rx) if cdtype == np.complex64 else ry[:, :, None] * rx[:, None, :]
-        self.shifted = ifft2(self.ramps[:, None] * fft2(self.probe)[None], overwrite=True)   # S_f P
+        if variable is None:
+            spectra = fft2(self.probe)[None]
+        else:          # each pattern's own probe (a varying probe; the caller began its step)
+            spectra = variable.spectra(slice(0, len(corners)), out=variable.buffer)
+        self.shifted = ifft2(self.ramps[:, None] * spectra, overwrite=True)                # S_f P
+        self.variable = variable
         self.patches = slice_windows(self.index, self.obj_box)                               # (K, B, n, n)
+
+    def box_gradients(self):
+        """(∂_y O_k, ∂_x O_k) per slice on the box, by central differences that reach one pixel
+        beyond the box where the object goes on (one-sided only at the object's own edge)."""
+        (y0, x0), (y1, x1) = self.box0, self._box1
+        h, w = self._object.shape[-2:]
+        py0, px0, py1, px1 = max(y0 - 1, 0), max(x0 - 1, 0), min(y1 + 1, h), min(x1 + 1, w)
+        padded = self.xp.ascontiguousarray(asarray_like(self._object[:, py0:py1, px0:px1], self._like),
+                                           dtype=self._cdtype)
+        crop = (slice(y0 - py0, y0 - py0 + y1 - y0), slice(x0 - px0, x0 - px0 + x1 - x0))
+        return [tuple(g[crop] for g in central_gradients(padded[k], self.xp)) for k in range(self.n_slices)]
 
     @property
     def origin(self):
         return (int(self.box0[0]), int(self.box0[1]))
 
-    def probe_gradient_spectra(self, g_q):
-        """Σ_j conj(ramp_j) F[g_Qj] (M, n, n): F of the adjoint shift, summed over the chunk."""
-        spectra = fft2(g_q, overwrite=True)
+    def pattern_spectra(self, g_q):
+        """G_j = conj(ramp_j) F[g_Qj] (B, M, n, n): F of the adjoint shift, per pattern."""
+        spectra = fft2(g_q)
         spectra *= self.xp.conj(self.ramps)[:, None]
-        return spectra.sum(axis=0)
+        return spectra
+
+    def probe_gradient_spectra(self, spectra):
+        """Σ_j (∂P_jm/∂P_m) G_jm (M, n, n): the shared modes' sums of the per-pattern spectra
+        (with a varying probe, the probe model's terms are gathered on the way)."""
+        if self.variable is None:
+            return spectra.sum(axis=0)
+        m, n = self.probe.shape[0], self.n
+        total = self.xp.zeros((m, n * n), spectra.dtype)
+        self.variable.probe_terms(slice(0, spectra.shape[0]), spectra, total)
+        return total.reshape(m, n, n)
+
+    def shift_derivatives(self):
+        """∂(S_f P_j)/∂f_a for a = y, x (2, B, M, n, n): F⁻¹[F(S_f P) · (−2πi k_a)], the exit wave's
+        change per unit position change is this carried through the slices and the detector."""
+        xp, n = self.xp, self.n
+        k = xp.asarray(np.fft.fftfreq(n), dtype=self.shifted.real.dtype) * np.float32(-2 * np.pi)
+        spectra = fft2(self.shifted)
+        return (ifft2(spectra * (1j * k)[:, None]), ifft2(spectra * (1j * k)[None, :]))
 
     def boxes(self, per_slice, dtype):
         """Scatter-add per-slice patches (K, B, n, n) into a (K, h, w) box."""
@@ -133,7 +169,8 @@ def _step_lengths(gram, rhs, options: LSQMLOptions, update_probe: bool, xp):
 
 
 def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, kernel=None, detector=None,
-               update_probe: bool = True, valid=None) -> Partial:
+               update_probe: bool = True, valid=None, position_terms: bool = False, variable=None,
+               window_sums: bool = False) -> Partial:
     """One multislice LSQML step for one chunk of patterns, as an additive partial.
 
     obj (K, H, W) complex64 (or (H, W): K = 1); probe (M, n, n); intensities (B, n, n) (far field:
@@ -145,24 +182,48 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
     and ``boxes["illumination"]`` (K, h, w) = Σ|φ_k|², ``arrays["probe"]`` = α_P Σ_j S_{−f}(conj(O_1) χ_1)
     when updating the probe, ``arrays["alpha_slices"]`` (K,) = α_k B, and the scalars of
     :func:`daskpty.engines.lsqml.chunk_step` (``alpha_object`` is the mean of the α_k, times B).
+
+    The parts of :func:`daskpty.engines.lsqml.chunk_step` compose here the same way:
+
+    * ``position_terms``: the LSQML position shift's sums in ``local["shift_terms"]``: Re⟨d_a, χ⟩
+      and ‖d_a‖² of the exit wave's exact change per unit position d_a, carried through the
+      slices (:func:`_shift_terms`; one pass over the slices per axis). The windows' deformation
+      sums (``window_sums``) are not formed through slices: the affine fit of the positions
+      still runs.
+    * ``variable``: a :class:`~daskpty.engines.pattern_probes.PatternProbes` (OPR, intensity
+      factors, background): each pattern's own probe at the entrance, the background in the
+      detector's model, the probe sums weighted by ∂P_j/∂P, the eigen-probe and weight terms from
+      the entrance-plane spectra G_j (exact: the exit wave is linear in the entrance wave), the
+      intensity factors' terms from the exit wave Re⟨ψ_j, χ_j⟩ / ‖ψ_j‖²; the weights' curvature
+      is sampled with the entrance slice (an approximation of its Gauss–Newton preconditioner).
     """
     n_patterns = intensities.shape[0]
     if n_patterns == 0:
         return Partial()
-    c = _Chunk(obj, probe, intensities, positions, kernel, detector)
-    xp, n_slices = c.xp, c.n_slices
+    if variable is not None:
+        variable.begin(n_patterns, n_patterns, update_probe)
+    c = _Chunk(obj, probe, intensities, positions, kernel, detector, variable=variable)
+    xp, n_slices, every = c.xp, c.n_slices, slice(0, n_patterns)
     y = xp.asarray(intensities).astype(np.float32, copy=False)
     if valid is not None:
         valid = asarray_like(valid, intensities)
 
     exit_waves, incident = multislice_forward(c.shifted, c.patches, c.kernel)
     far = detector_forward(exit_waves, c.detector)
-    delta_far, yhat, loss = far_field_update(options.noise, far, y, valid, options.eps, overwrite=True)
+    background = None if variable is None else variable.background
+    delta_far, yhat, loss = far_field_update(options.noise, far, y, valid, options.eps, overwrite=True,
+                                             background=background)
     chi = detector_adjoint(delta_far, c.detector)                        # χ at the exit surface
+    if variable is not None:                    # brightness_first: the brightness steps first
+        variable.brightness_step(every, c.patches[0], c.shifted, chi, psi=exit_waves)
+        variable.pattern_terms(every, c.patches[0], None, None, intensity=False)
+        if variable.want_intensity and not variable.steps_brightness_first:
+            variable.exit_terms(every, exit_waves, chi)
     grads, g_q, _ = multislice_vjp(chi, c.patches, incident, c.kernel)
     obj_num = c.boxes(grads, np.complex64)
     illum = c.boxes(xp.stack([model_intensity(incident[k]) for k in range(n_slices)]), np.float32)
     obj_dir = obj_num * (np.float32(1.0) / _preconditioner(illum, options.delta))   # ΔÔ_k
+    shift_terms = _shift_terms(c, g_q, grads, incident) if position_terms else None
 
     # Directions carried to the exit, then the per-pattern (K + 1)-unknown step system.
     directions = []
@@ -171,9 +232,11 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
         directions.append(transmit(dir_patches[k][:, None] * incident[k], c.patches, c.kernel, k))
     probe_sum = None
     if update_probe:
-        spectra_sum = c.probe_gradient_spectra(g_q)                      # F Σ_j S_{−f_j} g_Qj
+        spectra_sum = c.probe_gradient_spectra(c.pattern_spectra(g_q))  # F Σ_j (∂P_j/∂P) S_{−f_j} g_Qj
         probe_sum = ifft2(spectra_sum)
         b = ifft2(c.ramps[:, None] * (spectra_sum / np.float32(n_patterns))[None], overwrite=True)
+        if variable is not None:                # pattern j's probe moves by (∂P_j/∂P) ΔP̂
+            b *= variable.mode_factors_xp(every)[:, :, None, None]
         directions.append(transmit(b * c.patches[0][:, None], c.patches, c.kernel, 0))
     d = len(directions)
     gram = xp.empty((n_patterns, d, d))
@@ -198,12 +261,55 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
     )
     if probe_sum is not None:
         part.arrays["probe"] = (np.float32(alpha_p) * probe_sum).astype(np.complex64, copy=False)
+    if shift_terms is not None:
+        part.local["shift_terms"] = shift_terms
+    if variable is not None:
+        variable.finish(part, *_pixel_sums(y, yhat))
     return part if is_cupy(obj) else part.to_numpy()  # partials stay where the state lives
+
+
+def _shift_terms(c: _Chunk, g_q, grads, incident):
+    """The LSQML position shift's numerator Re⟨d_a, χ⟩ and denominator ‖d_a‖² per pattern and
+    axis ((B, 2) float64 each, on the host), d_a the exit wave's change per unit position.
+
+    Far field: d_a = Σ_k T_k(∂_a O_k · φ_k), every slice's window moving under a fixed probe (the
+    single-slice step's ∂_a O · S_f P through the slices, carried forward slice by slice):
+    Re⟨d_a, χ⟩ = Σ_k Re⟨∂_a O_k, g_k⟩ from the slices' gradients. Moving the probe instead
+    differs by a translation of the exit wave, to which far-field intensities are blind but whose
+    norm would swamp ‖d_a‖². Near field, where a translation is seen: d_a = T(∂_a S_f P · O_1),
+    Re⟨d_a, χ⟩ = Re⟨∂_a S_f P, g_Q⟩ (g_Q the residual carried back to the entrance)."""
+    num, den = [], []
+    if c.detector is None:
+        xp = c.xp
+        box_d = c.box_gradients()
+        for a in range(2):
+            d = [c.index.extract(xp.ascontiguousarray(box_d[k][a])) for k in range(c.n_slices)]
+            num.append(sum(real_dots(d[k], grads[k]) for k in range(c.n_slices)))
+            change = d[0][:, None] * incident[0]
+            for k in range(1, c.n_slices):
+                change = angular_spectrum(change, c.kernel) * c.patches[k][:, None]
+                change += d[k][:, None] * incident[k]
+            den.append(real_dots(change, change))
+    else:
+        for dq in c.shift_derivatives():
+            num.append(real_dots(dq, g_q))
+            change = transmit(dq * c.patches[0][:, None], c.patches, c.kernel, 0)
+            den.append(real_dots(change, change))
+    return (np.stack([to_numpy(a) for a in num], axis=1), np.stack([to_numpy(a) for a in den], axis=1))
+
+
+def _pixel_sums(y, yhat):
+    """Σ_j y_j and Σ_j ŷ_j per detector pixel (n²,) float64 (the probe model's background)."""
+    b = y.shape[0]
+    return y.reshape(b, -1).sum(axis=0, dtype=np.float64), yhat.reshape(b, -1).sum(axis=0, dtype=np.float64)
 
 
 def apply(state: LSQMLState, total: Partial, options: LSQMLOptions) -> LSQMLState:
     """Add a reduced partial to a (K, H, W) state: O_k += β ΔO_k / √(W_k² + (δ max W_k)²),
-    P += β ΔP / N; the epoch's illumination (K, H, W) keeps the largest of its rounds'."""
+    P += β ΔP / N; the epoch's illumination (K, H, W) keeps the largest of its rounds'; the
+    positions' affine sums are gathered as in :func:`daskpty.engines.lsqml.apply`."""
+    accumulate_affine(state, total)
+    accumulate_window(state, total)
     if "object" not in total.boxes:
         return state
     xp = get_xp(state.object)  # NumPy, or CuPy for a state in a GPU worker's memory
@@ -249,6 +355,8 @@ def normalize_scale(state: LSQMLState) -> None:
                 state.velocity[k] /= np.float32(c)
     state.object = obj
     state.probe = (state.probe * np.float32(total)).astype(np.complex64)
+    if state.eigen_probes is not None:  # they scale with the mean probe (weights unchanged)
+        state.eigen_probes = (state.eigen_probes * np.float32(total)).astype(np.complex64)
 
 
 def forward_sums(obj, probe, intensities, positions, *, kernel=None, detector=None, valid=None) -> Partial:
@@ -259,67 +367,3 @@ def forward_sums(obj, probe, intensities, positions, *, kernel=None, detector=No
     y = c.xp.asarray(intensities)
     sum_measured, sum_model = _sums(y, yhat, valid, c.xp)
     return Partial(scalars={"sum_measured": sum_measured, "sum_model": sum_model, "n": float(y.shape[0])})
-
-
-# --------------------------------------------------------------------------------------------------
-# AD: the loss and its exact gradient w.r.t. every slice and the probe
-
-
-def chunk_gradient(obj, probe, intensities, positions, *, kernel=None, detector=None, loss: str = "gaussian",
-                   valid=None, eps: float = 1e-6, want_probe: bool = True) -> Partial:
-    """Loss and exact gradients of one chunk through K slices, as an additive partial.
-
-    Inputs as :func:`chunk_step`; complex128 object or probe works in complex128 (else complex64).
-    ``loss``: a loss of :func:`daskpty.engines.ad.loss_and_gradient` (gaussian = amplitude least
-    squares Σ(√(ŷ+ε) − √y)², poisson, intensity). Gradient convention of the AD engine
-    (g = ∂L/∂Re z + i ∂L/∂Im z). Returns ``boxes["object_grad"]`` and ``boxes["illumination"]``
-    (K, h, w), ``arrays["probe_grad"]`` (M, n, n) and ``arrays["probe_illumination"]`` (n, n)
-    = Σ_j |O_1j|² when ``want_probe``, ``scalars`` loss, n, sum_measured, sum_model.
-    """
-    from .ad import loss_and_gradient
-
-    n_patterns = intensities.shape[0]
-    if n_patterns == 0:
-        return Partial()
-    wide = any(np.dtype(a.dtype) == np.complex128 for a in (obj, probe))
-    cdtype, rdtype = (np.complex128, np.float64) if wide else (np.complex64, np.float32)
-    c = _Chunk(obj, probe, intensities, positions, kernel, detector, cdtype)
-    xp = c.xp
-    y = xp.asarray(intensities).astype(rdtype, copy=False)
-    if valid is not None:
-        valid = asarray_like(valid, intensities)
-    exit_waves, incident = multislice_forward(c.shifted, c.patches, c.kernel)
-    far = detector_forward(exit_waves, c.detector)
-    yhat = model_intensity(far)
-    per_pattern, g_far = loss_and_gradient(far, y, loss=loss, valid=valid, eps=eps)
-    g_exit = detector_adjoint(g_far, c.detector)
-    grads, g_q, _ = multislice_vjp(g_exit, c.patches, incident, c.kernel)
-    sum_measured, sum_model = _sums(y, yhat, valid, xp)
-    part = Partial(scalars={"loss": float(per_pattern.sum()), "n": float(n_patterns),
-                            "sum_measured": sum_measured, "sum_model": sum_model})
-    part.boxes["object_grad"] = BoxedArray(c.origin, c.boxes(grads, cdtype))
-    part.boxes["illumination"] = BoxedArray(
-        c.origin, c.boxes(xp.stack([model_intensity(incident[k]) for k in range(c.n_slices)]), rdtype))
-    if want_probe:
-        part.arrays["probe_grad"] = ifft2(c.probe_gradient_spectra(g_q)).astype(cdtype, copy=False)
-        power = xp.abs(c.patches[0]) ** 2
-        part.arrays["probe_illumination"] = power.sum(axis=0).astype(rdtype)
-    return part if is_cupy(obj) else part.to_numpy()  # partials stay where the state lives
-
-
-def chunk_loss(obj, probe, intensities, positions, *, kernel=None, detector=None, loss: str = "gaussian",
-               valid=None, eps: float = 1e-6) -> Partial:
-    """Loss only (forward model, no adjoint) of one chunk: ``scalars`` loss (float64 sum) and n."""
-    from .ad import loss_and_gradient
-
-    if intensities.shape[0] == 0:
-        return Partial()
-    wide = any(np.dtype(a.dtype) == np.complex128 for a in (obj, probe))
-    cdtype, rdtype = (np.complex128, np.float64) if wide else (np.complex64, np.float32)
-    c = _Chunk(obj, probe, intensities, positions, kernel, detector, cdtype)
-    exit_waves, _ = multislice_forward(c.shifted, c.patches, c.kernel, keep=False)
-    y = c.xp.asarray(intensities).astype(rdtype, copy=False)
-    valid = None if valid is None else asarray_like(valid, intensities)
-    per_pattern, _ = loss_and_gradient(detector_forward(exit_waves, c.detector), y, loss=loss, valid=valid,
-                                       eps=eps, gradient=False)
-    return Partial(scalars={"loss": float(per_pattern.sum()), "n": float(intensities.shape[0])})

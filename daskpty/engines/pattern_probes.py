@@ -170,7 +170,14 @@ class PatternProbes:
             self.int_num[batch] = real_dots(o, g)
             self.int_den[batch] = real_dots(p.reshape(o.shape), w)
 
-    def brightness_step(self, batch, o, shifted, chi) -> None:
+    def exit_terms(self, batch, psi, chi) -> None:
+        """The intensity factor's terms from the exit waves themselves, Re⟨ψ_j, χ_j⟩ and ‖ψ_j‖²
+        (a multislice or near-field step, where no single object patch maps probe to exit wave;
+        :meth:`pattern_terms` forms the same from the patch in one slice)."""
+        if self.want_intensity:
+            self.int_num[batch], self.int_den[batch] = real_dots(psi, chi), real_dots(psi, psi)
+
+    def brightness_step(self, batch, o, shifted, chi, psi=None) -> None:
         """LSQML with ``brightness_first`` (a no-op otherwise), pass 1, between the far-field
         correction and the object gradient: each pattern's brightness takes its damped
         least-squares step first, r_j = ``weight_step`` · Re⟨ψ_j, χ_j⟩ / ‖ψ_j‖² (a relative
@@ -183,12 +190,16 @@ class PatternProbes:
         pattern's flux error where only that pattern lights it: from the true object, 12 % rms
         flux flicker fitted for 40 epochs leaves 0.84 % jointly and 0.34 % this way
         (docs/benchmarks.md, OPR). Sets ``int_num`` / ``int_den`` of the intensity factor (see
-        :meth:`pattern_terms`)."""
+        :meth:`pattern_terms`). ``psi``: the exit waves when they are not ``shifted · o`` (multislice,
+        near field)."""
         if not self.steps_brightness_first:
             return
         modes = slice(0, self.n_modes if self.want_intensity else 1)
         xp, b = self.xp, batch.stop - batch.start
-        psi = xp.multiply(shifted[:, modes], o[:, None], out=self._psi[:b])     # ψ_j
+        if psi is None:
+            psi = xp.multiply(shifted[:, modes], o[:, None], out=self._psi[:b])  # ψ_j
+        else:               # the exit waves (through slices or to a near-field detector)
+            psi = xp.multiply(psi[:, modes], 1, out=self._psi[:b])
         num, den = real_dots(psi, chi[:, modes]), real_dots(psi, psi)
         if self.want_intensity:
             self.int_num[batch], self.int_den[batch] = num, den

@@ -15,10 +15,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engines import ad
+from ..engines import ad, lsqml_opr
+from ..engines import sample_model as sm
+from ..engines.ad import opr as ad_opr
 from ..engines.lsqml import warp_object
 from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
                                  options_for, positions_for_step, settle_start, start_parameters, window_parameters)
+from ..engines.probe_model import ProbeModelOptions
+from .lsqml_adapter import forward_sums_chunk
+from .probe_model_part import ProbeModelPart
 from .rounds import ChunkedData, map_reduce
 
 
@@ -33,19 +38,31 @@ class ADPayload:
     positions: PositionOptions | None = None  # position refinement (None: off)
     epoch: int = 0
     affine: tuple | None = None
+    sample: sm.SampleModel | None = None      # None: one slice, far field
+    model: ProbeModelOptions | None = None    # the varying probe (None: off) and its arrays
+    eigen: np.ndarray | None = None
+    transform: np.ndarray | None = None
+    background: np.ndarray | None = None
 
 
 def ad_gradient_chunk(intensities, positions, payload: ADPayload, local=None):
-    """The AD gradient step; with ``local`` (position refinement) at the refined positions, which it
-    also moves, ``positions`` being the nominal ones."""
+    """The AD gradient of the payload's sample; with ``local`` (refined positions, probe-model
+    state) at the refined positions, which it also moves, ``positions`` being the nominal ones."""
+    gradient = sm.ad_gradient(payload.sample)
+    if payload.model is not None:
+        return ad_opr.variable_chunk_gradient(
+            payload.object, payload.probe, intensities, positions, local, options=payload.options,
+            model=payload.model, eigen=payload.eigen, transform=payload.transform, background=payload.background,
+            epoch=payload.epoch, valid=payload.valid, want_object=payload.want_object,
+            want_probe=payload.want_probe, positions=payload.positions, affine=payload.affine, gradient=gradient)
     if local is not None:
         return ad.refining_chunk_gradient(payload.object, payload.probe, intensities, positions, local,
                                           options=payload.options, positions=payload.positions,
                                           epoch=payload.epoch, affine=payload.affine, valid=payload.valid,
-                                          want_object=payload.want_object, want_probe=payload.want_probe)
-    return ad.chunk_gradient(payload.object, payload.probe, intensities, positions, options=payload.options,
-                             valid=payload.valid, want_object=payload.want_object,
-                             want_probe=payload.want_probe)
+                                          want_object=payload.want_object, want_probe=payload.want_probe,
+                                          gradient=gradient)
+    return gradient(payload.object, payload.probe, intensities, positions, options=payload.options,
+                    valid=payload.valid, want_object=payload.want_object, want_probe=payload.want_probe)
 
 
 def ad_loss_chunk(intensities, positions, payload: ADPayload, local=None):
@@ -53,42 +70,52 @@ def ad_loss_chunk(intensities, positions, payload: ADPayload, local=None):
     if local is not None:
         positions = positions_for_step(local, positions, payload.affine, payload.positions, payload.epoch,
                                        payload.probe.shape[-1], payload.object.shape)
-    return ad.chunk_loss(payload.object, payload.probe, intensities, positions, options=payload.options,
-                         valid=payload.valid)
-
-
-def ad_forward_sums_chunk(intensities, positions, payload: ADPayload):
-    return ad.forward_sums(payload.object, payload.probe, intensities, positions, valid=payload.valid)
+    return sm.ad_loss(payload.sample)(payload.object, payload.probe, intensities, positions,
+                                      options=payload.options, valid=payload.valid)
 
 
 class ADAdapter:
-    """Binds :mod:`daskpty.engines.ad` to the round loop."""
+    """Binds :mod:`daskpty.engines.ad` to the round loop with its parts composed: the sample
+    (``sample``), position refinement (``positions``) and a varying probe (``probe_model``), as
+    :class:`~.lsqml_adapter.LSQMLAdapter`."""
 
     name = "ad"
     chunk_function = staticmethod(ad_gradient_chunk)
-    #: What lives in device memory on GPU workers (see :mod:`.device_state`); the optimiser's
-    #: memory (Adam's moments) is object- and probe-sized.
-    device_fields = ("object", "probe", "illumination", "optimizer")
     loss_function = staticmethod(ad_loss_chunk)
 
     def __init__(self, options: ad.ADOptions | None = None, valid: np.ndarray | None = None,
-                 positions: PositionOptions | None = None):
+                 positions: PositionOptions | None = None, *, probe_model: ProbeModelPart | None = None,
+                 sample: sm.SampleModel | None = None):
         self.options = options if options is not None else ad.ADOptions()
         self.valid = valid
         self.positions = positions
+        self.sample = sample
+        self.probe_model = probe_model
+        if probe_model is not None:
+            check_probe_model_optimizer(self.options)
+
+    @property
+    def device_fields(self) -> tuple:
+        """What lives in device memory on GPU workers (see :mod:`.device_state`); the optimiser's
+        memory (Adam's moments) is object- and probe-sized; the probe model's state stays on the host."""
+        return () if self.probe_model is not None else ("object", "probe", "illumination", "optimizer")
 
     @property
     def local_state(self) -> bool:
-        """Per-pattern state (refined positions, their optimiser's memory) kept with each chunk."""
-        return self.positions is not None
+        """Per-pattern state (refined positions and their optimiser's memory, probe-model weights)."""
+        return self.positions is not None or (self.probe_model is not None and self.probe_model.per_pattern)
 
     def initial_local(self, nominal) -> dict:
-        return initial_local(nominal, self.positions, "ad")
+        local = {} if self.positions is None else initial_local(nominal, self.positions, "ad")
+        if self.probe_model is not None:
+            local.update(self.probe_model.initial_local(len(nominal)))
+        return local
 
     def epoch_scalars(self, state) -> dict:
-        """The fitted affine map's and the windows' deformation parameters, for the epoch's history entry."""
+        """The fitted affine map's, the windows' and the probe model's parameters, for the history."""
         out = {} if state.affine is None else affine_parameters(state.affine)
-        return {**out, **window_parameters(state.window_deformation), **start_parameters(state)}
+        out = {**out, **window_parameters(state.window_deformation), **start_parameters(state)}
+        return out if self.probe_model is None else {**out, **self.probe_model.epoch_scalars(state)}
 
     @property
     def needs_evaluations(self) -> bool:
@@ -96,17 +123,19 @@ class ADAdapter:
         return self.options.optimizer == "cg"
 
     def payload(self, state: ad.ADState, object=None, probe=None) -> ADPayload:
+        affine = (None if state.affine is None and state.window_map is None
+                  else (state.affine, state.affine_boost, state.window_map))
+        model = {} if self.probe_model is None else self.probe_model.payload_fields(state)
         return ADPayload(state.object if object is None else object,
                          state.probe if probe is None else probe, self.options,
                          state.active("object", self.options), state.active("probe", self.options),
-                         self.valid,
-                         options_for(self.positions, state),
-                         state.epoch,
-                         None if state.affine is None and state.window_map is None
-                         else (state.affine, state.affine_boost, state.window_map))
+                         self.valid, options_for(self.positions, state), state.epoch, affine, self.sample, **model)
 
     def apply(self, state, total, evaluate=None):
-        return ad.apply(state, total, self.options, evaluate=evaluate)
+        state = ad.apply(state, total, self.options, evaluate=evaluate)
+        if self.probe_model is not None and total is not None:
+            ad_opr.apply(state, total, self.probe_model.model, self.options.loss, self.options.delta)
+        return state
 
     def begin_epoch(self, state):
         state = ad.begin_epoch(state, self.options)
@@ -115,6 +144,8 @@ class ADAdapter:
         return state
 
     def end_epoch(self, state):
+        if self.probe_model is not None:              # the same orthonormalisation and T as LSQML
+            lsqml_opr.end_epoch(state, self.probe_model.model)
         if self.positions is not None:
             finish_epoch(state, self.positions, warp_object_state)
         state = ad.end_epoch(state, self.options)
@@ -124,16 +155,22 @@ class ADAdapter:
 
     def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None) -> ad.ADState:
         """A state from an object, a probe and (when resuming) the saved engine arrays."""
-        return ad.ADState.from_arrays(obj, probe, epoch, engine_state)
+        state = ad.ADState.from_arrays(sm.as_slices(obj, self.sample), probe, epoch, engine_state)
+        if self.probe_model is not None:
+            self.probe_model.attach(state, probe, engine_state)
+        return state
 
     def engine_state(self, state: ad.ADState) -> dict:
         """Arrays beyond object and probe needed to continue exactly (optimiser memory; for checkpoints)."""
-        return state.to_arrays()
+        out = state.to_arrays()
+        return out if self.probe_model is None else {**out, **self.probe_model.stored(state)}
 
     def initialise(self, client, data: ChunkedData, state, *, split_every: int):
-        """First-epoch probe intensity rescale so that Σŷ = Σy."""
-        sums = map_reduce(client, data, ad_forward_sums_chunk, self.payload(state), split_every=split_every)
-        return ad.rescale_probe(state, sums)
+        """First-epoch probe intensity rescale so that Σŷ = Σy (the eigen-probes follow)."""
+        before = state.probe
+        sums = map_reduce(client, data, forward_sums_chunk, self.payload(state), split_every=split_every)
+        state = ad.rescale_probe(state, sums)
+        return state if self.probe_model is None else self.probe_model.rescaled(state, before)
 
     def run_round(self, client, data: ChunkedData, state, *, round_index: int = 0, rounds: int = 1,
                   split_every: int | None = None, local: dict | None = None):
@@ -156,6 +193,13 @@ class ADAdapter:
         if total is not None:
             total.scalars["loss_evaluations"] = float(count)
         return state, total
+
+
+def check_probe_model_optimizer(options: ad.ADOptions) -> None:
+    """A varying probe moves per-pattern parameters in the chunk steps, which CG's line search cannot."""
+    if options.optimizer == "cg":
+        raise ValueError("opr_modes / fit_intensity / background with engine='ad' need optimizer "
+                         "'sgd' or 'adam' (the CG line search does not move per-pattern parameters)")
 
 
 #: Adam's memory slots (:class:`daskpty.engines.ad.optimizers.Adam`).

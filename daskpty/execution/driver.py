@@ -20,14 +20,9 @@ import copy
 import logging
 import time
 from concurrent.futures import CancelledError
-from dataclasses import dataclass
 
 import numpy as np
 
-from ..engines import lsqml
-from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
-                                 options_for, settle_start, start_arrays, start_from_arrays, start_parameters,
-                                 window_parameters)
 from .cluster import live_workers, result_unless_paused, wait_for_workers
 from .device_state import fetch_host_state
 from .fetch import BLOCK_BYTES, fetch_state
@@ -36,113 +31,6 @@ from .local_state import initial_locals
 from .placement import run_stuck_loose_tasks
 from .rounds import ChunkedData, default_split_every, map_reduce
 from .watchdog import ReconstructionStalled, Watchdog, check_loss, quiet_handled_losses
-
-
-@dataclass
-class LSQMLPayload:
-    object: np.ndarray
-    probe: np.ndarray
-    options: lsqml.LSQMLOptions
-    update_probe: bool
-    valid: np.ndarray | None
-    positions: PositionOptions | None = None  # position refinement (None: off)
-    epoch: int = 0
-    affine: np.ndarray | None = None
-
-
-def lsqml_chunk(intensities, positions, payload: LSQMLPayload, local=None):
-    """The LSQML chunk step; with ``local`` (position refinement) at the refined positions,
-    ``positions`` being the nominal ones."""
-    if local is not None:
-        return lsqml.refining_chunk_step(payload.object, payload.probe, intensities, positions, local,
-                                         options=payload.options, positions=payload.positions,
-                                         epoch=payload.epoch, affine=payload.affine,
-                                         update_probe=payload.update_probe, valid=payload.valid)
-    return lsqml.chunk_step(payload.object, payload.probe, intensities, positions,
-                            options=payload.options, update_probe=payload.update_probe,
-                            valid=payload.valid)
-
-
-def forward_sums_chunk(intensities, positions, payload: LSQMLPayload):
-    return lsqml.forward_sums(payload.object, payload.probe, intensities, positions, valid=payload.valid)
-
-
-class LSQMLAdapter:
-    """Binds :mod:`daskpty.engines.lsqml` to the round loop."""
-
-    name = "lsqml"
-    chunk_function = staticmethod(lsqml_chunk)
-    #: What lives in device memory on GPU workers (see :mod:`.device_state`).
-    device_fields = ("object", "probe", "velocity", "illumination", "epoch_start_object")
-
-    def __init__(self, options: lsqml.LSQMLOptions, valid: np.ndarray | None = None,
-                 positions: PositionOptions | None = None):
-        self.options = options
-        self.valid = valid
-        self.positions = positions
-
-    @property
-    def local_state(self) -> bool:
-        """Per-pattern state (refined positions) kept with each chunk."""
-        return self.positions is not None
-
-    def initial_local(self, nominal) -> dict:
-        return initial_local(nominal, self.positions, "lsqml")
-
-    def payload(self, state: lsqml.LSQMLState) -> LSQMLPayload:
-        return LSQMLPayload(state.object, state.probe, self.options, state.update_probe(self.options), self.valid,
-                            options_for(self.positions, state),
-                            state.epoch,
-                            None if state.affine is None and state.window_map is None
-                            else (state.affine, state.affine_boost, state.window_map))
-
-    def epoch_scalars(self, state) -> dict:
-        """The fitted affine map's parameters, for the epoch's history entry."""
-        out = {} if state.affine is None else affine_parameters(state.affine)
-        return {**out, **window_parameters(state.window_deformation), **start_parameters(state)}
-
-    def apply(self, state, total):
-        return lsqml.apply(state, total, self.options)
-
-    @staticmethod
-    def copy_state(state):
-        """``lsqml.apply`` only rebinds the state's arrays, so a shallow copy protects the original."""
-        return copy.copy(state)
-
-    def begin_epoch(self, state):
-        state = lsqml.begin_epoch(state, self.options)
-        if self.positions is not None:
-            note_epoch_start(state, self.positions)
-        return state
-
-    def end_epoch(self, state):
-        if self.positions is not None:
-            finish_epoch(state, self.positions, lsqml.resample_object_state)
-        state = lsqml.end_epoch(state, self.options)
-        if self.positions is not None:
-            settle_start(state, self.positions)
-        return state
-
-    def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
-        """A state from an object, a probe and (when resuming) the saved engine arrays."""
-        engine_state = engine_state or {}
-        return lsqml.LSQMLState(object=obj, probe=probe, epoch=epoch, velocity=engine_state.get("velocity"),
-                                affine=engine_state.get("affine"), affine_boost=engine_state.get("affine_boost"),
-                                window_map=engine_state.get("window_map"),
-                                positions_start=start_from_arrays(engine_state))
-
-    def engine_state(self, state) -> dict:
-        """Arrays beyond object and probe needed to continue exactly (for checkpoints)."""
-        out = {} if state.velocity is None else {"velocity": state.velocity}
-        for name in ("affine", "affine_boost", "window_map"):
-            if getattr(state, name) is not None:
-                out[name] = getattr(state, name)
-        return {**out, **start_arrays(state)}
-
-    def initialise(self, client, data: ChunkedData, state, *, split_every: int):
-        """First-epoch probe intensity rescale so that Σŷ = Σy."""
-        sums = map_reduce(client, data, forward_sums_chunk, self.payload(state), split_every=split_every)
-        return lsqml.rescale_probe(state, sums)
 
 
 def with_local(state, local: dict | None):

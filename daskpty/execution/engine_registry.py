@@ -15,7 +15,7 @@ from typing import Callable
 
 from ..engines import ad, lsqml, pie
 from .ad_adapter import ADAdapter
-from .driver import LSQMLAdapter
+from .lsqml_adapter import LSQMLAdapter
 from .pie_adapter import PIEAdapter
 
 #: the optional forward-model features, as a user asks for them

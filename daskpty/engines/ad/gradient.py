@@ -298,17 +298,19 @@ def chunk_loss(obj, probe, intensities, positions, *, options: "ADOptions | None
 
 def refining_chunk_gradient(obj, probe, intensities, nominal, local: dict, *, options, positions,
                             epoch: int, affine=None, valid=None, want_object: bool = True,
-                            want_probe: bool = True, variable=None) -> Partial:
+                            want_probe: bool = True, variable=None, gradient=None) -> Partial:
     """:func:`chunk_gradient` at the refined positions ``local["positions"]``, then (from epoch
     ``positions.start_epoch`` on) one step of the positions' own optimiser against ∂L/∂(y, x)
     (see :func:`daskpty.engines.positions.step_with_optimizer`); the partial carries the new
-    per-pattern state in ``local`` and the affine normal equations, as in LSQML."""
+    per-pattern state in ``local`` and the affine normal equations, as in LSQML. ``gradient``: the
+    chunk gradient of the sample's forward model (default :func:`chunk_gradient`; see
+    :mod:`daskpty.engines.sample_model`)."""
     n = probe.shape[-1]
     used = positions_for_step(local, nominal, affine, positions, epoch, n, obj.shape)
     active = positions.active(epoch)
-    part = chunk_gradient(obj, probe, intensities, used, options=options, valid=valid,
-                          want_object=want_object, want_probe=want_probe, want_positions=active,
-                          variable=variable, window_sums=wants_window_sums(positions, epoch))
+    part = (gradient or chunk_gradient)(obj, probe, intensities, used, options=options, valid=valid,
+                                        want_object=want_object, want_probe=want_probe, want_positions=active,
+                                        variable=variable, window_sums=wants_window_sums(positions, epoch))
     if not active or not part.scalars:
         part.local = {}
         return part

@@ -45,9 +45,10 @@ def pattern_gradients(variable: PatternProbes) -> dict:
 
 def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None, *, options, model: ProbeModelOptions,
                             eigen, transform, background, epoch: int, valid=None, want_object: bool = True,
-                            want_probe: bool = True, positions=None, affine=None):
+                            want_probe: bool = True, positions=None, affine=None, gradient=None):
     """One AD chunk gradient with the varying probe; the chunk's weights and intensity factors
-    take their step here (``part.local``), the global gradients ride ``part.arrays``."""
+    take their step here (``part.local``), the global gradients ride ``part.arrays``; ``gradient``
+    the sample's chunk gradient (default :func:`daskpty.engines.ad.chunk_gradient`)."""
     model = model.for_engine("ad")
     mlocal = model_local(local, transform)
     cdtype = np.complex128 if np.dtype(obj.dtype) == np.complex128 or np.dtype(probe.dtype) == np.complex128 \
@@ -57,10 +58,10 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
     if positions is not None:
         part = refining_chunk_gradient(obj, probe, intensities, nominal, local, options=options, positions=positions,
                                        epoch=epoch, affine=affine, valid=valid, want_object=want_object,
-                                       want_probe=want_probe, variable=variable)
+                                       want_probe=want_probe, variable=variable, gradient=gradient)
     else:
-        part = chunk_gradient(obj, probe, intensities, nominal, options=options, valid=valid,
-                              want_object=want_object, want_probe=want_probe, variable=variable)
+        part = (gradient or chunk_gradient)(obj, probe, intensities, nominal, options=options, valid=valid,
+                                            want_object=want_object, want_probe=want_probe, variable=variable)
     if mlocal and part.scalars:
         mean_model = part.scalars["sum_model"] / max(part.scalars["n"] * variable.n ** 2, 1.0)
         kappa = gauss_newton_scale(options.loss, mean_model)

@@ -1,0 +1,171 @@
+"""Binds the LSQML engine (:mod:`daskpty.engines.lsqml`) to the round loop, with every part of
+the forward model composed in one adapter.
+
+:class:`LSQMLAdapter` holds its parts: the sample (:class:`~daskpty.engines.sample_model.SampleModel`:
+K slices and/or a near-field detector; None for one slice in the far field), position
+refinement (:class:`~daskpty.engines.positions.PositionOptions`; None: fixed) and the probe
+model (:class:`~.probe_model_part.ProbeModelPart`; None: one probe for all patterns). The chunk
+function picks the sample's chunk step and passes it to the refining and varying-probe steps,
+so every combination runs through the same code. Protocol: :mod:`.engine_protocol`.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..engines import lsqml, lsqml_opr
+from ..engines import sample_model as sm
+from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
+                                 options_for, settle_start, start_arrays, start_from_arrays, start_parameters,
+                                 window_parameters)
+from ..engines.probe_model import ProbeModelOptions
+from .probe_model_part import ProbeModelPart
+from .rounds import ChunkedData, map_reduce
+
+
+@dataclass
+class LSQMLPayload:
+    object: np.ndarray
+    probe: np.ndarray
+    options: lsqml.LSQMLOptions
+    update_probe: bool
+    valid: np.ndarray | None
+    positions: PositionOptions | None = None  # position refinement (None: off)
+    epoch: int = 0
+    affine: tuple | None = None
+    sample: sm.SampleModel | None = None      # None: one slice, far field
+    model: ProbeModelOptions | None = None    # the varying probe (None: off) and its arrays
+    eigen: np.ndarray | None = None
+    transform: np.ndarray | None = None
+    background: np.ndarray | None = None
+
+
+def lsqml_chunk(intensities, positions, payload: LSQMLPayload, local=None):
+    """The LSQML chunk step of the payload's sample; with ``local`` (refined positions, probe
+    model state) the refining / varying-probe step, ``positions`` being the nominal ones."""
+    step = sm.lsqml_step(payload.sample)
+    if payload.model is not None:
+        return lsqml_opr.variable_chunk_step(
+            payload.object, payload.probe, intensities, positions, local, options=payload.options,
+            model=payload.model, eigen=payload.eigen, transform=payload.transform, background=payload.background,
+            epoch=payload.epoch, update_probe=payload.update_probe, valid=payload.valid,
+            positions=payload.positions, affine=payload.affine, step=step)
+    if local is not None:
+        return lsqml.refining_chunk_step(payload.object, payload.probe, intensities, positions, local,
+                                         options=payload.options, positions=payload.positions,
+                                         epoch=payload.epoch, affine=payload.affine,
+                                         update_probe=payload.update_probe, valid=payload.valid, step=step)
+    return step(payload.object, payload.probe, intensities, positions, options=payload.options,
+                update_probe=payload.update_probe, valid=payload.valid)
+
+
+def forward_sums_chunk(intensities, positions, payload):
+    """Σ measured and Σ model intensity of a chunk (LSQML and AD payloads alike)."""
+    return sm.forward_sums(payload.sample)(payload.object, payload.probe, intensities, positions,
+                                           valid=payload.valid)
+
+
+class LSQMLAdapter:
+    """Binds :mod:`daskpty.engines.lsqml` to the round loop, for every sample, position model and
+    probe model (see the module docstring)."""
+
+    name = "lsqml"
+    chunk_function = staticmethod(lsqml_chunk)
+
+    def __init__(self, options: lsqml.LSQMLOptions, valid: np.ndarray | None = None,
+                 positions: PositionOptions | None = None, *, probe_model: ProbeModelPart | None = None,
+                 sample: sm.SampleModel | None = None):
+        self.options = options
+        self.valid = valid
+        self.positions = positions
+        self.probe_model = probe_model
+        self.sample = sample
+
+    @property
+    def device_fields(self) -> tuple:
+        """What lives in device memory on GPU workers (see :mod:`.device_state`); the probe
+        model's state stays on the host."""
+        if self.probe_model is not None:
+            return ()
+        return ("object", "probe", "velocity", "illumination", "epoch_start_object")
+
+    @property
+    def local_state(self) -> bool:
+        """Per-pattern state (refined positions, probe-model weights) kept with each chunk."""
+        return self.positions is not None or (self.probe_model is not None and self.probe_model.per_pattern)
+
+    def initial_local(self, nominal) -> dict:
+        local = {} if self.positions is None else initial_local(nominal, self.positions, "lsqml")
+        if self.probe_model is not None:
+            local.update(self.probe_model.initial_local(len(nominal)))
+        return local
+
+    def payload(self, state: lsqml.LSQMLState) -> LSQMLPayload:
+        affine = (None if state.affine is None and state.window_map is None
+                  else (state.affine, state.affine_boost, state.window_map))
+        model = {} if self.probe_model is None else self.probe_model.payload_fields(state)
+        return LSQMLPayload(state.object, state.probe, self.options, state.update_probe(self.options), self.valid,
+                            options_for(self.positions, state), state.epoch, affine, self.sample, **model)
+
+    def epoch_scalars(self, state) -> dict:
+        """The fitted affine map's, the windows' and the probe model's parameters, for the history."""
+        out = {} if state.affine is None else affine_parameters(state.affine)
+        out = {**out, **window_parameters(state.window_deformation), **start_parameters(state)}
+        return out if self.probe_model is None else {**out, **self.probe_model.epoch_scalars(state)}
+
+    def apply(self, state, total):
+        state = sm.lsqml_apply(self.sample)(state, total, self.options)
+        if self.probe_model is not None and total is not None:
+            lsqml_opr.apply(state, total, self.probe_model.model, self.options.delta, self.valid)
+        return state
+
+    @staticmethod
+    def copy_state(state):
+        """``apply`` only rebinds the state's arrays, so a shallow copy protects the original."""
+        return copy.copy(state)
+
+    def begin_epoch(self, state):
+        state = lsqml.begin_epoch(state, self.options)
+        if self.positions is not None:
+            note_epoch_start(state, self.positions)
+        return state
+
+    def end_epoch(self, state):
+        if self.probe_model is not None:
+            lsqml_opr.end_epoch(state, self.probe_model.model)
+        if self.positions is not None:
+            finish_epoch(state, self.positions, lsqml.resample_object_state)
+        state = sm.lsqml_end_epoch(self.sample)(state, self.options)
+        if self.positions is not None:
+            settle_start(state, self.positions)
+        return state
+
+    def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
+        """A state from an object, a probe and (when resuming) the saved engine arrays."""
+        engine_state = engine_state or {}
+        state = lsqml.LSQMLState(object=sm.as_slices(obj, self.sample), probe=probe, epoch=epoch,
+                                 velocity=engine_state.get("velocity"), affine=engine_state.get("affine"),
+                                 affine_boost=engine_state.get("affine_boost"),
+                                 window_map=engine_state.get("window_map"),
+                                 positions_start=start_from_arrays(engine_state))
+        if self.probe_model is not None:
+            self.probe_model.attach(state, probe, engine_state)
+        return state
+
+    def engine_state(self, state) -> dict:
+        """Arrays beyond object and probe needed to continue exactly (for checkpoints)."""
+        out = {} if state.velocity is None else {"velocity": state.velocity}
+        for name in ("affine", "affine_boost", "window_map"):
+            if getattr(state, name) is not None:
+                out[name] = getattr(state, name)
+        out = {**out, **start_arrays(state)}
+        return out if self.probe_model is None else {**out, **self.probe_model.stored(state)}
+
+    def initialise(self, client, data: ChunkedData, state, *, split_every: int):
+        """First-epoch probe intensity rescale so that Σŷ = Σy (the eigen-probes follow)."""
+        before = state.probe
+        sums = map_reduce(client, data, forward_sums_chunk, self.payload(state), split_every=split_every)
+        state = lsqml.rescale_probe(state, sums)
+        return state if self.probe_model is None else self.probe_model.rescaled(state, before)
