@@ -38,7 +38,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _positions import _chunk_to_user, median_seconds, position_error, position_error_affine  # noqa: E402
+from _positions import _chunk_to_user, affine_fit, median_seconds, position_error, position_error_affine  # noqa: E402
 from bench_vs_ptychi import _phase_nrmse  # noqa: E402
 
 
@@ -106,6 +106,12 @@ class Electron:
     def pos_errors(self, positions):
         return (position_error(positions, self.truth_positions),
                 position_error_affine(positions, self.truth_positions))
+
+    def global_map(self, positions):
+        """Scale - 1 and rotation (deg) of the affine map true -> positions (what is left of the
+        nominal scan's global errors)."""
+        m = affine_fit(self.truth_positions, positions)[:2].T
+        return float(np.sqrt(abs(np.linalg.det(m))) - 1), float(np.degrees(np.arctan2(m[1, 0] - m[0, 1], m[0, 0] + m[1, 1])))
 
     def forward_check(self):
         """daskpty's K-slab model on the truth (probe carried dz/2 into the first slab) vs abTEM."""
@@ -236,6 +242,15 @@ def main():
             nr, ph = case.slab_errors(obj, pos if pos is not None else case.nominal)
             table[e] = (nr, ph, *(case.pos_errors(pos) if pos is not None else (np.nan, np.nan)))
         rows.append((code, label, table, spe, wall, note))
+        e, pos = max(got), got[max(got)][1]
+        last = table[e]
+        extra = ""
+        if pos is not None and code != "start":
+            scale, rot = case.global_map(pos)
+            extra = f" (global scale error {scale * 100:+.2f} %, rotation {rot:+.3f} deg left)"
+            rows[-1][2][e] = table[e] + (scale, rot)
+        print(f"  {code} {label}: epoch {e} mean NRMSE {np.mean(last[0]):.4f}, phase {np.mean(last[1]):.4f}, "
+              f"position error {last[2]:.3f} px{extra}; {spe:.3f} s/epoch, {wall:.0f} s", flush=True)
 
     score("start", "object of ones", {0: (case.object, None)}, float("nan"), float("nan"), "the floor of 'nothing'")
     tmp = tempfile.mkdtemp(prefix="daskpty-bench-electron-")
@@ -285,14 +300,15 @@ def main():
     summary = []
     for code, label, table, spe, wall, note in rows:
         for i, e in enumerate(sorted(table)):
-            nr, ph, pe, pea = table[e]
+            nr, ph, pe, pea = table[e][:4]
             last = i == len(table) - 1
             print(f"{code:<8} {label:<21} {e:>5}" + "".join(f"{v:>7.4f}" for v in nr) + f"{np.mean(nr):>7.4f} "
                   + "".join(f"{v:>7.4f}" for v in ph) + f"{np.mean(ph):>7.4f} {pe:>8.3f} {pea:>7.3f}"
                   + (f" {spe:>8.3f} {wall:>8.1f}  {note}" if last else ""))
         summary.append({"code": code, "positions": label, "note": note, "s_per_epoch": spe, "total_s": wall,
                         "by_epoch": {str(e): {"slab_nrmse": t[0], "mean_nrmse": float(np.mean(t[0])),
-                                              "phase_nrmse": t[1], "pos_err": t[2], "pos_err_affine": t[3]}
+                                              "phase_nrmse": t[1], "pos_err": t[2], "pos_err_affine": t[3],
+                                              **({"scale_left": t[4], "rotation_left_deg": t[5]} if len(t) > 4 else {})}
                                      for e, t in table.items()}})
     print(f"load average (1, 5, 15 min) at the end: {' '.join(f'{v:.2f}' for v in os.getloadavg())}")
     print(json.dumps({"case": "electron", "data": os.path.basename(args.data), "patterns": len(case.true),

@@ -317,7 +317,7 @@ def set_opr(options, arrays, settings):
 def read_positions(task, shape):
     """Pty-Chi's positions (window centres relative to the origin we fixed) in daskpty's frame."""
     c = task.get_data_to_cpu("probe_positions", as_numpy=True).astype(np.float64)
-    H, W = shape
+    H, W = shape[-2:]  # a multislice object is (K, H, W)
     return c + np.array([H // 2, W // 2], dtype=np.float64)
 
 
