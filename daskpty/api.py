@@ -6,7 +6,6 @@ import os
 
 import numpy as np
 
-from .checkpoint import Checkpointer, sigterm_as_interrupt
 from .engines.initial import (object_frame, probe_diameter_from_scan, probe_from_mean_hologram,
                               probe_from_mean_pattern)
 from .execution.cluster import client_context, wait_for_workers
@@ -27,6 +26,7 @@ from .io.inputs import (RESUMED_SETTINGS, check_initial_object, check_object_siz
                         checked_data, resume_settings, resumed_store)
 from .io.lock import StoreLock
 from .io.safety import check_checkpoint_target, check_free_space, reconstruction_bytes
+from .io.checkpoint import Checkpointer, sigterm_as_interrupt
 from .io.results import Reconstruction
 from .options import DEFAULT_EPOCHS, Options, resolve
 from .engines.sample_options import aperture_probe
@@ -406,7 +406,8 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
     layout = PatternLayout()
     make_result = _result_maker(layout, adapter, thick, frame_positions, origin, run_options)
     previous_history = resumed.history if resumed is not None else []
-    checkpointer = Checkpointer(checkpoint, make_result, every=run.checkpoint_every, history=previous_history)
+    checkpointer = Checkpointer(checkpoint, make_result, every=run.checkpoint_every, history=previous_history,
+                                check=check_finite_result)
     callbacks = _callbacks(checkpointer, run.callback, getattr(data, "path", None),
                            _progress(run.progress, epochs, resumed, len(positions), getattr(options, "loss", eng.noise)))
 

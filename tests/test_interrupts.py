@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not hasattr(signal, "pthread_sigmask"), reason="
 # in a read that never returns: Python never runs its SIGINT handler, as in a hung write.
 STUCK = textwrap.dedent("""
     import os, signal, subprocess, sys
-    from daskpty.checkpoint import sigterm_as_interrupt
+    from daskpty.io.checkpoint import sigterm_as_interrupt
     from daskpty.cli.interrupts import InterruptGuard, set_exit_note
 
     set_exit_note(lambda: "epoch 7 is saved in r.zarr (continue with --resume r.zarr)")

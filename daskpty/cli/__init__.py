@@ -81,7 +81,7 @@ def main(argv=None) -> int:
 
 def _run_command(args) -> int:
     try:
-        from ..checkpoint import sigterm_as_interrupt
+        from ..io.checkpoint import sigterm_as_interrupt
 
         # SIGTERM (a batch system's wall time) at any moment ends like Ctrl-C: one line, exit 130
         from ..execution.watchdog import quiet_handled_losses

@@ -1,13 +1,29 @@
-"""Checkpoints of a running reconstruction: every K epochs, at the end, and on Ctrl-C / SIGTERM / SIGHUP."""
+"""Checkpoints of a running reconstruction: every K epochs, at the end, and on Ctrl-C / SIGTERM / SIGHUP.
+
+The checkpoint is a reconstruction store (:mod:`.results`), so io owns the writer too. It knows
+the driver's epoch-state handle only as the :class:`EpochHandle` protocol and the divergence
+check only as the ``check`` it is given (``daskpty.execution.watchdog.check_finite_result`` in
+:func:`daskpty.reconstruct`): io never imports execution.
+"""
 from __future__ import annotations
 
 import contextlib
 import copy
 import signal
 import threading
+from typing import Callable, Protocol, runtime_checkable
 
-from .execution.watchdog import check_finite_result
-from .io.results import Reconstruction
+from .results import Reconstruction
+
+
+@runtime_checkable
+class EpochHandle(Protocol):
+    """What a callback with ``takes_epoch_state = True`` receives after an epoch
+    (``daskpty.execution.driver.EpochState``): the epoch counter at once, the state on ``get()``."""
+
+    epoch: int
+
+    def get(self): ...
 
 
 class Checkpointer:
@@ -15,13 +31,14 @@ class Checkpointer:
     every ``every`` epochs (and on :meth:`write`, e.g. after an interrupt).
 
     ``make_result(state, history)`` turns a state into a :class:`Reconstruction`. It takes the
-    driver's :class:`~daskpty.execution.driver.EpochState` handles, so a state is fetched from
-    the workers only for an epoch that is written; without a path nothing is kept.
+    driver's :class:`EpochHandle` handles, so a state is fetched from the workers only for an
+    epoch that is written; without a path nothing is kept. ``check(object, probe, epoch)``
+    raises for a result that must not replace the stored one (a diverged state).
     """
 
     takes_epoch_state = True
 
-    def __init__(self, path, make_result, every: int = 10, history=None):
+    def __init__(self, path, make_result, every: int = 10, history=None, check: Callable | None = None):
         if every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {every}")
         self.path = path
@@ -30,14 +47,13 @@ class Checkpointer:
         self.history = list(history or [])
         self.snapshot = None
         self.written_epoch = None
+        self.check = check
 
     def __call__(self, epoch, state, metrics):
         self.history.append(metrics)
         if self.path is None:
             return
-        from .execution.driver import EpochState
-
-        self.snapshot = (state if isinstance(state, EpochState) else copy.copy(state), list(self.history))
+        self.snapshot = (state if isinstance(state, EpochHandle) else copy.copy(state), list(self.history))
         if epoch % self.every == 0:
             self.write()
 
@@ -49,12 +65,11 @@ class Checkpointer:
         state, history = self.snapshot
         if self.written_epoch == state.epoch:
             return None
-        from .execution.driver import EpochState
-
-        if isinstance(state, EpochState):  # fetch the state from the workers now
+        if isinstance(state, EpochHandle):  # fetch the state from the workers now
             state = state.get()
         rec = self.make_result(state, history)
-        check_finite_result(rec.object, rec.probe, state.epoch)  # a diverged state never replaces a good one
+        if self.check is not None:  # a diverged state never replaces a good one
+            self.check(rec.object, rec.probe, state.epoch)
         rec.to_zarr(self.path, overwrite=True)
         self.written_epoch = state.epoch
         return rec
