@@ -20,6 +20,7 @@ import struct
 
 import numpy as np
 
+from .safety import is_daskpty_store, store_format, stored_epoch
 from .validate import DataError
 
 #: key in the ``daskpty`` root attribute: the writer wrote every chunk (all-zero ones too)
@@ -34,8 +35,6 @@ class DamagedStoreError(DataError):
 
 def _hint(store: str) -> str:
     """What to do about a damaged store: use ``STORE.previous`` if it holds a store, else re-make."""
-    from .safety import is_daskpty_store, store_format, stored_epoch
-
     previous = store.rstrip("/") + ".previous"
     if is_daskpty_store(previous):
         epoch = stored_epoch(previous)

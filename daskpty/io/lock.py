@@ -21,6 +21,8 @@ import sys
 import threading
 import time
 
+from .write_errors import write_error
+
 LOCK_SUFFIX = ".lock"
 #: a lock file without readable content older than this is a writer that died while creating it
 UNREADABLE_STALE_S = 10.0
@@ -128,8 +130,6 @@ class StoreLock:
             except BaseException as exc:
                 self._remove_made()
                 if isinstance(exc, OSError) and not isinstance(exc, StoreLocked):
-                    from .safety import write_error
-
                     err = write_error(exc, "taking the write lock of", self.path,
                                       "nothing was written")
                     if err is not None:

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .safety import FORMAT_VERSIONS
+
 RECON_FORMAT = "daskpty-reconstruction"
-RECON_VERSION = 1
+RECON_VERSION = FORMAT_VERSIONS[RECON_FORMAT]
 
 
 @dataclass

@@ -22,22 +22,16 @@ import re
 import shutil
 import tempfile
 
+from .lock import check_unlocked
+from .write_errors import WRITE_ERRNOS, StoreWriteError, write_error  # noqa: F401  (re-exported)
+
 #: ``daskpty.format`` values of the stores daskpty writes (see io/validate.py, results.py)
 STORE_FORMATS = {"daskpty-dataset": "data set", "daskpty-reconstruction": "reconstruction"}
+#: the format version this daskpty writes (and reads up to), per store format
+FORMAT_VERSIONS = {"daskpty-dataset": 1, "daskpty-reconstruction": 1}
 #: file inside a store being written (the data-set writer's and the reconstruction writer's)
 WRITING_MARKER = ".daskpty-writing"
-#: errno values of a write that cannot succeed by retrying: reported in one line (exit 2)
-WRITE_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS,
-                                     errno.EACCES, errno.EPERM, errno.EFBIG) if e is not None)
 _LEFTOVER = re.compile(r"\.(partial|old)-[0-9a-f]{8}$")
-
-
-class StoreWriteError(OSError):
-    """A store could not be written (disk full, read-only, no permission); one line saying what
-    failed, where, and what is intact."""
-
-    def __str__(self) -> str:
-        return str(self.strerror)
 
 
 # --------------------------------------------------------------------------- what is ours
@@ -107,13 +101,7 @@ def remove_own(path) -> None:
 
 def written_version(fmt: str) -> int:
     """The format version this daskpty writes for stores of format ``fmt``."""
-    if fmt == "daskpty-reconstruction":
-        from .results import RECON_VERSION
-
-        return RECON_VERSION
-    from .validate import FORMAT_VERSION
-
-    return FORMAT_VERSION
+    return FORMAT_VERSIONS[fmt]
 
 
 def newer_format(path) -> int | None:
@@ -265,16 +253,6 @@ def check_free_space(path, store_estimate: int) -> None:
                                             f"space or choose another output")
 
 
-def write_error(exc: OSError, what: str, path, intact: str) -> StoreWriteError | None:
-    """A one-line :class:`StoreWriteError` for an OSError of :data:`WRITE_ERRNOS`, else None."""
-    if isinstance(exc, StoreWriteError) or getattr(exc, "errno", None) not in WRITE_ERRNOS:
-        return None
-    where = getattr(exc, "filename", None)
-    where = f" ({where})" if where else ""
-    return StoreWriteError(exc.errno, f"{what} {path} failed: {exc.strerror or exc}{where}; "
-                                      f"{intact}")
-
-
 def intact_note(path) -> str:
     """What is left at ``path`` after a failed write: the store and its epoch, or nothing."""
     path = os.fspath(path).rstrip("/")
@@ -291,8 +269,6 @@ def check_checkpoint_target(path, data_path=None) -> None:
     data store (nor inside it, nor around it), nothing but a daskpty reconstruction (or an empty
     directory) to replace, no data store being written, a writable place. Removes daskpty's own
     leftovers of killed writes there (call with the output's lock held)."""
-    from .lock import check_unlocked
-
     if data_path is not None:
         check_unlocked(data_path)
     if path is None:

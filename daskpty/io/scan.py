@@ -9,6 +9,8 @@ import math
 
 import numpy as np
 
+from .units import LENGTH_UNITS, length_unit
+
 #: fraction of the probe power inside the circle whose diameter defines "the probe diameter"
 ENCLOSED_POWER = 0.9
 
@@ -122,15 +124,8 @@ def unit_mistake(positions, n: int, *, units: str | None = None,
 
 def _metres_per(units) -> tuple[bool, float | None]:
     """(known, metres per unit or None for pixels) via the importers' table."""
-    if not isinstance(units, str):
-        return False, None
-    from .importers.geometry import unit_scale
-    from .validate import DataError
-
-    try:
-        return True, unit_scale(units)
-    except DataError:
-        return False, None
+    key = length_unit(units)
+    return (False, None) if key is None else (True, LENGTH_UNITS[key])
 
 
 def _spread_bits(v: np.ndarray) -> np.ndarray:

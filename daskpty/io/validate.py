@@ -15,9 +15,11 @@ import math
 import numpy as np
 
 from .dask_client import current_client
+from .safety import FORMAT_VERSIONS
+from .scan import unit_mistake
 
 FORMAT_NAME = "daskpty-dataset"
-FORMAT_VERSION = 1
+FORMAT_VERSION = FORMAT_VERSIONS[FORMAT_NAME]
 INTENSITY_DTYPES = (np.dtype("uint16"), np.dtype("uint32"), np.dtype("float32"))
 GEOMETRY_KEYS = ("wavelength_m", "detector_distance_m", "detector_pixel_size_m", "object_pixel_size_m")
 #: further geometry keys (thick samples, electrons, near field; docs/data-format.md), each None or > 0
@@ -123,8 +125,6 @@ def check_position_scale(positions, pattern_size: int, *, units: str | None = No
                          pixel_m: float | None = None) -> None:
     """Refuse positions (object pixels) whose scale says a unit mistake: a scan far below one
     probe width or steps of many probe widths (:func:`daskpty.io.scan.unit_mistake`)."""
-    from .scan import unit_mistake
-
     problem = unit_mistake(positions, int(pattern_size), units=units, pixel_m=pixel_m)
     if problem:
         fail(problem)

@@ -14,7 +14,7 @@ import numpy as np
 from ..validate import fail
 from .geometry import Geometry
 from .h5util import open_hdf5, require, scalar
-from .hdf5 import scan_from_hdf5
+from .positions import scan_from_hdf5
 from .preprocess import Preprocess
 from .source import ArraySource
 from .writer import Scan, import_source

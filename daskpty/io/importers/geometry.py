@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from ..units import LENGTH_UNITS, length_unit
 from ..validate import ELECTRON_VOLTAGE_RANGE_V, check_position_scale, fail
 
 #: Planck constant (J s), speed of light (m/s), electron rest mass (kg), elementary charge (C)
@@ -14,10 +15,6 @@ C_M_S = 299792458.0
 M_E_KG = 9.1093837015e-31
 E_C = 1.602176634e-19
 
-#: length units accepted for positions (metres per unit); "px" means object pixels already
-LENGTH_UNITS = {"m": 1.0, "mm": 1e-3, "um": 1e-6, "µm": 1e-6, "micron": 1e-6, "microns": 1e-6,
-                "nm": 1e-9, "a": 1e-10, "å": 1e-10, "angstrom": 1e-10, "px": None,
-                "pixel": None, "pixels": None}
 RADIATIONS = ("xray", "electron")
 
 
@@ -26,10 +23,8 @@ def unit_scale(units: str | None, what: str = "positions") -> float | None:
     if units is None or str(units).strip() == "":
         fail(f"the units of the {what} are unknown (the file does not say); pass --units "
              f"m|mm|um|nm|A|px (Python: units=...)")
-    key = str(units).strip().lower().replace("meter", "m").replace("metre", "m")
-    key = {"meters": "m", "ms": "m", "micrometer": "um", "micrometre": "um", "nanom": "nm",
-           "nanometer": "nm"}.get(key, key)
-    if key not in LENGTH_UNITS:
+    key = length_unit(str(units))
+    if key is None:
         fail(f"unknown units {units!r} for the {what}; use one of m, mm, um, nm, A, px")
     return LENGTH_UNITS[key]
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..validate import fail
+from .cxi import import_cxi
 from .geometry import Geometry, attr_units, unit_scale
 from .h5util import h5py_module, open_hdf5, require
-from .positions import is_file_spec, read_positions_file
+from .positions import scan_from_hdf5
 from .preprocess import Preprocess
 from .source import ArraySource
-from .writer import Scan, import_source
+from .writer import import_source
 
 #: NeXus fields looked up (relative to the data's entry) when no flag gives the value
 NEXUS_FIELDS = {
@@ -58,26 +59,6 @@ def nexus_geometry(f, data_path: str) -> Geometry:
     return Geometry(**found)
 
 
-def scan_from_hdf5(f, spec, *, units=None, motion="probe", columns="yx", in_file=True) -> Scan:
-    """Positions from a dataset of ``f`` (``PATH`` or ``YPATH,XPATH``) or a separate file."""
-    if spec is None:
-        fail(f"{f.filename}: no scan positions given; pass --positions /path/in/file (or a "
-             f"separate file: pos.npy, pos.csv, other.h5::/path)")
-    if is_file_spec(spec):
-        values, file_units = read_positions_file(spec)
-        return Scan(values, units or file_units, motion, columns, origin=spec)
-    parts = [p.strip() for p in spec.split(",")]
-    if len(parts) == 2:
-        ys, xs = (require(f, p, "positions dataset") for p in parts)
-        y, x = np.asarray(ys[...], float).ravel(), np.asarray(xs[...], float).ravel()
-        if len(y) != len(x):
-            fail(f"{parts[0]} holds {len(y)} values but {parts[1]} holds {len(x)}")
-        found = units or attr_units(ys) or attr_units(xs)
-        return Scan(np.stack([y, x], axis=1), found, motion, "yx", origin=spec)
-    ds = require(f, spec, "positions dataset")
-    return Scan(np.asarray(ds[...]), units or attr_units(ds), motion, columns, origin=spec)
-
-
 def import_hdf5(src, output, *, data: str | None = None, positions: str | None = None,
                 units: str | None = None, motion: str = "probe", columns: str = "yx",
                 geometry: Geometry | None = None, preprocess: Preprocess | None = None,
@@ -94,8 +75,6 @@ def import_hdf5(src, output, *, data: str | None = None, positions: str | None =
     with open_hdf5(src) as f:
         if data is None:
             if isinstance(f.get("entry_1/data_1/data"), h5py_module().Dataset):
-                from .cxi import import_cxi
-
                 f.close()
                 return import_cxi(src, output, positions=positions, units=units,
                                   geometry=geometry, preprocess=preprocess, mask=mask,

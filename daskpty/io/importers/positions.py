@@ -1,4 +1,5 @@
-"""Scan positions from a separate file: ``.npy``, ``.npz::KEY``, text/CSV, ``FILE.h5::/path``."""
+"""Scan positions from a separate file (``.npy``, ``.npz::KEY``, text/CSV, ``FILE.h5::/path``) or from
+datasets of the HDF5 file being imported (:func:`scan_from_hdf5`, for the HDF5 and CXI importers)."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import numpy as np
 from ..validate import fail
 from .geometry import attr_units
 from .h5util import open_hdf5, require
+from .writer import Scan
 
 TEXT_SUFFIXES = (".txt", ".csv", ".dat", ".tsv")
 HDF5_SUFFIXES = (".h5", ".hdf5", ".hdf", ".nxs", ".cxi", ".nx5")
@@ -60,3 +62,23 @@ def _read_text(path: str) -> np.ndarray:
     except ValueError as exc:
         fail(f"{path}: could not read the positions as numbers ({' '.join(str(exc).split())})")
     return values
+
+
+def scan_from_hdf5(f, spec, *, units=None, motion="probe", columns="yx", in_file=True) -> Scan:
+    """Positions from a dataset of ``f`` (``PATH`` or ``YPATH,XPATH``) or a separate file."""
+    if spec is None:
+        fail(f"{f.filename}: no scan positions given; pass --positions /path/in/file (or a "
+             f"separate file: pos.npy, pos.csv, other.h5::/path)")
+    if is_file_spec(spec):
+        values, file_units = read_positions_file(spec)
+        return Scan(values, units or file_units, motion, columns, origin=spec)
+    parts = [p.strip() for p in spec.split(",")]
+    if len(parts) == 2:
+        ys, xs = (require(f, p, "positions dataset") for p in parts)
+        y, x = np.asarray(ys[...], float).ravel(), np.asarray(xs[...], float).ravel()
+        if len(y) != len(x):
+            fail(f"{parts[0]} holds {len(y)} values but {parts[1]} holds {len(x)}")
+        found = units or attr_units(ys) or attr_units(xs)
+        return Scan(np.stack([y, x], axis=1), found, motion, "yx", origin=spec)
+    ds = require(f, spec, "positions dataset")
+    return Scan(np.asarray(ds[...]), units or attr_units(ds), motion, columns, origin=spec)
