@@ -82,29 +82,6 @@ class SampleOptions:
         if not isinstance(self.aperture, dict):
             raise ValueError(f"aperture must be a dict of probe settings, got {self.aperture!r}")
 
-    @classmethod
-    def from_arguments(cls, sample=None, slices: int | None = None,
-                       slice_spacing_m: float | None = None) -> "SampleOptions":
-        """``reconstruct``'s ``sample`` (None, a dict of fields or a SampleOptions) with the keyword
-        shortcuts ``slices`` and ``slice_spacing_m`` applied on top."""
-        if sample is None:
-            base = {}
-        elif isinstance(sample, SampleOptions):
-            base = {f: getattr(sample, f) for f in cls.__dataclass_fields__}
-        elif isinstance(sample, dict):
-            unknown = set(sample) - set(cls.__dataclass_fields__)
-            if unknown:
-                raise TypeError(f"unknown sample option(s) {sorted(unknown)}; valid: "
-                                f"{sorted(cls.__dataclass_fields__)}")
-            base = dict(sample)
-        else:
-            raise TypeError(f"sample must be None, a dict or a SampleOptions, got {type(sample).__name__}")
-        if slices is not None:
-            base["slices"] = slices
-        if slice_spacing_m is not None:
-            base["slice_spacing_m"] = slice_spacing_m
-        return cls(**base)
-
     def detector_of(self, metadata: dict) -> str:
         return self.detector or (metadata or {}).get("detector") or "far_field"
 
