@@ -146,7 +146,7 @@ def test_refinement_in_the_near_field_beats_the_nominal_positions(client):
     obj, true, data, nominal = _near_field(error=0.8, seed=3)
     kw = dict(epochs=40, momentum=0.0, probe_start_epoch=5, rounds_per_epoch=1)
     fixed = _run(data, client, **kw)
-    refined = _run(data, client, refine_positions={"start_epoch": 5}, **kw)
+    refined = _run(data, client, refine_positions={"start_epoch": 5, "affine": False}, **kw)  # random errors
     before = _position_rms(nominal, true)
     after = _position_rms(refined.positions - refined.origin, true)
     print(f"near field: positions {before:.3f} -> {after:.3f} px rms; data misfit fixed "

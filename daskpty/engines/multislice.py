@@ -54,6 +54,16 @@ def detector_adjoint(waves, detector=None):
     return ifft2(waves) if detector is None else angular_spectrum_adjoint(waves, detector)
 
 
+def detector_frame(detector, ramps):
+    """Per-pattern near-field transfer functions H · conj(ramp_j) (B, 1, n, n).
+
+    The chunk shifts the probe by the sub-pixel fraction f_j over an integer window; the physical
+    exit wave is the object moved under a fixed beam, P(x) · O(c + f + x), which is that wave
+    translated by −f. A far-field intensity cannot see the translation; a near-field image can, so
+    the detector operator takes it back: F⁻¹[H · e^{+2πi k·f} · F ψ]."""
+    return detector[None, None] * get_xp(ramps).conj(ramps)[:, None]
+
+
 class _Chunk:
     """A chunk's geometry: the object box (K, h, w), windows, shift ramps, S_f P."""
 
@@ -91,6 +101,8 @@ class _Chunk:
         self.shifted = ifft2(self.ramps[:, None] * spectra, overwrite=True)                # S_f P
         self.variable = variable
         self.patches = slice_windows(self.index, self.obj_box)                               # (K, B, n, n)
+        if self.detector is not None:   # the near-field image in the beam's frame (see detector_frame)
+            self.detector = detector_frame(self.detector, self.ramps)
 
     def box_gradients(self):
         """(∂_y O_k, ∂_x O_k) per slice on the box, by central differences that reach one pixel
@@ -123,12 +135,21 @@ class _Chunk:
         self.variable.probe_terms(slice(0, spectra.shape[0]), spectra, total)
         return total.reshape(m, n, n)
 
+    def frequencies(self):
+        """2π k (n,) along either axis, in the working precision."""
+        return self.xp.asarray(np.fft.fftfreq(self.n), dtype=self.shifted.real.dtype) * np.float32(2 * np.pi)
+
     def shift_derivatives(self):
-        """∂(S_f P_j)/∂f_a for a = y, x (2, B, M, n, n): F⁻¹[F(S_f P) · (−2πi k_a)], the exit wave's
-        change per unit position change is this carried through the slices and the detector."""
-        xp, n = self.xp, self.n
-        k = xp.asarray(np.fft.fftfreq(n), dtype=self.shifted.real.dtype) * np.float32(-2 * np.pi)
+        """∂(S_f P_j)/∂f_a for a = y, x (2, B, M, n, n): F⁻¹[F(S_f P) · (−2πi k_a)]."""
+        k = self.frequencies()
         spectra = fft2(self.shifted)
+        return (ifft2(spectra * (-1j * k)[:, None]), ifft2(spectra * (-1j * k)[None, :]))
+
+    def detector_derivatives(self, detected):
+        """∂/∂f_a of the near-field operator's translation back by f (:func:`detector_frame`),
+        applied to the detected waves (B, M, n, n): F⁻¹[(2πi k_a) · F(detected)], a = y, x."""
+        k = self.frequencies()
+        spectra = fft2(detected)
         return (ifft2(spectra * (1j * k)[:, None]), ifft2(spectra * (1j * k)[None, :]))
 
     def boxes(self, per_slice, dtype):
@@ -223,7 +244,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
     obj_num = c.boxes(grads, np.complex64)
     illum = c.boxes(xp.stack([model_intensity(incident[k]) for k in range(n_slices)]), np.float32)
     obj_dir = obj_num * (np.float32(1.0) / _preconditioner(illum, options.delta))   # ΔÔ_k
-    shift_terms = _shift_terms(c, g_q, grads, incident) if position_terms else None
+    shift_terms = _shift_terms(c, grads, incident) if position_terms else None
 
     # Directions carried to the exit, then the per-pattern (K + 1)-unknown step system.
     directions = []
@@ -268,33 +289,27 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
     return part if is_cupy(obj) else part.to_numpy()  # partials stay where the state lives
 
 
-def _shift_terms(c: _Chunk, g_q, grads, incident):
+def _shift_terms(c: _Chunk, grads, incident):
     """The LSQML position shift's numerator Re⟨d_a, χ⟩ and denominator ‖d_a‖² per pattern and
-    axis ((B, 2) float64 each, on the host), d_a the exit wave's change per unit position.
-
-    Far field: d_a = Σ_k T_k(∂_a O_k · φ_k), every slice's window moving under a fixed probe (the
-    single-slice step's ∂_a O · S_f P through the slices, carried forward slice by slice):
-    Re⟨d_a, χ⟩ = Σ_k Re⟨∂_a O_k, g_k⟩ from the slices' gradients. Moving the probe instead
-    differs by a translation of the exit wave, to which far-field intensities are blind but whose
-    norm would swamp ‖d_a‖². Near field, where a translation is seen: d_a = T(∂_a S_f P · O_1),
-    Re⟨d_a, χ⟩ = Re⟨∂_a S_f P, g_Q⟩ (g_Q the residual carried back to the entrance)."""
-    num, den = [], []
-    if c.detector is None:
-        xp = c.xp
-        box_d = c.box_gradients()
-        for a in range(2):
-            d = [c.index.extract(xp.ascontiguousarray(box_d[k][a])) for k in range(c.n_slices)]
-            num.append(sum(real_dots(d[k], grads[k]) for k in range(c.n_slices)))
-            change = d[0][:, None] * incident[0]
-            for k in range(1, c.n_slices):
-                change = angular_spectrum(change, c.kernel) * c.patches[k][:, None]
-                change += d[k][:, None] * incident[k]
-            den.append(real_dots(change, change))
-    else:
-        for dq in c.shift_derivatives():
-            num.append(real_dots(dq, g_q))
-            change = transmit(dq * c.patches[0][:, None], c.patches, c.kernel, 0)
-            den.append(real_dots(change, change))
+    axis ((B, 2) float64 each, on the host), d_a the exit wave's change per unit position:
+    d_a = Σ_k T_k(∂_a O_k · φ_k), every slice's window moving under the fixed beam (the
+    single-slice step's ∂_a O · S_f P through the slices, carried forward slice by slice), so
+    Re⟨d_a, χ⟩ = Σ_k Re⟨∂_a O_k, g_k⟩ from the slices' gradients; ‖d_a‖² at the detector (the
+    near-field operator is not quite unitary). Moving the probe over the windows instead differs
+    by a translation of the exit wave, to which far-field intensities are blind but whose norm
+    would swamp ‖d_a‖²."""
+    xp, num, den = c.xp, [], []
+    box_d = c.box_gradients()
+    for a in range(2):
+        d = [c.index.extract(xp.ascontiguousarray(box_d[k][a])) for k in range(c.n_slices)]
+        num.append(sum(real_dots(d[k], grads[k]) for k in range(c.n_slices)))
+        change = d[0][:, None] * incident[0]
+        for k in range(1, c.n_slices):
+            change = angular_spectrum(change, c.kernel) * c.patches[k][:, None]
+            change += d[k][:, None] * incident[k]
+        if c.detector is not None:
+            change = detector_forward(change, c.detector)
+        den.append(real_dots(change, change))
     return (np.stack([to_numpy(a) for a in num], axis=1), np.stack([to_numpy(a) for a in den], axis=1))
 
 

@@ -43,7 +43,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options=None, kernel=N
     ``boxes["object_grad"]`` (with ``want_object``) and ``boxes["illumination"]`` (K, h, w),
     ``arrays["probe_grad"]`` (M, n, n) and ``arrays["probe_illumination"]`` (n, n) = Σ_j |O_1j|²
     when ``want_probe``, ``arrays["position_grad"]`` (B, 2) ∂L/∂(y, x) when ``want_positions``
-    (exact: Re⟨g_Q, ∂_a S_f P⟩ with g_Q the gradient at the entrance), the probe model's
+    (exact: :func:`_position_gradient`), the probe model's
     gradients with ``variable``, ``scalars`` loss, n, sum_measured, sum_model. The windows'
     deformation sums (``window_sums``) are not formed through slices.
     """
@@ -62,7 +62,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options=None, kernel=N
     exit_waves, incident = multislice_forward(c.shifted, c.patches, c.kernel)
     far = detector_forward(exit_waves, c.detector)
     background = None if variable is None else variable.background
-    per_pattern, g_far, yhat = _far_field_loss(loss, far, y, valid, eps, True, background=background)
+    per_pattern, g_far, yhat = _far_field_loss(loss, far, y, valid, eps, True, background=background)  # keeps far
     g_exit = detector_adjoint(g_far, c.detector)
     if variable is not None:
         if variable.want_background:
@@ -85,13 +85,22 @@ def chunk_gradient(obj, probe, intensities, positions, *, options=None, kernel=N
             power = xp.abs(c.patches[0]) ** 2
             part.arrays["probe_illumination"] = power.sum(axis=0).astype(rdtype)
     if want_positions:
-        part.arrays["position_grad"] = np.stack([to_numpy(real_dots(g_q, dq)) for dq in c.shift_derivatives()],
-                                                axis=1)
+        part.arrays["position_grad"] = _position_gradient(c, g_q, g_far, far)
     if variable is not None:
         variable.finish(part, *_pixel_sums(y, yhat))
     if is_cupy(obj):  # partials stay where the state lives; the positions' optimiser is on the host
         return part
     return part.to_numpy()
+
+
+def _position_gradient(c, g_q, g_far, detected):
+    """∂L/∂(y, x) per pattern (B, 2) float64: the probe's sub-pixel shift, Re⟨g_Q, ∂_a S_f P⟩, and
+    in the near field the detector's translation back by the same fraction, Re⟨g_D, ∂_a D⟩ (g_D
+    the gradient at the detector, D the detected waves)."""
+    grads = [real_dots(g_q, dq) for dq in c.shift_derivatives()]
+    if c.detector is not None:
+        grads = [g + real_dots(g_far, dd) for g, dd in zip(grads, c.detector_derivatives(detected))]
+    return np.stack([to_numpy(g) for g in grads], axis=1)
 
 
 def chunk_loss(obj, probe, intensities, positions, *, options=None, kernel=None, detector=None,

@@ -162,7 +162,10 @@ def multislice_intensities(slices, probe, positions, kernel=None, *, detector=No
         raise ValueError("multislice intensities need the slice-to-slice kernel (SliceGeometry.kernel)")
     corners, fractions = split_positions(positions, n)
     check_windows_inside(corners, n, slices.shape)
-    q = shift_probe(probe.astype(np.complex64), shift_ramps(fractions, n, xp))
+    ramps = shift_ramps(fractions, n, xp)
+    q = shift_probe(probe.astype(np.complex64), ramps)
     patches = slice_windows(PatchIndex(corners, n, slices.shape, xp), slices.astype(np.complex64))
     exit_waves, _ = multislice_forward(q, patches, kernel, keep=False)
+    if detector is not None:   # the image in the beam's frame: the wave moved back by the fraction
+        detector = xp.asarray(detector)[None, None] * xp.conj(ramps)[:, None]
     return model_intensity(detector_forward(exit_waves, detector)).astype(np.float32)
