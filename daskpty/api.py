@@ -358,9 +358,7 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
     if epochs == 0 and resume is None:
         checkpoint = None  # epochs=0 is a no-op: nothing is written (docs/reliability.md)
     options, adapter = eng.make()
-    spec.check_features(positions=opts.positions is not None)
-    adapter.positions = opts.positions
-    spec.check_features(probe_model=model is not None)
+    adapter.positions = opts.positions  # (the features the engine takes were checked by resolve)
     _warn_late_start(epochs, adapter.positions, model)
     if model is not None:
         from .execution.parts import with_probe_model

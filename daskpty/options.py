@@ -308,11 +308,13 @@ def resolve(engine="lsqml", *, refine_positions=False, probe_model=None, sample=
                                by_group[g.keyword], g.keyword, merged=("settings",))
               for g in GROUPS if g.keyword != "refine_positions"}
     engine_options = merged["engine"]
-    model = merged["probe_model"]
+    model = merged["probe_model"] if merged["probe_model"].enabled else None
+    positions = PositionOptions.from_argument(refine_positions)
+    spec = engine_options.spec()  # a feature the engine does not take: one line, before any work
+    spec.check_features(positions=positions is not None, probe_model=model is not None)
     return Options(engine=engine_options,
-                   positions=PositionOptions.from_argument(refine_positions, engine_options.name),
-                   probe_model=model if model.enabled else None, sample=merged["sample"],
-                   execution=merged["execution"], run=merged["run"])
+                   positions=None if positions is None else positions.for_engine(engine_options.name),
+                   probe_model=model, sample=merged["sample"], execution=merged["execution"], run=merged["run"])
 
 
 __all__ = ["DEFAULT_EPOCHS", "GROUPS", "SHORTCUTS", "EngineOptions", "ExecutionOptions", "OptionError", "Options",
