@@ -4,12 +4,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
+import zarr
 
-from .safety import FORMAT_VERSIONS
+from .integrity import EVERY_CHUNK, WRITE_ALL, check_json_files, read_store_arrays
+from .lock import StoreLock
+from .safety import FORMAT_VERSIONS, WRITING_MARKER, check_replaceable, clean_stale, intact_note, write_error
 
 RECON_FORMAT = "daskpty-reconstruction"
 RECON_VERSION = FORMAT_VERSIONS[RECON_FORMAT]
@@ -112,11 +116,6 @@ class Reconstruction:
         (:class:`daskpty.io.lock.StoreLock`), removes leftovers of killed writes, and reports a
         full or read-only disk in one line (:class:`daskpty.io.safety.StoreWriteError`).
         """
-        import zarr
-
-        from .lock import StoreLock
-        from .safety import WRITING_MARKER, check_replaceable, clean_stale, intact_note, write_error
-
         path = os.fspath(path).rstrip("/")
         previous = path + ".previous"
         if (os.path.lexists(path) or os.path.lexists(previous)) and not overwrite:
@@ -152,7 +151,6 @@ class Reconstruction:
             arrays.append(("nominal_positions", self.nominal_positions))
         if self.probe_weights is not None:
             arrays.append(("probe_weights", self.probe_weights))
-        from .integrity import EVERY_CHUNK, WRITE_ALL
 
         if self.illumination is not None:
             arrays.append(("illumination", np.asarray(self.illumination, dtype=np.float32)))
@@ -172,14 +170,11 @@ class Reconstruction:
     @classmethod
     def from_zarr(cls, path: str) -> "Reconstruction":
         """Read a reconstruction store written by :meth:`to_zarr`."""
-        import zarr
-
         path = os.fspath(path).rstrip("/")
         if not os.path.exists(path) and os.path.exists(path + ".previous"):
             path = path + ".previous"  # a swap was interrupted between its two renames
         if not os.path.isdir(path):
             raise FileNotFoundError(f"no reconstruction store at {path}")
-        from .integrity import EVERY_CHUNK, check_json_files, read_store_arrays
 
         check_json_files(path)  # a truncated zarr.json is named
         try:
@@ -205,8 +200,6 @@ class Reconstruction:
 def _discard(tmp: str, timeout: float = 2.0) -> None:
     """Remove a partial store, also when an interrupt stopped the wait for zarr's background
     writes: those may still create files in ``tmp`` for a moment after a first removal."""
-    import time
-
     deadline = time.monotonic() + timeout
     while True:
         shutil.rmtree(tmp, ignore_errors=True)
