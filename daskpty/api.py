@@ -3,33 +3,38 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
+import warnings
 
 import numpy as np
 
 from .engines.initial import (object_frame, probe_diameter_from_scan, probe_from_mean_hologram,
                               probe_from_mean_pattern)
+from .engines.positions import PositionOptions, PositionsDiverged
+from .engines.probe_model import ProbeModelDiverged, effective_weights
+from .engines.sample_options import aperture_probe
 from .execution.cluster import client_context, wait_for_workers
 from .execution.data import auto_rounds, choose_chunk_length, prepare_data, should_persist, workers_have_gpus
 from .execution.driver import run_epochs, with_local
-from .execution.local_state import PatternLayout
-from .execution.options import ExecutionOptions
-from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
-from .io.identity import DataChanged, DataWatch
-from .engines.positions import PositionOptions, PositionsDiverged
-from .engines.probe_model import ProbeModelDiverged, effective_weights
 from .execution.latency import enable_low_latency
+from .execution.local_state import PatternLayout
 from .execution.memory import (check_step_fits, clamp_chunk_length, largest_fitting_chunk, state_bytes,
                                step_bytes)
-from .physics import check_windows_inside, split_positions
-from .io.validate import check_values
-from .io.inputs import (RESUMED_SETTINGS, check_initial_object, check_object_size, check_initial_probe, check_rounds,
+from .execution.options import ExecutionOptions
+from .execution.parts import with_probe_model, with_sample
+from .execution.scatter import scatter_in_memory
+from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
+from .io.checkpoint import Checkpointer, sigterm_as_interrupt
+from .io.identity import DataChanged, DataWatch
+from .io.inputs import (RESUMED_SETTINGS, check_initial_object, check_initial_probe, check_object_size, check_rounds,
                         checked_data, resume_settings, resumed_store)
 from .io.lock import StoreLock
-from .io.safety import check_checkpoint_target, check_free_space, reconstruction_bytes
-from .io.checkpoint import Checkpointer, sigterm_as_interrupt
 from .io.results import Reconstruction
+from .io.safety import check_checkpoint_target, check_free_space, reconstruction_bytes
+from .io.validate import check_values
+from .monitor.progress import interactive, make_progress
 from .options import DEFAULT_EPOCHS, Options, resolve
-from .engines.sample_options import aperture_probe
+from .physics import check_windows_inside, split_positions
 
 
 
@@ -96,8 +101,6 @@ def _probe_modes_hint(probe, probe_modes, resumed) -> int:
 
 def _warn_late_start(epochs: int, positions, model) -> None:
     """One warning when position refinement or the probe model would start after the run ends."""
-    import warnings
-
     for what, options, key in (("position refinement", positions, "refine_positions"),
                                ("the varying-probe fit", model, "probe_model")):
         if options is None:
@@ -179,8 +182,6 @@ def _callbacks(checkpointer, callback, data_path, progress) -> list:
 def _progress(progress, epochs: int, resumed, n_patterns: int, loss: str):
     """The progress callback, or None: ``progress`` None shows it when the session is interactive
     (a terminal or a notebook); a resumed run counts on from its stored epoch."""
-    from .monitor.progress import interactive, make_progress
-
     if progress is None:
         progress = interactive()
     if not progress:
@@ -361,15 +362,11 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
     adapter.positions = opts.positions  # (the features the engine takes were checked by resolve)
     _warn_late_start(epochs, adapter.positions, model)
     if model is not None:
-        from .execution.parts import with_probe_model
-
         adapter = with_probe_model(adapter, model)
 
     data, intensities, positions = checked_data(data)
     n = intensities.shape[-1]
     thick = sample.resolve(getattr(data, "metadata", None), n)  # slices and detector operator
-    from .execution.parts import with_sample
-
     spec.check_features(multislice=thick.multislice)
     adapter = with_sample(adapter, thick)  # slices and the detector (None: one slice, far field)
     if adapter.positions is not None:  # the window scale follows the start probe's size
@@ -383,8 +380,6 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
 
     resumed = resumed_store(resume, positions, n) if resume is not None else None
     if resumed is not None and resumed.epochs >= epochs:  # say so: no epoch runs
-        import warnings
-
         warnings.warn(f"daskpty: {resume} already holds epoch {resumed.epochs} (epochs={epochs} counts "
                       f"the resumed epochs too): no epoch runs; pass epochs > {resumed.epochs} to "
                       f"continue", UserWarning, stacklevel=2)
@@ -413,8 +408,6 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
         wait_for_workers(c)  # a cluster without workers: a bounded wait and one line, not a hang
         enable_low_latency(c)
         if not hasattr(intensities, "dask") or getattr(data, "path", "") is None:
-            from .execution.scatter import scatter_in_memory  # once, not inside every graph
-
             data, intensities = scatter_in_memory(c, data, intensities, execution.chunk_length)
         if run.check_data:
             check_values(data if hasattr(data, "path") else intensities, client=c).raise_if_bad()
@@ -424,13 +417,11 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
         run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist)
         publisher = None
         if run.dashboard:
-            from .monitor.dashboard import DashboardPublisher
+            from .monitor.dashboard import DashboardPublisher  # lazy: ~0.9 s of page code, only when asked
 
             publisher = DashboardPublisher(c, epochs=epochs, rounds_per_epoch=execution.rounds_per_epoch,
                                            n_patterns=len(positions), layout=layout)
             if publisher.link:  # also installs the scheduler plugin before the first round
-                import sys
-
                 print(f"daskpty dashboard: {publisher.link}", file=sys.stderr)
             callbacks.insert(1, publisher)
         if resumed is not None:
