@@ -174,14 +174,14 @@ def test_a_run_with_groups_equals_the_run_with_keywords(client, tmp_path):
 
     ds = make_dataset(grid=5, seed=1)
     data = daskpty.from_arrays(ds.intensities, ds.positions)
-    grouped = daskpty.reconstruct(data, op.EngineOptions("lsqml", settings={"beta": 0.8}), 3, client=client,
+    grouped = daskpty.reconstruct(data, op.EngineOptions("lsqml", settings={"beta": 0.8}), 2, client=client,
                                   execution=op.ExecutionOptions(chunk_length=9, rounds_per_epoch=2),
-                                  run=op.RunOptions(checkpoint=str(tmp_path / "g.zarr"), checkpoint_every=2))
-    keywords = daskpty.reconstruct(data, "lsqml", 3, client=client, beta=0.8, chunk_length=9, rounds_per_epoch=2,
-                                   checkpoint=str(tmp_path / "k.zarr"), checkpoint_every=2)
+                                  run=op.RunOptions(checkpoint=str(tmp_path / "g.zarr"), checkpoint_every=1))
+    keywords = daskpty.reconstruct(data, "lsqml", 2, client=client, beta=0.8, chunk_length=9, rounds_per_epoch=2,
+                                   checkpoint=str(tmp_path / "k.zarr"), checkpoint_every=1)
     np.testing.assert_array_equal(grouped.object, keywords.object)
     stored = daskpty.Reconstruction.from_zarr(str(tmp_path / "g.zarr"))
-    assert stored.epochs == 3 and stored.options["beta"] == 0.8 and stored.options["chunk_length"] == 9
+    assert stored.epochs == 2 and stored.options["beta"] == 0.8 and stored.options["chunk_length"] == 9
 
 
 def test_cli_engine_settings_typo_is_one_line(tmp_path, capsys):
@@ -201,3 +201,16 @@ def test_cli_help_shows_the_classes_defaults(capsys, monkeypatch):
         assert op.defaults_text(cls, skip=skip) in text
     assert "curvature_damping=0.02 (ad: 0.002)" in text and "start_epoch=auto (ad: 5)" in text
     assert f"(default: {op.RunOptions().checkpoint_every})" in text and "beta=0.9" in text
+
+
+def test_cli_flags_reach_their_groups(store_path, tmp_path, use_client, capsys):
+    """A real in-process CLI run: --engine-settings, --opr-modes with --probe-model and the run
+    group's flags arrive in the stored settings."""
+    out = tmp_path / "out.zarr"
+    assert main(["reconstruct", str(store_path), "-o", str(out), "--epochs", "2", "--quiet", "--checkpoint-every", "1",
+                 "--engine-settings", "beta=0.8,momentum=0.4", "--opr-modes", "1",
+                 "--probe-model", "opr_modes=1,start_epoch=1"]) == 0, capsys.readouterr().err
+    stored = daskpty.Reconstruction.from_zarr(str(out))
+    assert (stored.options["beta"], stored.options["momentum"]) == (0.8, 0.4)
+    assert (stored.options["probe_model"]["opr_modes"], stored.options["probe_model"]["start_epoch"]) == (1, 1)
+    assert stored.epochs == 2 and stored.probe_weights.shape == (12, 1)
