@@ -204,13 +204,15 @@ def test_cli_help_shows_the_classes_defaults(capsys, monkeypatch):
 
 
 def test_cli_flags_reach_their_groups(store_path, tmp_path, use_client, capsys):
-    """A real in-process CLI run: --engine-settings, --opr-modes with --probe-model and the run
-    group's flags arrive in the stored settings."""
+    """A real in-process CLI run: --engine-settings, --opr-modes with --probe-model, the execution
+    and run groups' flags arrive in the stored settings."""
     out = tmp_path / "out.zarr"
     assert main(["reconstruct", str(store_path), "-o", str(out), "--epochs", "2", "--quiet", "--checkpoint-every", "1",
                  "--engine-settings", "beta=0.8,momentum=0.4", "--opr-modes", "1",
-                 "--probe-model", "opr_modes=1,start_epoch=1"]) == 0, capsys.readouterr().err
+                 "--probe-model", "opr_modes=1,start_epoch=1", "--device", "cpu", "--persist", "no",
+                 "--split-every", "2", "--no-check-data"]) == 0, capsys.readouterr().err
     stored = daskpty.Reconstruction.from_zarr(str(out))
     assert (stored.options["beta"], stored.options["momentum"]) == (0.8, 0.4)
     assert (stored.options["probe_model"]["opr_modes"], stored.options["probe_model"]["start_epoch"]) == (1, 1)
     assert stored.epochs == 2 and stored.probe_weights.shape == (12, 1)
+    assert (stored.options["persist"], stored.options["split_every"]) == (False, 2)

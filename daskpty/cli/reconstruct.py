@@ -6,6 +6,7 @@ import contextlib
 import os
 import sys
 
+from ..execution.options import DEVICES
 from ..options import (DEFAULT_EPOCHS, GROUPS, EngineOptions, ExecutionOptions, PositionOptions, ProbeModelOptions,
                        RunOptions, SampleOptions, default_of, defaults_text)
 from ..physics.noise_models import noise_model_names
@@ -97,6 +98,13 @@ def add_parser(subparsers):
                    help="1 = compact LSQML; R > 1 = R minibatch updates per epoch; auto: ~150 "
                         "patterns per round, at most one per 6 Mi pattern-pixels (>= 3), 1..16, for "
                         "data held in memory; 1 out of core")
+    g.add_argument("--device", default=default_of(ExecutionOptions, "device"), choices=list(DEVICES),
+                   help="cpu: NumPy chunks; gpu: CuPy chunks on GPU workers; auto: gpu when every worker sees one")
+    g.add_argument("--persist", default=default_of(ExecutionOptions, "persist"), choices=["auto", "yes", "no"],
+                   help="keep the data chunks in worker memory (yes) or re-read them every round (no: out of "
+                        "core); auto: persist when they take at most half the cluster memory")
+    g.add_argument("--split-every", type=int, default=None, metavar="F",
+                   help="fan-in of the tree reduction (default: 4 for up to 16 chunks, else 8)")
 
     g = p.add_argument_group(title["run"])
     g.add_argument("-o", "--output", required=True, metavar="RECON",
@@ -110,6 +118,9 @@ def add_parser(subparsers):
     g.add_argument("--dashboard", action="store_true",
                    help="publish progress and images to the dask dashboard's /daskpty page")
     g.add_argument("--quiet", action="store_true", help="no progress output")
+    g.add_argument("--no-check-data", dest="check_data", action="store_false",
+                   help="skip the pass that reads every intensity once before the run and refuses bad "
+                        "values (default: the check runs)")
     return p
 
 
@@ -263,7 +274,9 @@ def _shortcuts(args) -> dict:
                 refine_positions=_position_settings(args.refine_positions), slices=args.slices,
                 slice_spacing_m=args.slice_spacing, n_workers=args.workers, chunk_length=args.chunk_length,
                 rounds_per_epoch=args.rounds_per_epoch, checkpoint_every=args.checkpoint_every,
-                resume=args.resume, dashboard=args.dashboard or None,
+                resume=args.resume, dashboard=args.dashboard or None, device=args.device,
+                persist={"yes": True, "no": False}.get(args.persist, args.persist), split_every=args.split_every,
+                check_data=args.check_data,
                 **_key_values(args.engine_settings, "--engine-settings"))
 
 
