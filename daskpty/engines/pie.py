@@ -16,8 +16,15 @@ updates (as Pty-Chi's batched rPIE). All of these are sums, so a chunk returns t
 :class:`~.partials.Partial` and any number of workers give the same result. α = 1 is ePIE (the
 denominator becomes the illumination's maximum); α ∈ (0, 1) mixes in the local illumination.
 
-The state is :class:`~.lsqml.LSQMLState` (object, probe, epoch, illumination; the per-epoch
-extras LSQML adds stay None), so checkpoints and results read it as they read LSQML's. No dask here.
+Position refinement (:func:`refining_chunk_step`) takes LSQML's position shift: with
+g_j = Σ_k conj(S_f P_k) χ_jk, already formed for the object, each pattern moves by
+Re⟨∂_a O_j, g_j⟩ / ⟨|∂_a O_j|², Σ_k |S_f P_k|²⟩ along a = y, x, then through the machinery of
+:mod:`.positions` that LSQML and AD share (momentum, step limit, affine fit, the windows'
+deformation). K slices and the near-field detector: :mod:`.pie_multislice` (3PIE).
+
+The state is :class:`~.lsqml.LSQMLState` (object, probe, epoch, illumination; the position
+refinement's affine map and window sums; the extras LSQML adds for momentum stay None), so
+checkpoints and results read it as they read LSQML's. No dask here.
 """
 from __future__ import annotations
 
@@ -26,12 +33,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..physics import fft2, get_noise_model, get_xp, ifft2
-from ..physics.backend import asarray_like, to_numpy
+from ..physics.backend import asarray_like, channel_dots, real_dots, to_numpy
 from ..physics.kernels import far_field_update
 from ..physics.patches import PatchIndex
 from ..physics.shifts import shift_ramps, split_positions
 from .lsqml import LSQMLState, close_epoch
 from .partials import BoxedArray, Partial
+from .positions import (PositionOptions, accumulate_affine, accumulate_window, central_gradients, finish_step,
+                        lsqml_shift, positions_for_step, step_with_momentum)
+from .window_deformation import WindowDeformation, squared_gradients, wants_window_sums
 
 #: target bytes of one sub-batch's (b, M, n, n) complex64 exit waves
 BLOCK_BYTES = 8 << 20
@@ -78,6 +88,9 @@ class PIEOptions:
 
 #: the named members of the family: engine name -> option defaults
 VARIANTS = {"rpie": {}, "epie": {"alpha": 1.0, "probe_alpha": 1.0}}
+#: the forward-model parts the family takes (the registry's features): refined positions, and
+#: K slices and/or a near-field detector (:mod:`.pie_multislice`)
+FEATURES = frozenset({"positions", "multislice"})
 
 
 def updates_probe(state: LSQMLState, options: PIEOptions) -> bool:
@@ -85,7 +98,7 @@ def updates_probe(state: LSQMLState, options: PIEOptions) -> bool:
 
 
 def chunk_step(obj, probe, intensities, positions, *, options: PIEOptions, update_probe: bool = True,
-               valid=None) -> Partial:
+               valid=None, position_terms: bool = False, window_sums: bool = False) -> Partial:
     """The rPIE sums of one chunk (or one round's slice of it) as an additive partial.
 
     obj (H, W) complex64 (only the chunk's bounding box is read), probe (M, n, n) complex64,
@@ -94,6 +107,12 @@ def chunk_step(obj, probe, intensities, positions, *, options: PIEOptions, updat
     Σ |S_f P|²; arrays (when ``update_probe``): ``probe_num`` (M, n, n), the sum of the patterns'
     rPIE probe updates S_−f(conj(O_j) χ_j / ((1 − α_P)|O_j|² + α_P max|O_j|²)); scalars: ``loss``,
     ``n``, ``sum_model``.
+
+    ``position_terms``: also LSQML's position-shift sums of every pattern in
+    ``local["shift_terms"]`` ((B, 2) each: Re⟨∂_a O_j, g_j⟩ and ⟨|∂_a O_j|², Σ_k |S_f P_k|²⟩, ∂_a O
+    by central differences on the box), and with ``window_sums`` the windows' deformation sums
+    (:class:`~.window_deformation.WindowDeformation`) in ``arrays``, as
+    :func:`daskpty.engines.lsqml.chunk_step` forms them.
     """
     xp = get_xp(intensities)
     n_patterns, n = intensities.shape[0], probe.shape[-1]
@@ -113,6 +132,11 @@ def chunk_step(obj, probe, intensities, positions, *, options: PIEOptions, updat
     illum = xp.zeros(obj_box.shape, np.float32)
     probe_num = xp.zeros((n_modes, n, n), np.complex64) if update_probe else None
     loss = sum_model = 0.0
+    if position_terms:
+        box_d = central_gradients(obj_box, xp)
+        box_squares = squared_gradients(box_d, xp)               # |∂_y O|² + i |∂_x O|²
+        shift_num, shift_den = np.empty((n_patterns, 2)), np.empty((n_patterns, 2))
+        deform = WindowDeformation(n, xp, box_d) if window_sums else None
     for s in range(0, n_patterns, step):
         batch = slice(s, min(s + step, n_patterns))
         ramps = shift_ramps(fractions[batch], n, xp)                       # (b, n, n)
@@ -124,9 +148,18 @@ def chunk_step(obj, probe, intensities, positions, *, options: PIEOptions, updat
         chi = ifft2(delta, overwrite=True)                                 # χ = F⁻¹(Ψ' − Ψ)
         loss += float(per_pattern.sum())
         sum_model += float((yhat if valid is None else yhat * valid).sum(dtype=np.float64))
-        index.scatter_add(obj_num, (xp.conj(shifted) * chi).sum(axis=1), batch)
-        power = (shifted.real ** 2 + shifted.imag ** 2).sum(axis=1)
-        index.scatter_add(illum, power.astype(np.float32, copy=False), batch)
+        g = (xp.conj(shifted) * chi).sum(axis=1)                          # g_j = Σ_k conj(S_f P_k) χ_jk
+        power = (shifted.real ** 2 + shifted.imag ** 2).sum(axis=1).astype(np.float32, copy=False)
+        if position_terms:
+            grads = [xp.ascontiguousarray(index.extract(box_d[a], batch)) for a in range(2)]
+            for a, d in enumerate(grads):
+                shift_num[batch, a] = to_numpy(real_dots(d, g))
+            squares = xp.ascontiguousarray(index.extract(box_squares, batch))
+            shift_den[batch] = to_numpy(channel_dots(power, squares))
+            if deform is not None:
+                deform.add_gram(batch, power, grads, squares)
+        index.scatter_add(obj_num, g, batch)
+        index.scatter_add(illum, power, batch)
         if update_probe:
             o_power = o.real ** 2 + o.imag ** 2
             top = o_power.reshape(o_power.shape[0], -1).max(axis=1)[:, None, None]
@@ -140,18 +173,54 @@ def chunk_step(obj, probe, intensities, positions, *, options: PIEOptions, updat
                    scalars={"loss": loss, "n": float(n_patterns), "sum_model": sum_model})
     if update_probe:
         part.arrays["probe_num"] = probe_num
+    if position_terms:
+        part.local["shift_terms"] = (shift_num, shift_den)
+        if deform is not None:              # b from Σ_j g_j on the box (obj_num, not yet divided)
+            deform.add_first(obj_num, index.corners, shift_num)
+            part.arrays.update(deform.sums(positions))
     return part
 
 
+def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, options: PIEOptions,
+                        positions: PositionOptions, epoch: int, affine=None, update_probe: bool = True,
+                        valid=None, step=None) -> Partial:
+    """:func:`chunk_step` (or ``step``, the sample's: :mod:`.pie_multislice`) at the refined
+    positions ``local["positions"]`` of these patterns, moving them by LSQML's shift with
+    momentum from epoch ``positions.start_epoch`` on, exactly as
+    :func:`daskpty.engines.lsqml.refining_chunk_step` does (:mod:`.positions`: the pull towards
+    the last epoch's affine map and window correction, ``max_step``, kept inside the object,
+    divergence check, the affine normal equations in the partial, ``local`` the new state)."""
+    n = probe.shape[-1]
+    refined = positions_for_step(local, nominal, affine, positions, epoch, n, obj.shape)
+    active = positions.active(epoch)
+    part = (step or chunk_step)(obj, probe, intensities, refined, options=options, update_probe=update_probe,
+                                valid=valid, position_terms=active, window_sums=wants_window_sums(positions, epoch))
+    if not active or not part.scalars:
+        part.local = {}
+        return part
+    shift = positions.gain * lsqml_shift(*part.local.pop("shift_terms"), positions.regularization)
+    new, _ = step_with_momentum({**local, "positions": refined}, shift, positions)
+    return finish_step(part, new, refined, nominal, positions, epoch, n, obj.shape)
+
+
 def _regularised(den, alpha: float):
-    """(1 − α) D + α max D, the rPIE denominator (floored so that an unlit pixel divides by > 0)."""
+    """(1 − α) D + α max D, the rPIE denominator (floored so that an unlit pixel divides by > 0);
+    for K slices (K, h, w) the maximum of each slice."""
+    if den.ndim == 3:
+        top = den.reshape(den.shape[0], -1).max(axis=1)[:, None, None]
+        out = (1.0 - alpha) * den + alpha * top
+        return get_xp(den).maximum(out, np.float32(1e-12) * get_xp(den).maximum(top, np.float32(1e-30)))
     top = float(den.max())
     out = (1.0 - alpha) * den + alpha * top
     return get_xp(den).maximum(out, 1e-12 * max(top, 1e-30))
 
 
 def apply(state: LSQMLState, total: Partial, options: PIEOptions) -> LSQMLState:
-    """Add a round's reduced sums to the state (new arrays; the old state's stay untouched)."""
+    """Add a round's reduced sums to the state (new arrays; the old state's stay untouched), and
+    the positions' affine and window sums to the epoch's. The object is (H, W) or, from
+    :mod:`.pie_multislice`, (K, H, W) with (K, h, w) boxes (each slice its own denominator)."""
+    accumulate_affine(state, total)
+    accumulate_window(state, total)
     if "object_num" not in total.boxes:
         return state
     xp = get_xp(state.object)
@@ -165,14 +234,16 @@ def apply(state: LSQMLState, total: Partial, options: PIEOptions) -> LSQMLState:
         probe = (probe + step * total.arrays["probe_num"]).astype(np.complex64)
     full = xp.zeros(obj.shape, np.float32) if state.illumination is None else state.illumination.copy()
     (y0, x0), (y1, x1) = illum.offset, illum.stop
-    xp.maximum(full[y0:y1, x0:x1], illum.data, out=full[y0:y1, x0:x1])
+    xp.maximum(full[..., y0:y1, x0:x1], illum.data, out=full[..., y0:y1, x0:x1])
     state.object, state.probe, state.illumination = obj, probe, full
     return state
 
 
 def begin_epoch(state: LSQMLState, options: PIEOptions) -> LSQMLState:
-    """A new epoch's illumination is the largest of its rounds' (reset here)."""
+    """A new epoch's illumination is the largest of its rounds' (reset here), as are the
+    positions' affine sums."""
     state.illumination = None
+    state.affine_sums = None
     return state
 
 

@@ -22,6 +22,7 @@ class PositionsDiverged(ValueError):
 #: measured on the 576 × 64² scan of benchmarks/bench_positions.py (see ``affine_gain``).
 ENGINE_DEFAULTS = {"lsqml": {"affine_gain": 6.0, "start_epoch": "auto", "window_every": 1},
                    "ad": {"affine_gain": 2.0, "start_epoch": 5, "window_every": 2}}
+ENGINE_DEFAULTS["rpie"] = ENGINE_DEFAULTS["epie"] = ENGINE_DEFAULTS["lsqml"]   # the same shift, momentum and fits
 
 #: ``start_epoch="auto"``: refinement starts in the epoch after the first one in which the probe
 #: changed by at most PROBE_SETTLED (‖P_e − P_e−1‖ / ‖P_e‖, all modes), but not before epoch

@@ -76,10 +76,10 @@ ENGINES: dict[str, EngineSpec] = {
                         summary="least-squares maximum likelihood (Odstrčil et al. 2018)"),
     "ad": EngineSpec("ad", ad.ADOptions, ADAdapter, _ALL, gradient_arguments=True,
                      summary="gradient descent with exact adjoints (SGD, Adam, CG)"),
-    "rpie": EngineSpec("rpie", pie.PIEOptions, partial(PIEAdapter, name="rpie"),
+    "rpie": EngineSpec("rpie", pie.PIEOptions, partial(PIEAdapter, name="rpie"), pie.FEATURES,
                        summary="regularised PIE in minibatch rounds (Maiden et al. 2017)"),
-    "epie": EngineSpec("epie", pie.PIEOptions, partial(PIEAdapter, name="epie"), defaults=pie.VARIANTS["epie"],
-                       summary="extended PIE: rPIE with alpha = 1"),
+    "epie": EngineSpec("epie", pie.PIEOptions, partial(PIEAdapter, name="epie"), pie.FEATURES,
+                       defaults=pie.VARIANTS["epie"], summary="extended PIE: rPIE with alpha = 1"),
 }
 
 

@@ -1,18 +1,28 @@
-"""Binds the PIE family (:mod:`daskpty.engines.pie`: rPIE, ePIE) to the round loop.
+"""Binds the PIE family (:mod:`daskpty.engines.pie`: rPIE, ePIE) to the round loop, with the
+forward model's parts composed as :class:`~.lsqml_adapter.LSQMLAdapter` composes them.
 
-Same protocol as ``LSQMLAdapter`` (``chunk_function``, ``payload``, ``apply``, ``begin_epoch``,
-``end_epoch``, ``initialise``, ``new_state``, ``engine_state``, ``copy_state``). Every round is one
-rPIE step on that round's patterns (slice ``round_index::rounds`` of every chunk): more rounds per
-epoch, smaller minibatches, closer to the sequential PIE of the papers.
+Every round is one rPIE step on that round's patterns (slice ``round_index::rounds`` of every
+chunk): more rounds per epoch, smaller minibatches, closer to the sequential PIE of the papers.
+The adapter holds the parts: ``sample`` (:class:`~daskpty.engines.sample_model.SampleModel`:
+K slices and/or a near-field detector, the 3PIE step of :mod:`daskpty.engines.pie_multislice`;
+None for one slice in the far field) and ``positions``
+(:class:`~daskpty.engines.positions.PositionOptions`: refined positions kept with each chunk, the
+affine fit and window correction of :mod:`daskpty.engines.positions`; None: fixed). Protocol:
+:mod:`.engine_protocol`.
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
-from ..engines import lsqml, pie
+from ..engines import lsqml, pie, pie_multislice
+from ..engines import sample_model as sm
+from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
+                                 options_for, settle_start, start_arrays, start_from_arrays, start_parameters,
+                                 window_parameters)
 from .rounds import ChunkedData, map_reduce
 
 
@@ -23,42 +33,71 @@ class PIEPayload:
     options: pie.PIEOptions
     update_probe: bool
     valid: np.ndarray | None
+    positions: PositionOptions | None = None  # position refinement (None: off)
+    epoch: int = 0
+    affine: tuple | None = None
+    sample: sm.SampleModel | None = None      # None: one slice, far field
+
+
+def _step(sample: sm.SampleModel | None):
+    """The rPIE chunk step of ``sample`` (one slice in the far field: :func:`pie.chunk_step`)."""
+    if sample is None:
+        return pie.chunk_step
+    return partial(pie_multislice.chunk_step, kernel=sample.kernel, detector=sample.detector)
 
 
 def pie_chunk(intensities, positions, payload: PIEPayload, local=None):
-    """The rPIE sums of one chunk's slice (no per-pattern state)."""
-    return pie.chunk_step(payload.object, payload.probe, intensities, positions, options=payload.options,
-                          update_probe=payload.update_probe, valid=payload.valid)
+    """The rPIE sums of one chunk's slice; with ``local`` (the refined positions) the refining
+    step, ``positions`` being the nominal ones."""
+    step = _step(payload.sample)
+    if local is not None:
+        return pie.refining_chunk_step(payload.object, payload.probe, intensities, positions, local,
+                                       options=payload.options, positions=payload.positions, epoch=payload.epoch,
+                                       affine=payload.affine, update_probe=payload.update_probe,
+                                       valid=payload.valid, step=step)
+    return step(payload.object, payload.probe, intensities, positions, options=payload.options,
+                update_probe=payload.update_probe, valid=payload.valid)
 
 
 def pie_forward_sums_chunk(intensities, positions, payload: PIEPayload):
-    return lsqml.forward_sums(payload.object, payload.probe, intensities, positions, valid=payload.valid)
+    return sm.forward_sums(payload.sample)(payload.object, payload.probe, intensities, positions,
+                                           valid=payload.valid)
 
 
 class PIEAdapter:
-    """Binds :mod:`daskpty.engines.pie` to the round loop."""
+    """Binds :mod:`daskpty.engines.pie` to the round loop, for every sample and position model."""
 
     chunk_function = staticmethod(pie_chunk)
     #: what lives in device memory on GPU workers (see :mod:`.device_state`)
     device_fields = ("object", "probe", "illumination")
-    positions = None        # position refinement is not offered by the PIE engines yet
-    local_state = False
 
     def __init__(self, options: pie.PIEOptions | None = None, valid: np.ndarray | None = None,
-                 name: str = "rpie"):
+                 name: str = "rpie", positions: PositionOptions | None = None, *,
+                 sample: sm.SampleModel | None = None):
         self.options = options if options is not None else pie.PIEOptions()
         self.valid = valid
         self.name = name
+        self.positions = positions
+        self.sample = sample
+
+    @property
+    def local_state(self) -> bool:
+        """Per-pattern state (the refined positions) kept with each chunk."""
+        return self.positions is not None
 
     def payload(self, state) -> PIEPayload:
+        affine = (None if state.affine is None and state.window_map is None
+                  else (state.affine, state.affine_boost, state.window_map))
         return PIEPayload(state.object, state.probe, self.options, pie.updates_probe(state, self.options),
-                          self.valid)
+                          self.valid, options_for(self.positions, state), state.epoch, affine, self.sample)
 
     def epoch_scalars(self, state) -> dict:
-        return {}
+        """The fitted affine map's and the windows' parameters, for the history."""
+        out = {} if state.affine is None else affine_parameters(state.affine)
+        return {**out, **window_parameters(state.window_deformation), **start_parameters(state)}
 
     def initial_local(self, nominal) -> dict:
-        return {}   # no per-pattern state (local_state is False)
+        return {} if self.positions is None else initial_local(nominal, self.positions, "lsqml")
 
     def apply(self, state, total):
         return pie.apply(state, total, self.options)
@@ -69,17 +108,32 @@ class PIEAdapter:
         return copy.copy(state)
 
     def begin_epoch(self, state):
-        return pie.begin_epoch(state, self.options)
+        state = pie.begin_epoch(state, self.options)
+        if self.positions is not None:
+            note_epoch_start(state, self.positions)
+        return state
 
     def end_epoch(self, state):
-        return pie.end_epoch(state, self.options)
+        if self.positions is not None:
+            finish_epoch(state, self.positions, lsqml.resample_object_state)
+        state = (pie.end_epoch if self.sample is None else pie_multislice.end_epoch)(state, self.options)
+        if self.positions is not None:
+            settle_start(state, self.positions)
+        return state
 
     def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
-        return lsqml.LSQMLState(object=obj, probe=probe, epoch=epoch)
+        """A state from an object, a probe and (when resuming) the saved position arrays."""
+        engine_state = engine_state or {}
+        return lsqml.LSQMLState(object=sm.as_slices(obj, self.sample), probe=probe, epoch=epoch,
+                                affine=engine_state.get("affine"), affine_boost=engine_state.get("affine_boost"),
+                                window_map=engine_state.get("window_map"),
+                                positions_start=start_from_arrays(engine_state))
 
     def engine_state(self, state) -> dict:
-        """PIE keeps no memory beyond the object and the probe."""
-        return {}
+        """PIE keeps no memory beyond the object and the probe but the positions' fits."""
+        out = {name: getattr(state, name) for name in ("affine", "affine_boost", "window_map")
+               if getattr(state, name) is not None}
+        return {**out, **start_arrays(state)}
 
     def initialise(self, client, data: ChunkedData, state, *, split_every: int):
         """First-epoch probe intensity rescale so that Σŷ = Σy."""
