@@ -309,6 +309,8 @@ def resolve(engine="lsqml", *, refine_positions=False, probe_model=None, sample=
               for g in GROUPS if g.keyword != "refine_positions"}
     engine_options = merged["engine"]
     model = merged["probe_model"] if merged["probe_model"].enabled else None
+    if isinstance(refine_positions, dict):
+        _set_fields(PositionOptions, refine_positions, "refine_positions")  # a typo: its close match
     positions = PositionOptions.from_argument(refine_positions)
     spec = engine_options.spec()  # a feature the engine does not take: one line, before any work
     spec.check_features(positions=positions is not None, probe_model=model is not None)

@@ -121,6 +121,8 @@ def test_groups_by_dict_and_instance_and_engine_settings():
         op.resolve("lsqnl")
     with pytest.raises(op.OptionError, match=r"execution: unknown option\(s\) 'workers' \(did you mean 'n_workers'\?\)"):
         op.resolve(execution={"workers": 2})
+    with pytest.raises(op.OptionError, match=r"refine_positions: unknown option\(s\) 'max_stp' \(did you mean 'max_step'\?\)"):
+        op.resolve(refine_positions={"max_stp": 0.5})
     with pytest.raises(op.OptionError, match="run must be a RunOptions or a dict of its fields, got int"):
         op.resolve(run=3)
     group = op.ExecutionOptions(chunk_length=16)
