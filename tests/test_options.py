@@ -3,6 +3,8 @@ answered with the close matches, the groups exported from daskpty. Fast: no clus
 except in the one run marked as such (the session's client)."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -218,3 +220,15 @@ def test_cli_flags_reach_their_groups(store_path, tmp_path, use_client, capsys):
     assert (stored.options["probe_model"]["opr_modes"], stored.options["probe_model"]["start_epoch"]) == (1, 1)
     assert stored.epochs == 2 and stored.probe_weights.shape == (12, 1)
     assert (stored.options["persist"], stored.options["split_every"]) == (False, 2)
+
+
+@pytest.mark.parametrize("flags, pattern", [
+    (["--probe-model", "start_epch=3"], r"probe_model: unknown option\(s\) 'start_epch' \(did you mean 'start_epoch'\?\)"),
+    (["--refine-positions", "max_stp=0.5"], r"refine_positions: unknown option\(s\) 'max_stp' \(did you mean 'max_step'\?\)"),
+    (["--refine-positions", "max_step=-1"], r"max_step must lie in \(0, 8\] pixels, got -1"),
+])
+def test_cli_group_settings_are_checked_in_one_line(tmp_path, capsys, flags, pattern):
+    rc = main(["reconstruct", str(tmp_path / "missing.zarr"), "-o", str(tmp_path / "out.zarr"), *flags])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("daskpty: error: "), err
+    assert re.search(pattern, err), err

@@ -292,30 +292,16 @@ def _key_values(text, flag: str) -> dict:
 
 
 def _probe_model_settings(text):
-    """``--probe-model KEY=VALUE,...`` → the ``probe_model`` argument (None when not given)."""
-    settings = _key_values(text, "--probe-model")
-    if not settings:
-        return None
-    from daskpty.engines.probe_model import ProbeModelOptions
-
-    unknown = sorted(set(settings) - set(ProbeModelOptions.__dataclass_fields__))
-    if unknown:
-        raise ValueError(f"--probe-model: unknown option(s) {unknown}; valid: "
-                         f"{sorted(ProbeModelOptions.__dataclass_fields__)}")
-    return settings
+    """``--probe-model KEY=VALUE,...`` → the ``probe_model`` group (None when not given; its keys
+    are checked by :func:`daskpty.options.resolve`, a typo with its close match)."""
+    return _key_values(text, "--probe-model") or None
 
 
 def _position_settings(text):
-    """``--refine-positions [KEY=VALUE,...]`` → the ``refine_positions`` argument."""
+    """``--refine-positions [KEY=VALUE,...]`` → the ``refine_positions`` group (False: not given)."""
     if text is None:
         return False
-    settings = _key_values(text, "--refine-positions")
-    from daskpty.engines.positions import PositionOptions
-
-    try:
-        return PositionOptions.from_argument(settings or True)
-    except TypeError as exc:  # unknown keys: a usage error like any other
-        raise ValueError(str(exc)) from None
+    return _key_values(text, "--refine-positions") or True
 
 
 def _setting_value(text):
