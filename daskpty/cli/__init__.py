@@ -12,8 +12,9 @@ import signal
 import sys
 import warnings
 
-from .. import _interrupted_while_starting
-from ..execution.watchdog import ReconstructionDiverged, ReconstructionStalled
+from .. import __version__, _interrupted_while_starting
+from ..execution.watchdog import (ReconstructionDiverged, ReconstructionStalled, install_loss_filter,
+                                 quiet_handled_losses)
 from ..io.safety import StoreWriteError
 from . import export, import_data, info, reconstruct, show, simulate
 from .interrupts import INTERRUPTED, InterruptGuard, forget_handled_interrupt
@@ -38,8 +39,6 @@ def one_line(message) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from daskpty import __version__
-
     parser = _Parser(prog="daskpty",
                      description="Out-of-core ptychographic reconstruction on chunked Zarr data "
                                  "over dask clusters.")
@@ -66,8 +65,6 @@ def main(argv=None) -> int:
         # leave their semaphores to multiprocessing's resource tracker, which removes them at
         # exit with a "leaked semaphore" warning; it takes its warning filters from these options.
         sys.warnoptions.append("ignore:resource_tracker:UserWarning")
-        from ..execution.watchdog import install_loss_filter
-
         install_loss_filter()  # also for what asyncio reports as the process ends
     if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:  # (set while importing)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -81,11 +78,9 @@ def main(argv=None) -> int:
 
 def _run_command(args) -> int:
     try:
-        from ..io.checkpoint import sigterm_as_interrupt
+        from ..io.checkpoint import sigterm_as_interrupt  # lazy: it loads zarr, kept out of the CLI's start
 
         # SIGTERM (a batch system's wall time) at any moment ends like Ctrl-C: one line, exit 130
-        from ..execution.watchdog import quiet_handled_losses
-
         # distributed's tracebacks of a handled loss or interrupt go to INFO during the command
         with warnings.catch_warnings(record=True) as caught, sigterm_as_interrupt(), quiet_handled_losses():
             warnings.simplefilter("always", UserWarning)

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import sys
 
+from ..io.export import FORMATS, export
+
 NAME = "export"
 
 
@@ -29,8 +31,6 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from daskpty.io.export import FORMATS, export
-
     suffix = os.path.splitext(args.output)[1].lower()
     if suffix not in FORMATS:
         raise ValueError(f"{args.output}: unsupported export type {suffix or '(no suffix)'!r}; "

@@ -1,7 +1,14 @@
 """``daskpty import SRC -o DATA.zarr``: a measured data file → a data-set store (streamed)."""
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import sys
+
+from ..io.importers import Geometry, Preprocess, detect_format, import_file
+from ..io.importers.frames import read_frame
+from ..io.near_field_hint import near_field_hint
 
 NAME = "import"
 UNITS = ("m", "mm", "um", "nm", "A", "px")
@@ -85,8 +92,6 @@ def add_parser(subparsers):
 
 
 def _shape(text):
-    import argparse
-
     try:
         rows, cols = (int(v) for v in text.lower().replace("*", "x").split("x"))
     except ValueError:
@@ -96,9 +101,6 @@ def _shape(text):
 
 def options(args) -> dict:
     """Keyword arguments of :func:`daskpty.io.importers.import_file` from parsed arguments."""
-    from daskpty.io.importers import Geometry, Preprocess, detect_format
-    from daskpty.io.importers.frames import read_frame
-
     fmt = args.format or detect_format(args.source)
     radiation = args.radiation or ("electron" if fmt == "empad" else "xray")
     geometry = Geometry(wavelength_m=args.wavelength, energy_ev=args.energy,
@@ -134,9 +136,6 @@ def options(args) -> dict:
 
 def daskpty_store_kind(path) -> str | None:
     """``"data-set"`` or ``"reconstruction"`` when ``path`` is a daskpty store, else None."""
-    import json
-    import os
-
     try:
         with open(os.path.join(path, "zarr.json")) as f:
             marker = (json.load(f).get("attributes") or {}).get("daskpty") or {}
@@ -147,8 +146,6 @@ def daskpty_store_kind(path) -> str | None:
 
 
 def run(args) -> int:
-    from daskpty.io.importers import import_file
-
     kind = daskpty_store_kind(args.source)
     if kind == "data-set":
         raise ValueError(f"{args.source} is already a daskpty data-set store; use it directly "
@@ -164,7 +161,6 @@ def run(args) -> int:
         where = f", object pixel {px * 1e9:.4g} nm" if px else ""
         print(f"wrote {args.output}: {data.n_patterns} patterns of {data.pattern_shape[0]}x"
               f"{data.pattern_shape[1]} {data.dtype}{where}", file=sys.stdout)
-    from daskpty.io.near_field_hint import near_field_hint
 
     hint = near_field_hint(data)   # a few hundred frames at most: cheap next to the import
     if hint:

@@ -3,10 +3,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import uuid
+import warnings
 
 import numpy as np
 
+from ..io.near_field_hint import near_field_hint
+from ..io.scan import linear_overlap, nearest_neighbour_steps, probe_diameter
+from ..io.validate import check_position_scale, check_values
+from ..monitor.scan_plot import LOW_OVERLAP, scan_figure
 from ._format import human_bytes, human_metres
+from .show import _check_output
 
 NAME = "info"
 
@@ -31,8 +39,6 @@ def add_parser(subparsers):
 
 def overlap_warning(d: dict) -> str | None:
     """A warning when the median step and the probe diameter give little linear overlap."""
-    from daskpty.monitor.scan_plot import LOW_OVERLAP
-
     p = d["positions"]
     overlap = p["linear_overlap"]
     if not math.isfinite(overlap) or overlap >= LOW_OVERLAP:
@@ -46,14 +52,8 @@ def overlap_warning(d: dict) -> str | None:
 
 def write_plot(data, d: dict, path: str, overwrite: bool) -> None:
     """Draw :func:`daskpty.monitor.scan_plot.scan_figure` to ``path`` atomically."""
-    import os
-    import uuid
-
-    from .show import _check_output
-
     fmt = _check_output(path, overwrite)
     try:
-        from daskpty.monitor.scan_plot import scan_figure
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise ValueError("daskpty info --plot needs matplotlib: pip install 'daskpty[plot]'") \
@@ -72,8 +72,6 @@ def write_plot(data, d: dict, path: str, overwrite: bool) -> None:
 def _probe_size_estimate(data):
     """(diameter in pixels, where it came from): 90 %-power diameter of the true probe, else of
     the initial guess, else the simulator's record, else n/2."""
-    from daskpty.io.scan import probe_diameter
-
     if data.truth is not None and data.truth.probe is not None:
         return probe_diameter(data.truth.probe), "truth probe"
     if data.probe is not None:
@@ -86,10 +84,9 @@ def _probe_size_estimate(data):
 
 def describe(data) -> dict:
     """A JSON-able description of an opened data set (:class:`~daskpty.io.store.PtychoData`)."""
-    import zarr
+    import zarr  # lazy: zarr stays out of the CLI's start
 
-    from daskpty.io.scan import linear_overlap, nearest_neighbour_steps
-    from daskpty.io.store import store_size_bytes
+    from daskpty.io.store import store_size_bytes  # lazy: dask, zarr stay out of the CLI's start
 
     group = zarr.open_group(data.path, mode="r")
     arr = group["intensities"]
@@ -209,9 +206,7 @@ def format_text(d: dict) -> str:
 
 
 def run(args) -> int:
-    from daskpty.io.store import open_data
-    from daskpty.io.validate import check_position_scale, check_values
-
+    from daskpty.io.store import open_data  # lazy: dask, zarr stay out of the CLI's start
     data = open_data(args.store, validate="metadata")
     d = describe(data)
     report = None
@@ -220,8 +215,6 @@ def run(args) -> int:
         d["check"] = report.as_dict()
     if args.plot is not None:
         write_plot(data, d, args.plot, args.overwrite)
-    from daskpty.io.near_field_hint import near_field_hint
-
     d["near_field_hint"] = near_field_hint(data)   # reads a few hundred frames at most
     if args.json:
         print(json.dumps(d, indent=2, default=str, allow_nan=True))
@@ -235,8 +228,6 @@ def run(args) -> int:
     # so the hint replaces the overlap warning
     warning = d["near_field_hint"] or overlap_warning(d)
     if warning:
-        import warnings
-
         warnings.warn(warning, UserWarning, stacklevel=1)
     if report is not None:
         report.raise_if_bad()

@@ -5,6 +5,8 @@ import os
 import sys
 import uuid
 
+from ..io.safety import write_error
+
 NAME = "show"
 
 #: output formats by file suffix
@@ -45,7 +47,7 @@ def _check_output(path: str, overwrite: bool) -> str:
 
 
 def _read_reconstruction(path: str):
-    from daskpty.io.results import Reconstruction
+    from daskpty.io.results import Reconstruction  # lazy: zarr stays out of the CLI's start
 
     path = os.fspath(path).rstrip("/") or path
     if not os.path.exists(path) and not os.path.isdir(path + ".previous"):  # see Reconstruction.to_zarr
@@ -67,7 +69,7 @@ def _read_reconstruction(path: str):
 
 def _store_format(path: str):
     try:
-        import zarr
+        import zarr  # lazy: zarr stays out of the CLI's start
 
         return dict(zarr.open_group(path, mode="r").attrs).get("daskpty", {}).get("format")
     except Exception:
@@ -76,7 +78,7 @@ def _store_format(path: str):
 
 def _read_data(path: str, rec):
     """(truth or None, object pixel size in metres or None) from a data-set store."""
-    from daskpty.io.store import open_data
+    from daskpty.io.store import open_data  # lazy: dask, zarr stay out of the CLI's start
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such data-set store")
@@ -97,7 +99,7 @@ def run(args) -> int:
     rec = _read_reconstruction(args.recon)  # bad inputs are reported before a missing matplotlib
     truth, px = (None, None) if args.data is None else _read_data(args.data, rec)
     try:
-        from daskpty.monitor.plot import summary_figure
+        from daskpty.monitor.plot import summary_figure  # lazy, with the optional matplotlib it needs
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise ValueError("daskpty show needs matplotlib: pip install 'daskpty[plot]'") from exc
@@ -109,7 +111,7 @@ def run(args) -> int:
     epochs = getattr(rec, "epochs", len(rec.history))
     print(f"wrote {args.output}: {w}×{h} px, {epochs} epoch(s){extra}", file=sys.stdout)
     if getattr(rec, "probe_weights", None) is not None:  # OPR: eigen-probes and weight maps beside it
-        from daskpty.monitor.opr_plot import opr_figure
+        from daskpty.monitor.opr_plot import opr_figure  # lazy: see summary_figure
 
         stem, ext = os.path.splitext(args.output)
         opr_path = f"{stem}-opr{ext}"
@@ -127,8 +129,6 @@ def _save(fig, path: str, fmt: str, dpi: int) -> None:
         fig.savefig(tmp, format=fmt, dpi=dpi)
         os.replace(tmp, out)
     except OSError as exc:  # full or read-only disk, no permission: one line
-        from daskpty.io.safety import write_error
-
         err = write_error(exc, "writing the figure", path, "nothing was left behind")
         if err is None:
             raise

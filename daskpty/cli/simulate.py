@@ -5,6 +5,7 @@ import argparse
 import sys
 import time
 
+from ..simulate import PRESETS, simulate
 from ._format import human_bytes
 
 NAME = "simulate"
@@ -52,8 +53,6 @@ def _powers(text: str):
 
 
 def add_parser(subparsers):
-    from daskpty.simulate import PRESETS
-
     p = subparsers.add_parser(
         NAME, help="simulate a data set (structured object, focused probe, Poisson noise)",
         description="Simulate a ptychography data set into a new Zarr v3 store. Presets: small "
@@ -89,9 +88,7 @@ def add_parser(subparsers):
 
 
 def run(args) -> int:
-    from daskpty.io.store import store_size_bytes
-    from daskpty.simulate import simulate
-
+    from daskpty.io.store import store_size_bytes  # lazy: dask, zarr stay out of the CLI's start
     kwargs = {}
     if hasattr(args, "dose"):  # absent: the preset's dose
         kwargs["dose"] = args.dose

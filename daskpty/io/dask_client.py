@@ -5,7 +5,7 @@ from __future__ import annotations
 def current_client():
     """The active ``distributed.Client`` or None (distributed is imported only when asked)."""
     try:
-        from distributed import get_client
+        from distributed import get_client  # lazy: io imports distributed only when asked
 
         return get_client()
     except ValueError:

@@ -36,6 +36,9 @@ import uuid
 
 import numpy as np
 
+from .safety import StoreWriteError, check_writable
+from .validate import fail
+
 FORMATS = {".cxi": "cxi", ".h5": "hdf5", ".hdf5": "hdf5", ".tif": "tiff", ".tiff": "tiff",
            ".png": "png"}
 WHAT = ("object", "probe", "phase", "amplitude")
@@ -49,13 +52,11 @@ WRITE_PIECE = 8 * 2**20
 
 
 def _fail(msg):
-    from .validate import fail
-
     fail(msg)
 
 
 def _reconstruction(recon):
-    from daskpty.io.results import Reconstruction
+    from .results import Reconstruction  # lazy: io.results loads zarr, kept out of the CLI's start
 
     if isinstance(recon, Reconstruction):
         return recon
@@ -71,7 +72,7 @@ def geometry_of(data, rec=None) -> dict:
         meta = {k: sample.get(k) for k in ("wavelength_m", "object_pixel_size_m", "detector")}
     else:
         if isinstance(data, (str, os.PathLike)):
-            from .store import open_data
+            from .store import open_data  # lazy: dask, zarr stay out of the CLI's start
 
             data = open_data(data, validate="metadata")
         meta = data.metadata
@@ -95,8 +96,6 @@ def _mib(n: int) -> str:
 def _target(path, overwrite) -> str:
     """The absolute output path, after the checks that need no writing; then a probe file in
     its directory, so a read-only or unwritable place is refused before any work."""
-    from .safety import check_writable
-
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path):
         raise IsADirectoryError(f"{path} is a directory; give a file name")
@@ -115,8 +114,6 @@ def write_file(path, payload, *, overwrite: bool = False, check_space: bool = Tr
     margin); any OSError while writing (disk full, read-only, permissions) removes the partial
     file and raises one :class:`~daskpty.io.safety.StoreWriteError` line.
     """
-    from .safety import StoreWriteError
-
     path = _target(path, overwrite)
     view = memoryview(payload).cast("B")
     size = view.nbytes
@@ -169,7 +166,7 @@ def _phase_referenced(rec) -> np.ndarray:
 
 def _h5():
     try:
-        import h5py
+        import h5py  # lazy: optional dependency (daskpty[hdf5])
     except ImportError:
         _fail("writing CXI / HDF5 needs h5py: pip install 'daskpty[hdf5]'")
     return h5py
@@ -354,7 +351,7 @@ def export_tiff(recon, path, *, what: str = "object", data=None, overwrite: bool
     if what not in WHAT:
         _fail(f"what must be one of {', '.join(WHAT)}, got {what!r}")
     try:
-        import tifffile
+        import tifffile  # lazy: optional dependency (daskpty[hdf5])
     except ImportError:
         _fail("writing TIFF needs tifffile: pip install 'daskpty[hdf5]'")
     rec = _reconstruction(recon)
@@ -379,7 +376,7 @@ def export_png(recon, path, *, what: str = "phase", overwrite: bool = False,
     if what not in WHAT:
         _fail(f"what must be one of {', '.join(WHAT)}, got {what!r}")
     try:
-        from matplotlib import image
+        from matplotlib import image  # lazy: optional dependency (daskpty[plot])
     except ImportError:
         _fail("writing PNG needs matplotlib: pip install 'daskpty[plot]'")
     rec = _reconstruction(recon)

@@ -18,7 +18,10 @@ import os
 import posixpath
 import struct
 
+import google_crc32c
 import numpy as np
+import zarr
+from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
 
 from .safety import is_daskpty_store, store_format, stored_epoch
 from .validate import DataError
@@ -117,8 +120,6 @@ def check_present(arr, store, label: str | None = None) -> None:
 # --------------------------------------------------------------------------- decoding
 
 def _sharding(arr):
-    from zarr.codecs import ShardingCodec
-
     codecs = arr.metadata.codecs
     return codecs[0] if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec) else None
 
@@ -128,8 +129,6 @@ def shard_index_problem(arr, path: str) -> str | None:
     (offset, length) pair per inner chunk and a CRC32C), or None when the index is sound. Catches
     truncated and partly copied shards without reading their data. Shards of a layout other
     than zarr's default (index at the end, checksummed) are not checked."""
-    from zarr.codecs import BytesCodec, Crc32cCodec
-
     codec = _sharding(arr)
     if codec is None or str(getattr(codec.index_location, "value", codec.index_location)) != "end" \
             or [type(c) for c in codec.index_codecs] != [BytesCodec, Crc32cCodec]:
@@ -143,8 +142,6 @@ def shard_index_problem(arr, path: str) -> str | None:
     with open(path, "rb") as f:
         f.seek(size - index_bytes)
         tail = f.read(index_bytes)
-    import google_crc32c
-
     if struct.unpack("<I", tail[-4:])[0] != google_crc32c.value(tail[:-4]):
         return "has a damaged index (checksum mismatch: truncated or overwritten)"
     pairs = np.frombuffer(tail[:-4], dtype="<u8").reshape(-1, 2)
@@ -203,8 +200,6 @@ NEVER_ZERO = ("object", "probe", "positions", "nominal_positions", "probe_weight
 def read_store_arrays(root, store, *, every_chunk: bool) -> dict[str, np.ndarray]:
     """Read a reconstruction store's arrays (``engine_state/NAME`` for the engine's) with
     :func:`read_checked`. ``every_chunk``: the writer recorded that every chunk is on disk."""
-    import zarr
-
     out = {}
     for name in RECON_ARRAYS:
         node = root.get(name)

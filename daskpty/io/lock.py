@@ -14,6 +14,7 @@ Re-entrant within a process: nested ``StoreLock(X)`` blocks share one lock file.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -41,7 +42,7 @@ def lock_path(path) -> str:
 
 def _process_start(pid: int) -> float | None:
     try:
-        import psutil
+        import psutil  # lazy: comes with distributed, not a dependency of daskpty's own
 
         return float(psutil.Process(pid).create_time())
     except Exception:  # no such process (or psutil missing)
@@ -211,8 +212,6 @@ class StoreLock:
 def holding_lock_of(argument: str):
     """Decorator: hold the lock of the store passed as keyword ``argument`` (when given and not
     None) for the duration of the call."""
-    import functools
-
     def decorate(fn):
         @functools.wraps(fn)
         def locked(*args, **kwargs):

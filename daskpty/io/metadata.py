@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from .importers.geometry import wavelength_from_energy
 from .validate import (FORMAT_NAME, FORMAT_VERSION, GEOMETRY_KEYS, PHYSICS_KEYS, check_geometry,
                        check_positions, check_probe, fail)
 
@@ -84,8 +85,6 @@ def _derive_geometry(meta: dict, pattern_size) -> None:
     """Fill in the wavelength (from an electron voltage) and the object pixel size (in place)."""
     volts = meta["electron_voltage_v"]
     if volts is not None:
-        from .importers.geometry import wavelength_from_energy
-
         lam = wavelength_from_energy(volts, "electron")
         if meta["wavelength_m"] is None:
             meta["wavelength_m"] = lam

@@ -37,7 +37,7 @@ def probe_diameter(probe, enclosed: float = ENCLOSED_POWER) -> float:
 
 def nearest_neighbour_steps(positions) -> np.ndarray:
     """Distance (pixels) from each position to its nearest other position, via a KD-tree."""
-    from scipy.spatial import cKDTree
+    from scipy.spatial import cKDTree  # lazy: ~0.3 s, kept out of the CLI's start (io.validate imports this module)
 
     pos = np.asarray(positions, dtype=np.float64)
     if len(pos) < 2:

@@ -17,8 +17,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import warnings
 
 import dask.array as da
+from dask.base import tokenize
 import numpy as np
 import zarr
 
@@ -175,8 +177,6 @@ def _stored_dtype(x):
     dtypes are left for check_intensity_layout to judge."""
     if np.dtype(x.dtype) not in (np.float64, np.float16) or x.ndim != 3:
         return x
-    import warnings
-
     warnings.warn(f"intensities are {np.dtype(x.dtype)}; converted to float32, the dtype the store "
                   f"holds", UserWarning, stacklevel=3)
     return x.astype(np.float32)
@@ -283,8 +283,6 @@ def _check_shards(group, inten, where: str) -> None:
 
 def _dask_array(arr, where: str, chunks) -> da.Array:
     """``da.from_zarr`` whose read errors name the damaged shard file (:class:`NamedReader`)."""
-    from dask.base import tokenize
-
     return da.from_array(NamedReader(arr, where), chunks=chunks,
                          name="from-zarr-" + tokenize(arr, chunks),
                          meta=np.empty((0,) * arr.ndim, dtype=arr.dtype))

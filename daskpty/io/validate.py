@@ -250,7 +250,7 @@ def check_values(data, client=None) -> ValueReport:
     ``client`` if given, else on the current distributed client, else on dask's local threads.
     Returns a :class:`ValueReport`; call ``report.raise_if_bad()`` to turn problems into a DataError.
     """
-    import dask
+    import dask  # lazy: dask stays out of `import daskpty` and the CLI's start
     import dask.array as da
 
     x = getattr(data, "intensities", data)

@@ -270,7 +270,7 @@ def write_blocks(x: da.Array, arr, root: str, *, client=None, progress: bool = F
     if client is None:
         client = current_client()
     if client is not None:
-        from distributed import as_completed
+        from distributed import as_completed  # lazy: io imports distributed only when a client is used
 
         blocks = x.to_delayed().ravel()
         tasks = [dask.delayed(guarded_write, pure=False)(arr, root, int(o), b)

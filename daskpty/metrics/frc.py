@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy.ndimage import distance_transform_edt
 
+from ..io.scan import nearest_neighbour_steps
+from ..physics import split_positions
 from .registration import Alignment, _check_mask, _check_pair, align
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ def frc(a, b, *, n_bins=None, window=True) -> FRCResult:
         alpha = 0.25 if window is True else float(window)
         if not 0 < alpha <= 1:
             raise ValueError(f"window taper fraction must lie in (0, 1]; got {window}")
-        from scipy.signal.windows import tukey
+        from scipy.signal.windows import tukey  # lazy: scipy.signal takes ~1-2 s to import
 
         win = tukey(h, alpha)[:, None] * tukey(w, alpha)[None, :]
         a = a * win
@@ -204,8 +207,6 @@ def split_halves(positions, method: str = "checkerboard") -> tuple[np.ndarray, n
     index = np.arange(len(pos))
     if method == "alternate":
         return index[0::2], index[1::2]
-    from ..io.scan import nearest_neighbour_steps
-
     step = float(np.median(nearest_neighbour_steps(pos)))
     by_y = np.argsort(pos[:, 0], kind="stable")
     row = np.zeros(len(pos), dtype=np.int64)
@@ -220,8 +221,6 @@ def split_halves(positions, method: str = "checkerboard") -> tuple[np.ndarray, n
 
 def illumination_map(probe, positions, shape) -> np.ndarray:
     """Σ_j Σ_k |P_k|² placed at each position's integer window (float64, shape ``shape``)."""
-    from ..physics import split_positions
-
     p = np.asarray(probe)
     if p.ndim == 2:
         p = p[None]
@@ -245,8 +244,6 @@ def common_region(illumination_a, illumination_b, fraction: float = 0.3) -> np.n
 
 def _taper(mask: np.ndarray, width: float) -> np.ndarray:
     """Raised-cosine window: 0 outside ``mask``, rising to 1 over ``width`` pixels inside it."""
-    from scipy.ndimage import distance_transform_edt
-
     d = distance_transform_edt(np.pad(mask, 1))[1:-1, 1:-1]  # distance to the nearest pixel outside
     return 0.5 - 0.5 * np.cos(np.pi * np.clip(d / max(width, 1e-9), 0.0, 1.0))
 

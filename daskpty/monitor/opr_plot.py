@@ -41,7 +41,7 @@ def opr_figure(rec, *, figsize=None):
     """Eigen-probes (top row) and their weight maps over the scan (bottom row); a figure not
     registered with ``pyplot``. Panels are named ``"probe U<k>"`` and ``"weights U<k>"``."""
     _mpl()
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # lazy: optional dependency (daskpty[plot])
 
     k = np.asarray(rec.probe_weights).shape[1]
     fig = Figure(figsize=figsize or (3.2 * k + 1, 6.5), layout="constrained")

@@ -14,6 +14,10 @@ import math
 
 import numpy as np
 
+from ..metrics import align, frc
+from ..metrics import truth_frame as _truth_frame
+from ..physics import mode_powers
+
 __all__ = [
     "MAX_PROBE_PANELS", "complex_to_rgb", "format_length", "panel_names", "plot_frc", "plot_history",
     "plot_object", "plot_positions", "plot_probe", "scale_bar", "scale_bar_length", "summary_figure", "summary_panels",
@@ -32,7 +36,7 @@ _PANEL_LABEL = "daskpty-panel:"
 
 def _mpl():
     try:
-        import matplotlib
+        import matplotlib  # lazy: optional dependency (daskpty[plot])
     except ImportError as exc:  # pragma: no cover - exercised only without the extra
         raise ImportError("daskpty figures need matplotlib: pip install 'daskpty[plot]'") from exc
     return matplotlib
@@ -67,8 +71,8 @@ def scale_bar(ax, pixel_size_m: float, width_px: float, *, origin=(0.0, 0.0), he
               color="white", fontsize=8):
     """Draw a round-length scale bar at the lower left of an image shown with ``extent`` starting at
     ``origin`` (y0, x0) in pixels and ``width_px`` wide. Returns the label's Text artist."""
-    from matplotlib import patheffects
-    from matplotlib.patches import Rectangle
+    from matplotlib import patheffects  # lazy: optional dependency (daskpty[plot])
+    from matplotlib.patches import Rectangle  # lazy: optional dependency (daskpty[plot])
 
     length_m = scale_bar_length(width_px * pixel_size_m)
     length_px = length_m / pixel_size_m
@@ -91,7 +95,7 @@ def scale_bar(ax, pixel_size_m: float, width_px: float, *, origin=(0.0, 0.0), he
 
 def complex_to_rgb(z: np.ndarray) -> np.ndarray:
     """RGB image of a complex array: hue = phase, brightness = amplitude (normalised to its max)."""
-    from matplotlib.colors import hsv_to_rgb
+    from matplotlib.colors import hsv_to_rgb  # lazy: optional dependency (daskpty[plot])
 
     amp = np.abs(z)
     top = float(amp.max()) if amp.size else 0.0
@@ -206,8 +210,6 @@ def plot_probe(axes, probe, pixel_size_m=None, *, phase=True):
     beyond ``len(axes)`` are not drawn; surplus axes are hidden. Returns the power fractions.
     """
     _mpl()
-    from daskpty.physics import mode_powers
-
     probe = np.asarray(probe)
     if probe.ndim == 2:
         probe = probe[None]
@@ -296,8 +298,6 @@ def plot_positions(ax, rec, *, max_arrows: int = 4000):
 def truth_frame(rec, truth, fraction=COMPARE_FRACTION):
     """The reconstruction's object in the ground truth's frame, and the illuminated mask there
     (see :func:`daskpty.metrics.truth_frame`). Returns ``(estimate, mask, offset)``."""
-    from ..metrics import truth_frame as _truth_frame
-
     lit = rec.illuminated(fraction)
     return _truth_frame(_squeeze_image(rec.object), rec.positions, lit[0] if lit.ndim == 3 else lit,
                         _squeeze_image(truth.object), getattr(truth, "positions", None), rec.origin)
@@ -309,8 +309,6 @@ def plot_frc(ax, rec, truth, pixel_size_m=None, *, fraction=COMPARE_FRACTION):
     (:func:`daskpty.metrics.align`: shift, phase ramp, complex scale) and both images are cropped to
     the bounding box of the illuminated region. Returns the :class:`~daskpty.metrics.FRCResult`."""
     _mpl()
-    from daskpty.metrics import align, frc
-
     est, lit, _ = truth_frame(rec, truth, fraction)
     if not lit.any():
         raise ValueError("the reconstruction's illuminated region does not overlap the true object")
@@ -369,7 +367,7 @@ def summary_figure(rec, truth=None, pixel_size_m=None, *, figsize=None):
     Returns a :class:`matplotlib.figure.Figure` (not registered with ``pyplot``).
     """
     _mpl()
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # lazy: optional dependency (daskpty[plot])
 
     probe = np.asarray(rec.probe)
     if probe.ndim == 2:

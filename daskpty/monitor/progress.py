@@ -50,7 +50,7 @@ def make_progress(epochs: int, n_patterns: int, *, start_epoch: int = 0, loss: s
         bar = interactive(stream)
     if bar:
         try:
-            import tqdm.auto  # noqa: F401
+            import tqdm.auto  # noqa: F401  (optional dependency)
         except ImportError:
             bar = False
     cls = TqdmProgress if bar else ProgressPrinter
@@ -105,7 +105,7 @@ class TqdmProgress(ProgressPrinter):
     def __init__(self, epochs: int, n_patterns: int, stream=None, every: int = 10, *, start_epoch: int = 0,
                  loss: str | None = None):
         super().__init__(epochs, n_patterns, stream, every, start_epoch=start_epoch, loss=loss)
-        from tqdm.auto import tqdm
+        from tqdm.auto import tqdm  # lazy: optional dependency
 
         self.bar = tqdm(total=epochs, initial=start_epoch, unit="epoch", file=self.stream, dynamic_ncols=True)
 

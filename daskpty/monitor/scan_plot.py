@@ -19,8 +19,8 @@ def mean_pattern(data) -> np.ndarray:
 def scan_figure(data, mean=None, probe_diameter_px: float | None = None):
     """Two panels: positions (x right, y down, coloured by pattern index, one probe-sized circle
     at the first position) and the mean pattern on a log scale, masked pixels blank."""
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Circle
+    from matplotlib.figure import Figure  # lazy: optional dependency (daskpty[plot])
+    from matplotlib.patches import Circle  # lazy: optional dependency (daskpty[plot])
 
     mean = mean_pattern(data) if mean is None else np.asarray(mean, dtype=np.float64)
     fig = Figure(figsize=(10, 4.6), layout="constrained")

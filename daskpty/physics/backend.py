@@ -45,7 +45,7 @@ def get_xp(*arrays):
     """Return the array module (``numpy`` or ``cupy``) of the first CuPy array, else NumPy."""
     for a in arrays:
         if type(a).__module__.split(".")[0] == "cupy":
-            import cupy
+            import cupy  # lazy: optional GPU dependency
 
             return cupy
     return np
@@ -75,10 +75,10 @@ def _transform(a, inverse: bool, overwrite: bool):
     if is_cupy(a):
         _apply_plan_cache_setting()
         if overwrite and a.flags.c_contiguous:  # cuFFT may then write the result into ``a``
-            import cupyx.scipy.fft as cufft
+            import cupyx.scipy.fft as cufft  # lazy: optional GPU dependency
 
             return (cufft.ifft2 if inverse else cufft.fft2)(a, norm="ortho", overwrite_x=True)
-        import cupy
+        import cupy  # lazy: optional GPU dependency
 
         return (cupy.fft.ifft2 if inverse else cupy.fft.fft2)(a, norm="ortho")
     return (scipy.fft.ifft2 if inverse else scipy.fft.fft2)(a, norm="ortho", workers=_FFT_WORKERS,
@@ -99,7 +99,7 @@ def _apply_plan_cache_setting() -> None:
     if not _PLAN_CACHE_SET:
         _PLAN_CACHE_SET = True
         if not FFT_SETTINGS["plan_cache"]:
-            import cupy
+            import cupy  # lazy: optional GPU dependency
 
             cupy.fft.config.get_plan_cache().set_size(0)
 

@@ -110,7 +110,7 @@ __device__ complex<double> daskpty_dots_object(complex<float> d, complex<float> 
 
 
 def _build(name: str):
-    import cupy
+    import cupy  # lazy: optional GPU dependency
 
     ek, rk = cupy.ElementwiseKernel, cupy.ReductionKernel
     if name == "intensity":
@@ -213,7 +213,7 @@ def _contiguous(a, dtype=None):
 
 def _far_args(far, valid, background):
     """The arguments of :data:`_FAR_PARAMS` for far fields ``far``, and the (B, n, n) pixel shape."""
-    import cupy
+    import cupy  # lazy: optional GPU dependency
 
     b, m = far.shape[0], far.shape[1]
     npix = far.shape[-2] * far.shape[-1]
@@ -228,7 +228,7 @@ def _far_args(far, valid, background):
 
 def _mask_broadcast(valid, like):
     """The mask as a float32 array that broadcasts against (B, n, n) (ones (1, 1) when None)."""
-    import cupy
+    import cupy  # lazy: optional GPU dependency
 
     if valid is None:
         return cupy.ones((1, 1), np.float32)
@@ -246,7 +246,7 @@ def mode_intensity(far, background=None):
         if background is not None:
             yhat += background
         return yhat
-    import cupy
+    import cupy  # lazy: optional GPU dependency
 
     far = _contiguous(far)
     args, shape = _far_args(far, None, background)
@@ -261,7 +261,7 @@ def poisson_alpha(yhat, y, valid=None, eps: float = DEFAULT_EPS, iterations: int
     """
     if not (uses_fused(yhat, y, dtype=np.float32)):
         return _poisson_alpha64(yhat.astype(np.float64), y.astype(np.float64), valid, eps, iterations)[0]
-    import cupy
+    import cupy  # lazy: optional GPU dependency
 
     yhat = yhat.astype(np.float32, copy=False)
     y = y.astype(np.float32, copy=False)
@@ -294,7 +294,7 @@ def far_field_update(noise: str, far, y, valid=None, eps: float = DEFAULT_EPS, o
     get_noise_model(noise, lsqml=True)
     if not uses_fused(far) or noise not in ("gaussian", "poisson"):
         return _far_field_update_numpy(noise, far, y, valid, eps, overwrite=overwrite, background=background)
-    import cupy
+    import cupy  # lazy: optional GPU dependency
 
     given = far
     far = _contiguous(far) if overwrite else far.copy()
@@ -383,7 +383,7 @@ def far_field_loss(name: str, far, y, valid, eps: float, gradient: bool, overwri
     model = get_noise_model(name, what="loss")
     if not uses_fused(far) or model.kernel_id is None:
         return _far_field_loss_numpy(name, far, y, valid, eps, gradient, overwrite, background)
-    import cupy
+    import cupy  # lazy: optional GPU dependency
 
     given = far
     far = far.copy() if gradient and not overwrite else _contiguous(far)

@@ -103,7 +103,7 @@ def _scatter_add_flat(target, idx, vals) -> None:
     if xp is np:
         np.add.at(target.reshape(-1), idx, vals.astype(target.dtype, copy=False))
     else:  # CuPy: one atomic scatter kernel per real component
-        import cupyx
+        import cupyx  # lazy: optional GPU dependency
 
         if xp.iscomplexobj(target):
             real_dtype = xp.float32 if target.dtype == xp.complex64 else xp.float64

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import fft2, get_xp, ifft2
+from .geometry import fresnel_scaling
 
 
 def far_field(exit_waves):
@@ -87,8 +88,6 @@ def near_field_kernel(shape, detector_pixel_size_m, wavelength_m: float, sample_
     probe then holds no curvature of the divergent beam; intensities scale by 1/M², a constant the
     probe's power absorbs). ``focus_to_sample_m=None``: plane wave, z_eff = z2, Δx = p.
     """
-    from .geometry import fresnel_scaling
-
     z_eff, magnification = fresnel_scaling(focus_to_sample_m, sample_to_detector_m)
     pixel = np.asarray(detector_pixel_size_m, dtype=np.float64) / magnification
     return angular_spectrum_kernel(shape, pixel, wavelength_m, z_eff, band_limit=band_limit, xp=xp,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 import os
 
+from ..validate import fail
+
 _EXPORTS = {
     "import_cxi": ".cxi", "import_hdf5": ".hdf5", "import_empad": ".empad",
     "import_numpy": ".npy", "import_tiff": ".tiff", "Geometry": ".geometry",
@@ -29,8 +31,6 @@ def detect_format(src) -> str:
     if fmt is None and (os.path.isdir(src) or any(c in src for c in "*?[")):
         fmt = "tiff"
     if fmt is None:
-        from ..validate import fail
-
         fail(f"{src}: cannot tell the format from the name; pass --format "
              f"{'|'.join(FORMATS)}")
     return fmt

@@ -7,6 +7,7 @@ import os
 import numpy as np
 
 from ..validate import fail
+from .h5util import open_hdf5, require
 
 #: frames averaged at a time when a dark stack is given
 BATCH = 64
@@ -28,12 +29,10 @@ def read_frame(spec: str, what: str) -> np.ndarray:
     if suffix == ".npy":
         arr = np.load(path, mmap_mode="r")
     elif suffix in (".tif", ".tiff"):
-        import tifffile
+        import tifffile  # lazy: optional dependency (daskpty[hdf5])
 
         arr = tifffile.imread(path)
     elif suffix in (".h5", ".hdf5", ".hdf", ".nxs", ".cxi"):
-        from .h5util import open_hdf5, require
-
         if not key:
             fail(f"name the {what} dataset inside {path}: {path}::/path")
         with open_hdf5(path) as f:

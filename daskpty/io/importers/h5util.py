@@ -13,7 +13,7 @@ MAX_LISTED = 12
 
 def h5py_module():
     try:
-        import h5py
+        import h5py  # lazy: optional dependency (daskpty[hdf5])
         try:
             import hdf5plugin  # noqa: F401  (registers bitshuffle/LZ4, Blosc, ... filters)
         except ImportError:

@@ -202,11 +202,11 @@ class Plan:
     def hot_pixels(self) -> np.ndarray:
         """Output pixels whose mean or variance lies far above the median of its 5 × 5
         neighbourhood, in units of the local median absolute deviation."""
+        from scipy.ndimage import median_filter  # lazy: scipy.ndimage stays out of the CLI's start
+
         hot = np.zeros((self.size, self.size), bool)
         if self.pre.hot_sigma is None or self.count == 0:
             return hot
-        from scipy.ndimage import median_filter
-
         mean = self.sum / self.count
         var = np.clip(self.sumsq / self.count - mean ** 2, 0, None)
         for v in (mean, var):

@@ -16,7 +16,7 @@ from .writer import Scan, import_source
 
 def _tifffile():
     try:
-        import tifffile
+        import tifffile  # lazy: optional dependency (daskpty[hdf5])
     except ImportError:
         fail("reading TIFF needs tifffile: pip install 'daskpty[hdf5]'")
     return tifffile
