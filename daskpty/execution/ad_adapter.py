@@ -11,6 +11,7 @@ evaluations and the apply; a driver that finds ``run_round`` on an adapter calls
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,6 +131,11 @@ class ADAdapter:
                          state.probe if probe is None else probe, self.options,
                          state.active("object", self.options), state.active("probe", self.options),
                          self.valid, options_for(self.positions, state), state.epoch, affine, self.sample, **model)
+
+    @staticmethod
+    def copy_state(state):
+        """A deep copy: the optimiser's memory is updated in place."""
+        return copy.deepcopy(state)
 
     def apply(self, state, total, evaluate=None):
         state = ad.apply(state, total, self.options, evaluate=evaluate)

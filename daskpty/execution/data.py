@@ -29,7 +29,7 @@ def default_chunk_length(n_patterns: int, n: int, modes: int = 1, memory_budget:
     Independent of the worker count, so the reduction order (and so the result) does not change
     with the cluster size. ``working_factor``: the chunk step's working set relative to the
     single-slice engine's (multislice with K slices: (2K + 4) / 3, see
-    :attr:`daskpty.sample.ResolvedSample.working_factor`); it divides the memory bound only.
+    :attr:`daskpty.engines.sample_options.ResolvedSample.working_factor`); it divides the memory bound only.
     """
     per_pattern = WORKING_BYTES_PER_PIXEL * modes * n * n * max(1.0, float(working_factor))
     by_memory = max(1, int(memory_budget // per_pattern))

@@ -57,7 +57,7 @@ def _moved(value, convert):
 
 
 def state_on_device(state, adapter) -> bool:
-    fields = getattr(adapter, "device_fields", ())
+    fields = adapter.device_fields
     return bool(fields) and is_cupy(getattr(state, fields[0], None))
 
 
@@ -72,7 +72,7 @@ def to_device(state, adapter, like):
 def resident(state, adapter, blocks):
     """The state a worker computes with: moved to the device when its data ``blocks`` are there,
     the adapter keeps device-resident state and it is not there yet; else ``state`` itself."""
-    if (not _ENABLED or not blocks or not is_cupy(blocks[0]) or not getattr(adapter, "device_fields", ())
+    if (not _ENABLED or not blocks or not is_cupy(blocks[0]) or not adapter.device_fields
             or state_on_device(state, adapter)):
         return state
     return to_device(state, adapter, blocks[0])
@@ -81,7 +81,7 @@ def resident(state, adapter, blocks):
 def follow_partials(state, adapter, total):
     """``state`` moved to the device when the reduced partial ``total`` came from there (a round
     end that runs apart from the chunk steps, in the split epoch graph)."""
-    if total is None or not getattr(adapter, "device_fields", ()) or state_on_device(state, adapter):
+    if total is None or not adapter.device_fields or state_on_device(state, adapter):
         return state
     arrays = [b.data for b in total.boxes.values()] + list(total.arrays.values())
     device = next((a for a in arrays if is_cupy(a)), None)

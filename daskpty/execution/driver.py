@@ -26,6 +26,7 @@ import numpy as np
 from .cluster import live_workers, result_unless_paused, wait_for_workers
 from .device_state import fetch_host_state
 from .fetch import BLOCK_BYTES, fetch_state
+from .engine_protocol import RunsOwnRounds
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
 from .placement import run_stuck_loose_tasks
@@ -56,7 +57,7 @@ def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_ev
     scalars: dict[str, float] = {}
     for r in range(rounds):
         start = time.perf_counter()
-        if hasattr(adapter, "run_round"):  # engines that need extra evaluations (line searches)
+        if isinstance(adapter, RunsOwnRounds):  # engines that need extra evaluations (line searches)
             state, total = adapter.run_round(client, data, state, round_index=r, rounds=rounds,
                                              split_every=split_every, local=local)
         else:
@@ -171,8 +172,7 @@ def _client_epochs(client, data, adapter, state, epochs, rounds, split_every):
         state = adapter.begin_epoch(state)
         state, scalars, local = _run_rounds(client, data, adapter, state, rounds, split_every, local, watchdog)
         state = adapter.end_epoch(state)
-        if hasattr(adapter, "epoch_scalars"):
-            scalars.update(adapter.epoch_scalars(state))
+        scalars.update(adapter.epoch_scalars(state))
         # a shallow copy: the next epoch rebinds this state's arrays (it never writes into them)
         yield EpochState(state.epoch, state=with_local(state, local)), scalars, time.perf_counter() - start
 
@@ -346,13 +346,13 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
     n_total = int(sum(data.chunk_lengths))
     if split_every is None:
         split_every = default_split_every(data.n_chunks)
-    if getattr(adapter, "local_state", False) and getattr(state, "chunk_local", None) is None:
+    if adapter.local_state and getattr(state, "chunk_local", None) is None:
         state = with_local(state, initial_locals(adapter, data.positions_host, data.chunk_lengths))
     if initialise and state.epoch == 0:
         state = adapter.initialise(client, data, state, split_every=split_every)
     if epochs <= 0:
         return state, history
-    if data.persisted and not getattr(adapter, "needs_evaluations", False):
+    if data.persisted and not (isinstance(adapter, RunsOwnRounds) and adapter.needs_evaluations):
         epochs_iter = _graph_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)
     else:
         epochs_iter = _client_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)

@@ -59,6 +59,10 @@ class EngineAdapter(Protocol):
         """Each chunk's starting per-pattern state from its nominal positions (called only when
         ``local_state``)."""
 
+    def copy_state(self, state):
+        """A copy of ``state`` that :meth:`apply` may change without touching ``state`` (cheap
+        when ``apply`` only rebinds the state's arrays)."""
+
 
 @runtime_checkable
 class RunsOwnRounds(Protocol):

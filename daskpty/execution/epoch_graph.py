@@ -9,7 +9,6 @@ round is one level of the graph: one exchange of partial sums and nothing else.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -57,7 +56,7 @@ def _chunks_of_round(blocks, positions, carry: EpochCarry, adapter, round_index,
     if state is not carry.state:
         carry = EpochCarry(state, carry.scalars, carry.ended_at, carry.local)
     payload = adapter.payload(carry.state)
-    keeps_local = getattr(adapter, "local_state", False)
+    keeps_local = adapter.local_state
     parts, local = {}, {}
     for i, b, p in zip(indices, blocks, positions):
         own = None
@@ -83,9 +82,8 @@ def _split_chunk_task(*args) -> dict:
 
 def copy_state(adapter, state):
     """A copy of ``state`` that ``adapter.apply`` may change without touching the original
-    (adapters whose ``apply`` only rebinds attributes offer a cheap ``copy_state``)."""
-    own = getattr(adapter, "copy_state", None)
-    return own(state) if own is not None else copy.deepcopy(state)
+    (the protocol's ``copy_state``: cheap where ``apply`` only rebinds attributes)."""
+    return adapter.copy_state(state)
 
 
 def _finish_round(carry: EpochCarry, adapter, first: bool, tree: FixedTree, own: int, *groups) -> EpochCarry:
@@ -122,9 +120,7 @@ def _finish_round(carry: EpochCarry, adapter, first: bool, tree: FixedTree, own:
 def _end_epoch(carry: EpochCarry, adapter) -> EpochCarry:
     state = adapter.end_epoch(copy_state(adapter, carry.state))
     scalars = carry.scalars
-    epoch_scalars = getattr(adapter, "epoch_scalars", None)
-    if epoch_scalars is not None:
-        scalars = {**scalars, **epoch_scalars(state)}
+    scalars = {**scalars, **adapter.epoch_scalars(state)}
     return EpochCarry(state, scalars, time.time(), local=carry.local)
 
 
@@ -308,7 +304,7 @@ class EpochGraph:
 
         self.client = client
         self.fused = fused
-        self.keeps_local = bool(getattr(adapter, "local_state", False))
+        self.keeps_local = bool(adapter.local_state)
         self.rounds = int(rounds)
         if split_every is None:
             split_every = default_split_every(data.n_chunks)

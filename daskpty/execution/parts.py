@@ -26,7 +26,7 @@ def with_probe_model(adapter, model: ProbeModelOptions | None):
 
 
 def sample_model(sample) -> SampleModel | None:
-    """The engines' :class:`SampleModel` of a resolved sample (:class:`daskpty.sample.ResolvedSample`):
+    """The engines' :class:`SampleModel` of a resolved sample (:class:`daskpty.engines.sample_options.ResolvedSample`):
     None for one slice in the far field (the single-slice code path, bit for bit what it was)."""
     if not sample.multislice:
         return None
