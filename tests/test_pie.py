@@ -84,19 +84,27 @@ def test_ground_truth_through_reconstruct(threads_client, engine, modes, thresho
 
 
 @pytest.mark.slow
-def test_two_workers_equal_one_and_resume_is_bit_identical(tmp_path):
-    ds = make_dataset(grid=8, seed=5)
-    common = dict(engine="rpie", object=np.ones_like(ds.truth.object), rounds_per_epoch=2, chunk_length=16,
-                  split_every=2, probe_modes=2, refine_positions={"start_epoch": 1})
+@pytest.mark.parametrize("slices", [1, 2])
+def test_two_workers_equal_one_and_resume_is_bit_identical(tmp_path, slices):
+    """With 2 probe modes and refined positions; in one slice and through 2 (3PIE)."""
+    if slices == 1:
+        ds = make_dataset(grid=8, seed=5)
+        data = daskpty.from_arrays(ds.intensities, ds.positions)
+        common = dict(object=np.ones_like(ds.truth.object), chunk_length=16)
+    else:
+        _, data, _ = _electron(2, grid=5)
+        common = dict(slices=2, slice_spacing_m=SPACING, chunk_length=8)
+    common.update(engine="rpie", rounds_per_epoch=2, split_every=2, probe_modes=2, refine_positions={"start_epoch": 1})
     results = {}
     for workers in (1, 2):
         with LocalCluster(n_workers=workers, threads_per_worker=1, processes=False,
                           dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
-            results[workers] = daskpty.reconstruct(ds, epochs=4, client=client, **common)
+            results[workers] = _run(data, client, epochs=4, **common)
             if workers == 1:
                 path = str(tmp_path / "pie.zarr")
-                daskpty.reconstruct(ds, epochs=2, client=client, checkpoint=path, **common)
-                resumed = daskpty.reconstruct(ds, epochs=4, client=client, resume=path, **common)
+                _run(data, client, epochs=2, checkpoint=path, **common)
+                resumed = _run(data, client, epochs=4, resume=path, **common)
+    assert results[1].object.ndim == (2 if slices == 1 else 3)
     assert np.linalg.norm(results[2].object - results[1].object) <= 1e-5 * np.linalg.norm(results[1].object)
     np.testing.assert_allclose(results[2].positions, results[1].positions, rtol=0, atol=1e-5)
     assert np.abs(results[1].positions - results[1].nominal_positions).max() > 1e-3   # they did move
