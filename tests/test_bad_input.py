@@ -841,20 +841,21 @@ def test_check_values_counts_minus_infinity_once():
 
 def test_execution_settings_as_one_group():
     """``execution=`` takes the execution settings as one ExecutionOptions or dict: merged with
-    the keywords, a setting given twice with different values is one line, and an unknown name
-    or a wrong type is refused before any work."""
+    the keywords by daskpty.options' one rule, a setting given twice with different values is one
+    line, and an unknown name or a wrong type is refused before any work."""
     from daskpty.execution.options import ExecutionOptions
+    from daskpty.options import OptionError, resolve
 
     group = ExecutionOptions(chunk_length=16, rounds_per_epoch=2, sort=False)
-    merged = ExecutionOptions.from_arguments(group, n_workers=3, rounds_per_epoch="auto")
+    merged = resolve(execution=group, n_workers=3).execution
     assert (merged.n_workers, merged.chunk_length, merged.rounds_per_epoch, merged.sort) == (3, 16, 2, False)
-    assert ExecutionOptions.from_arguments({"split_every": 3}, split_every=3).split_every == 3
-    with pytest.raises(ValueError, match=r"^chunk_length is given twice, as a keyword \(8\) and in execution \(16\)"):
-        ExecutionOptions.from_arguments(group, chunk_length=8)
-    with pytest.raises(TypeError, match=r"unknown option\(s\) \['workers'\]"):
-        ExecutionOptions.from_arguments({"workers": 2})
-    with pytest.raises(TypeError, match="execution must be an ExecutionOptions or a dict"):
-        ExecutionOptions.from_arguments(4)
+    assert resolve(execution={"split_every": 3}, split_every=3).execution.split_every == 3
+    with pytest.raises(OptionError, match=r"^chunk_length is given twice: chunk_length=8 and execution's"):
+        resolve(execution=group, chunk_length=8)
+    with pytest.raises(OptionError, match=r"unknown option\(s\) 'workers' \(did you mean 'n_workers'\?\)"):
+        resolve(execution={"workers": 2})
+    with pytest.raises(OptionError, match="execution must be a"):
+        resolve(execution=4)
     with pytest.raises(ValueError, match="rounds_per_epoch must be an integer >= 1"):
         daskpty.reconstruct("/nonexistent.zarr", execution={"rounds_per_epoch": 0})
 

@@ -64,34 +64,6 @@ class ExecutionOptions:
               f"device must be one of {DEVICES}, got {self.device!r}")
         check(isinstance(self.sort, (bool, np.bool_)), f"sort must be True or False, got {self.sort!r}")
 
-    @classmethod
-    def from_arguments(cls, group=None, **keywords) -> "ExecutionOptions":
-        """``reconstruct``'s execution settings: its keywords, merged with ``group`` (an
-        ExecutionOptions or a dict of its fields; ``reconstruct(execution=...)``). A keyword
-        left at its default takes the group's value; one set both ways to different values is
-        an error, as is a dict key that names no field."""
-        if group is None:
-            return cls(**keywords)
-        if isinstance(group, dict):
-            names = {f.name for f in dataclasses.fields(cls)}
-            unknown = sorted(set(group) - names)
-            if unknown:
-                raise TypeError(f"execution: unknown option(s) {unknown}; valid: {sorted(names)}")
-            group = cls(**group)
-        elif not isinstance(group, cls):
-            raise TypeError(f"execution must be an ExecutionOptions or a dict of its fields, got "
-                            f"{type(group).__name__}")
-        defaults = cls()
-        merged = {}
-        for f in dataclasses.fields(cls):
-            mine, theirs, default = keywords.get(f.name, getattr(defaults, f.name)), getattr(group, f.name), \
-                getattr(defaults, f.name)
-            if mine != default and theirs != default and mine != theirs:
-                raise ValueError(f"{f.name} is given twice, as a keyword ({mine!r}) and in execution "
-                                 f"({theirs!r}); give it once")
-            merged[f.name] = mine if mine != default else theirs
-        return cls(**merged)
-
     def replace(self, **changes) -> "ExecutionOptions":
         """These options with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
