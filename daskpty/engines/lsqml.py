@@ -34,7 +34,7 @@ from ..physics.patches import PatchIndex
 from ..physics.shifts import outer_ramps, shift_ramp_factors
 from ..physics import kernels
 from .partials import BoxedArray, Partial
-from .window_deformation import WindowDeformation, squared_gradients, wants_window_sums
+from .window_deformation import WindowDeformation, squared_gradients, wants_window_sums, warp_object
 from .positions import (
     PositionOptions,
     accumulate_affine,
@@ -113,42 +113,6 @@ def resample_object_state(state, matrix, offset) -> None:
     """O(x) ← O(matrix · x + offset) for the object and its momentum buffer, where the state
     lives (NumPy or CuPy): the window correction's move of the object (:func:`warp_object`)."""
     state.object, state.velocity = (warp_object(a, matrix, offset) for a in (state.object, state.velocity))
-
-
-def warp_object(a, matrix, offset):
-    """``a(matrix · x + offset)`` for an object-frame array (complex or real; None passes),
-    where it lives (NumPy or CuPy), in its own dtype. The move is a fraction of a pixel (the
-    window correction of one epoch), so it is the first-order step a + δ_y ∂_y a + δ_x ∂_x a
-    with δ(x) = (matrix − I) x + offset (central differences; a few array passes, where a cubic
-    resampling took a quarter of an epoch); a move of more than half a pixel anywhere is
-    resampled (linear) instead."""
-    if a is None:
-        return None
-    xp = get_xp(a)
-    if a.ndim == 3:                    # the slices of a multislice object move together
-        return xp.stack([warp_object(s, matrix, offset) for s in a])
-    m, o = np.asarray(matrix, np.float64), np.asarray(offset, np.float64)
-    h, w = a.shape[-2:]
-    corners = np.array([[0, 0], [0, w - 1], [h - 1, 0], [h - 1, w - 1]], np.float64)
-    largest = float(np.abs(corners @ (m - np.eye(2)).T + o).max())
-    if largest <= 0.5:
-        yy = xp.arange(h, dtype=np.float32)[:, None]
-        xx = xp.arange(w, dtype=np.float32)[None, :]
-        dy = np.float32(m[0, 0] - 1) * yy + np.float32(m[0, 1]) * xx + np.float32(o[0])
-        dx = np.float32(m[1, 0]) * yy + np.float32(m[1, 1] - 1) * xx + np.float32(o[1])
-        gy, gx = central_gradients(a, xp)
-        return (a + dy * gy + dx * gx).astype(a.dtype)
-    if xp is np:
-        from scipy.ndimage import affine_transform
-    else:  # pragma: no cover - GPU only
-        from cupyx.scipy.ndimage import affine_transform
-    mm, oo = xp.asarray(m), xp.asarray(o)
-    def part(v):
-        return affine_transform(v.astype(np.float32), mm, oo, order=1, mode="nearest")
-
-    if xp.iscomplexobj(a):
-        return (part(a.real) + 1j * part(a.imag)).astype(a.dtype)
-    return part(a).astype(a.dtype)
 
 
 def _trimmed_mean(x, xp, trim: float = 0.1) -> float:

@@ -12,7 +12,8 @@ import functools
 
 import numpy as np
 
-from ..physics.backend import to_numpy
+from ..physics.backend import get_xp, to_numpy
+from .positions import central_gradients
 
 #: The normal matrix (the curvature, no data residual in it) takes every GRAM_STRIDE-th pattern,
 #: scaled to all of them: it is a smooth average (every 1st / 2nd pattern left LSQML's three noise
@@ -147,3 +148,39 @@ class WindowDeformation:
         pos = np.asarray(positions, np.float64)
         return {"window_num": first.reshape(4), "window_gram": gram,
                 "window_positions": np.r_[pos.sum(axis=0), len(pos)]}
+
+
+def warp_object(a, matrix, offset):
+    """``a(matrix · x + offset)`` for an object-frame array (complex or real; None passes),
+    where it lives (NumPy or CuPy), in its own dtype. The move is a fraction of a pixel (the
+    window correction of one epoch), so it is the first-order step a + δ_y ∂_y a + δ_x ∂_x a
+    with δ(x) = (matrix − I) x + offset (central differences; a few array passes, where a cubic
+    resampling took a quarter of an epoch); a move of more than half a pixel anywhere is
+    resampled (linear) instead."""
+    if a is None:
+        return None
+    xp = get_xp(a)
+    if a.ndim == 3:                    # the slices of a multislice object move together
+        return xp.stack([warp_object(s, matrix, offset) for s in a])
+    m, o = np.asarray(matrix, np.float64), np.asarray(offset, np.float64)
+    h, w = a.shape[-2:]
+    corners = np.array([[0, 0], [0, w - 1], [h - 1, 0], [h - 1, w - 1]], np.float64)
+    largest = float(np.abs(corners @ (m - np.eye(2)).T + o).max())
+    if largest <= 0.5:
+        yy = xp.arange(h, dtype=np.float32)[:, None]
+        xx = xp.arange(w, dtype=np.float32)[None, :]
+        dy = np.float32(m[0, 0] - 1) * yy + np.float32(m[0, 1]) * xx + np.float32(o[0])
+        dx = np.float32(m[1, 0]) * yy + np.float32(m[1, 1] - 1) * xx + np.float32(o[1])
+        gy, gx = central_gradients(a, xp)
+        return (a + dy * gy + dx * gx).astype(a.dtype)
+    if xp is np:
+        from scipy.ndimage import affine_transform
+    else:  # pragma: no cover - GPU only
+        from cupyx.scipy.ndimage import affine_transform
+    mm, oo = xp.asarray(m), xp.asarray(o)
+    def part(v):
+        return affine_transform(v.astype(np.float32), mm, oo, order=1, mode="nearest")
+
+    if xp.iscomplexobj(a):
+        return (part(a.real) + 1j * part(a.imag)).astype(a.dtype)
+    return part(a).astype(a.dtype)

@@ -19,7 +19,7 @@ import numpy as np
 from ..engines import ad, lsqml_opr
 from ..engines import sample_model as sm
 from ..engines.ad import opr as ad_opr
-from ..engines.lsqml import warp_object
+from ..engines.window_deformation import warp_object
 from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
                                  options_for, positions_for_step, settle_start, start_parameters, window_parameters)
 from ..engines.probe_model import ProbeModelOptions
