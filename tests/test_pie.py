@@ -219,7 +219,7 @@ def test_rpie_through_slices_refines_positions_and_beats_one_slice(threads_clien
     """3PIE on a 2-slice electron scan whose nominal positions are 0.7 px off: 2 slices beat 1 in
     data misfit, refinement through the slices beats the nominal positions."""
     ds, data, _ = _electron(2, grid=7, error=0.7, seed=11)
-    kw = dict(engine="rpie", epochs=20, rounds_per_epoch=4, slices=2, slice_spacing_m=SPACING)
+    kw = dict(engine="rpie", epochs=15, rounds_per_epoch=4, slices=2, slice_spacing_m=SPACING)
     one = _run(data, threads_client, **{**kw, "slices": 1})
     fixed = _run(data, threads_client, **kw)
     refined = _run(data, threads_client, refine_positions={"start_epoch": 3}, **kw)
