@@ -16,10 +16,7 @@ import daskpty
 
 #: cycles known in modules of other owners, to be broken there; each entry must still be a cycle
 #: (the test fails once it is gone, so the entry is deleted with the fix)
-KNOWN_CYCLES: list[frozenset] = [
-    # execution/data.py:174 (persist_fits, function-local) <-> execution/memory.py:19
-    frozenset({"daskpty.execution.data", "daskpty.execution.memory"}),
-]
+KNOWN_CYCLES: list[frozenset] = []
 
 
 def _cycles(graph) -> list[frozenset]:

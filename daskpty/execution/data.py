@@ -7,13 +7,9 @@ import dask.array as da
 import numpy as np
 
 from .ordering import compact_order
+from .memory import WORKING_BYTES_PER_PIXEL, persist_fits, smallest_worker_memory  # noqa: F401 (re-exported)
 from .placement import balanced_worker
 from .rounds import ChunkedData
-
-#: Bytes of working memory one chunk step needs per pattern, per mode and per pixel
-#: (about ten complex64 arrays of the exit-wave shape).
-WORKING_BYTES_PER_PIXEL = 80
-
 
 #: Least work per chunk, in pattern-mode pixels (512 Ki: 128 patterns of 64², 32 of 128²). A chunk
 #: task costs about a millisecond of scheduling whatever its size; below this the chunk steps of a
@@ -154,13 +150,6 @@ def workers_have_gpus(client) -> bool:
     return bool(answers) and all(answers.values())
 
 
-def smallest_worker_memory(client) -> int:
-    """The smallest memory limit among the workers (0 when unknown or unlimited)."""
-    workers = client.scheduler_info(n_workers=-1).get("workers", {})
-    limits = [w.get("memory_limit") or 0 for w in workers.values()]
-    return int(min(limits)) if limits and all(limits) else 0
-
-
 def cluster_memory_bytes(client) -> int:
     """Sum of the workers' memory limits (0 when unknown/unlimited)."""
     workers = client.scheduler_info(n_workers=-1).get("workers", {})
@@ -171,8 +160,6 @@ def should_persist(client, nbytes: int, fraction: float = 0.5, working_bytes: in
     """Persist the data when it takes at most ``fraction`` of the cluster's memory and each
     worker's share plus ``working_bytes`` stays under the spill target
     (:func:`~.memory.persist_fits`)."""
-    from .memory import persist_fits
-
     return persist_fits(client, nbytes, working_bytes, fraction)
 
 

@@ -1,7 +1,7 @@
 """Memory up front: will one chunk step and the state fit a worker, and may the data stay in memory?
 
 A worker holds, besides the data chunks it keeps, one chunk step's working arrays
-(:data:`~.data.WORKING_BYTES_PER_PIXEL` per pattern, mode and pixel) and the engine state:
+(:data:`WORKING_BYTES_PER_PIXEL` per pattern, mode and pixel) and the engine state:
 the object and its companions (momentum, the epoch's start, the update's box, illumination),
 about :data:`STATE_BYTES_PER_PIXEL` per object pixel; and a worker process its own
 :data:`WORKER_PROCESS_BYTES`. dask pauses a worker at 80 % of its memory
@@ -16,8 +16,9 @@ import math
 
 import dask
 
-from .data import WORKING_BYTES_PER_PIXEL, smallest_worker_memory
-
+#: Bytes of working memory one chunk step needs per pattern, per mode and per pixel
+#: (about ten complex64 arrays of the exit-wave shape).
+WORKING_BYTES_PER_PIXEL = 80
 #: Bytes per object pixel of one state copy and its apply: ~8 complex64 object-sized arrays.
 STATE_BYTES_PER_PIXEL = 64
 MIB = 2**20
@@ -27,6 +28,13 @@ MIB = 2**20
 #: workers, which the former 100 MiB let start, then paused at their limit). Counted for worker
 #: processes (with a nanny) only; in-process workers share the client's process.
 WORKER_PROCESS_BYTES = 150 * MIB
+
+
+def smallest_worker_memory(client) -> int:
+    """The smallest memory limit among the workers (0 when unknown or unlimited)."""
+    workers = client.scheduler_info(n_workers=-1).get("workers", {})
+    limits = [w.get("memory_limit") or 0 for w in workers.values()]
+    return int(min(limits)) if limits and all(limits) else 0
 
 
 def _process_bytes() -> int:
