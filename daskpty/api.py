@@ -248,8 +248,8 @@ def reconstruct(data, engine="lsqml", epochs: int = DEFAULT_EPOCHS, *, probe=Non
         The engine group (`daskpty.options.EngineOptions`), or just its name: "lsqml" (least-squares
         maximum likelihood, Odstrčil et al. 2018), "ad" (gradient descent with exact hand-written
         adjoints), or the PIE family in minibatch rounds: "rpie" (Maiden et al. 2017) and "epie",
-        its alpha = 1 case (probe modes; no position refinement, varying probe or multislice
-        yet). The table of engines is `daskpty.execution.engine_registry.ENGINES`.
+        its alpha = 1 case (probe modes, position refinement, multislice and near field; no
+        varying probe yet). The table of engines is `daskpty.execution.engine_registry.ENGINES`.
         Shortcuts: ``noise`` ("gaussian" | "poisson": the LSQML far-field correction, the AD
         default loss and the reported loss); ``loss``, ``optimizer``, ``lr`` (AD only:
         "gaussian" | "poisson" | "intensity", default ``noise``; "sgd" (Nesterov; default) |
