@@ -67,7 +67,7 @@ def test_lsqml_shift_terms_through_slices_are_the_gauss_newton_step():
                          options=lsqml.LSQMLOptions(eps=1e-12), kernel=s["kernel"].astype(np.complex64),
                          position_terms=True, update_probe=False)
     num, den = part.local["shift_terms"]
-    c = ms._Chunk(s["slices"], probe, s["y"], s["pos"], s["kernel"], None, np.complex128)
+    c = ms.SliceChunk(s["slices"], probe, s["y"], s["pos"], s["kernel"], None, np.complex128)
     box_d = c.box_gradients()
 
     def exit_wave(patches):

@@ -64,7 +64,7 @@ def detector_frame(detector, ramps):
     return detector[None, None] * get_xp(ramps).conj(ramps)[:, None]
 
 
-class _Chunk:
+class SliceChunk:
     """A chunk's geometry: the object box (K, h, w), windows, shift ramps, S_f P."""
 
     def __init__(self, obj, probe, intensities, positions, kernel, detector, cdtype=np.complex64, variable=None):
@@ -160,7 +160,7 @@ class _Chunk:
         return out
 
 
-def _sums(y, yhat, valid, xp):
+def pattern_sums(y, yhat, valid, xp):
     mask = None if valid is None else asarray_like(valid, y).astype(np.float64)
     if mask is None:
         return float(y.sum(dtype=np.float64)), float(yhat.sum(dtype=np.float64))
@@ -208,7 +208,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
 
     * ``position_terms``: the LSQML position shift's sums in ``local["shift_terms"]``: Re⟨d_a, χ⟩
       and ‖d_a‖² of the exit wave's exact change per unit position d_a, carried through the
-      slices (:func:`_shift_terms`; one pass over the slices per axis). The windows' deformation
+      slices (:func:`position_shift_terms`; one pass over the slices per axis). The windows' deformation
       sums (``window_sums``) are not formed through slices: the affine fit of the positions
       still runs.
     * ``variable``: a :class:`~daskpty.engines.pattern_probes.PatternProbes` (OPR, intensity
@@ -223,7 +223,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
         return Partial()
     if variable is not None:
         variable.begin(n_patterns, n_patterns, update_probe)
-    c = _Chunk(obj, probe, intensities, positions, kernel, detector, variable=variable)
+    c = SliceChunk(obj, probe, intensities, positions, kernel, detector, variable=variable)
     xp, n_slices, every = c.xp, c.n_slices, slice(0, n_patterns)
     y = xp.asarray(intensities).astype(np.float32, copy=False)
     if valid is not None:
@@ -244,7 +244,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
     obj_num = c.boxes(grads, np.complex64)
     illum = c.boxes(xp.stack([model_intensity(incident[k]) for k in range(n_slices)]), np.float32)
     obj_dir = obj_num * (np.float32(1.0) / _preconditioner(illum, options.delta))   # ΔÔ_k
-    shift_terms = _shift_terms(c, grads, incident) if position_terms else None
+    shift_terms = position_shift_terms(c, grads, incident) if position_terms else None
 
     # Directions carried to the exit, then the per-pattern (K + 1)-unknown step system.
     directions = []
@@ -272,7 +272,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
     alpha_p = steps[n_slices] if update_probe else 0.0
 
     obj_num *= xp.asarray(alpha_slices.astype(np.float32))[:, None, None]
-    sum_measured, sum_model = _sums(y, yhat, valid, xp)
+    sum_measured, sum_model = pattern_sums(y, yhat, valid, xp)
     part = Partial(
         boxes={"object": BoxedArray(c.origin, obj_num), "illumination": BoxedArray(c.origin, illum)},
         arrays={"alpha_slices": alpha_slices * n_patterns},
@@ -285,11 +285,11 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
     if shift_terms is not None:
         part.local["shift_terms"] = shift_terms
     if variable is not None:
-        variable.finish(part, *_pixel_sums(y, yhat))
+        variable.finish(part, *pixel_sums(y, yhat))
     return part if is_cupy(obj) else part.to_numpy()  # partials stay where the state lives
 
 
-def _shift_terms(c: _Chunk, grads, incident):
+def position_shift_terms(c: SliceChunk, grads, incident):
     """The LSQML position shift's numerator Re⟨d_a, χ⟩ and denominator ‖d_a‖² per pattern and
     axis ((B, 2) float64 each, on the host), d_a the exit wave's change per unit position:
     d_a = Σ_k T_k(∂_a O_k · φ_k), every slice's window moving under the fixed beam (the
@@ -313,7 +313,7 @@ def _shift_terms(c: _Chunk, grads, incident):
     return (np.stack([to_numpy(a) for a in num], axis=1), np.stack([to_numpy(a) for a in den], axis=1))
 
 
-def _pixel_sums(y, yhat):
+def pixel_sums(y, yhat):
     """Σ_j y_j and Σ_j ŷ_j per detector pixel (n²,) float64 (the probe model's background)."""
     b = y.shape[0]
     return y.reshape(b, -1).sum(axis=0, dtype=np.float64), yhat.reshape(b, -1).sum(axis=0, dtype=np.float64)
@@ -376,9 +376,9 @@ def normalize_scale(state: LSQMLState) -> None:
 
 def forward_sums(obj, probe, intensities, positions, *, kernel=None, detector=None, valid=None) -> Partial:
     """Σ measured and Σ model intensity of one chunk (for :func:`rescale_probe`)."""
-    c = _Chunk(obj, probe, intensities, positions, kernel, detector)
+    c = SliceChunk(obj, probe, intensities, positions, kernel, detector)
     exit_waves, _ = multislice_forward(c.shifted, c.patches, c.kernel, keep=False)
     yhat = model_intensity(detector_forward(exit_waves, c.detector))
     y = c.xp.asarray(intensities)
-    sum_measured, sum_model = _sums(y, yhat, valid, c.xp)
+    sum_measured, sum_model = pattern_sums(y, yhat, valid, c.xp)
     return Partial(scalars={"sum_measured": sum_measured, "sum_model": sum_model, "n": float(y.shape[0])})

@@ -1,6 +1,6 @@
 """The AD engine's chunk gradient through K slices or to a near-field detector (no dask).
 
-The same forward model as :mod:`.multislice` (its :class:`~.multislice._Chunk`), the loss of
+The same forward model as :mod:`.multislice` (its :class:`~.multislice.SliceChunk`), the loss of
 :mod:`daskpty.engines.ad` and its exact gradient w.r.t. every slice, the probe and — composed
 as in the single-slice :func:`daskpty.engines.ad.chunk_gradient` — the patterns' positions
 (``want_positions``) and a varying probe (``variable``, a
@@ -15,7 +15,7 @@ from ..physics import ifft2, model_intensity
 from ..physics.backend import asarray_like, is_cupy, real_dots, to_numpy
 from ..physics.multislice import detector_forward, multislice_forward, multislice_vjp
 from .ad.losses import DEFAULT_EPS, _far_field_loss
-from .multislice import _Chunk, _pixel_sums, _sums, detector_adjoint
+from .multislice import SliceChunk, pixel_sums, pattern_sums, detector_adjoint
 from .partials import BoxedArray, Partial
 
 
@@ -54,7 +54,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options=None, kernel=N
     cdtype, rdtype = _dtypes(obj, probe)
     if variable is not None:
         variable.begin(n_patterns, n_patterns, want_probe)
-    c = _Chunk(obj, probe, intensities, positions, kernel, detector, cdtype, variable=variable)
+    c = SliceChunk(obj, probe, intensities, positions, kernel, detector, cdtype, variable=variable)
     xp, every = c.xp, slice(0, n_patterns)
     y = xp.asarray(intensities).astype(rdtype, copy=False)
     if valid is not None:
@@ -70,7 +70,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options=None, kernel=N
         variable.pattern_terms(every, c.patches[0], None, None, intensity=False)
         variable.exit_terms(every, exit_waves, g_exit)     # Re⟨ψ_j, g_ψj⟩ = s_j ∂L/∂s_j, ‖ψ_j‖²
     grads, g_q, _ = multislice_vjp(g_exit, c.patches, incident, c.kernel, want_slices=want_object)
-    sum_measured, sum_model = _sums(y, yhat, valid, xp)
+    sum_measured, sum_model = pattern_sums(y, yhat, valid, xp)
     part = Partial(scalars={"loss": float(per_pattern.sum()), "n": float(n_patterns),
                             "sum_measured": sum_measured, "sum_model": sum_model})
     if want_object:
@@ -87,7 +87,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options=None, kernel=N
     if want_positions:
         part.arrays["position_grad"] = _position_gradient(c, g_q, g_far, far)
     if variable is not None:
-        variable.finish(part, *_pixel_sums(y, yhat))
+        variable.finish(part, *pixel_sums(y, yhat))
     if is_cupy(obj):  # partials stay where the state lives; the positions' optimiser is on the host
         return part
     return part.to_numpy()
@@ -112,7 +112,7 @@ def chunk_loss(obj, probe, intensities, positions, *, options=None, kernel=None,
     cdtype, rdtype = _dtypes(obj, probe)
     if variable is not None:
         variable.begin(intensities.shape[0], intensities.shape[0], False)
-    c = _Chunk(obj, probe, intensities, positions, kernel, detector, cdtype, variable=variable)
+    c = SliceChunk(obj, probe, intensities, positions, kernel, detector, cdtype, variable=variable)
     exit_waves, _ = multislice_forward(c.shifted, c.patches, c.kernel, keep=False)
     y = c.xp.asarray(intensities).astype(rdtype, copy=False)
     valid = None if valid is None else asarray_like(valid, intensities)

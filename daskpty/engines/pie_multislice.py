@@ -19,7 +19,7 @@ nearly the same χ (its low frequencies above all), so together they overshoot K
 steps diverged in epoch 4 (loss 2.7e3 → 6.7e6), with 1/K it fell monotonically (1982 after 12
 epochs, one slice 2541); batched, the sums stand in for Maiden's sequential per-pattern order. Position refinement takes the
 multislice LSQML's shift terms (the exit wave's exact change per unit position through the
-slices, :func:`daskpty.engines.multislice._shift_terms`). No dask here.
+slices, :func:`daskpty.engines.multislice.position_shift_terms`). No dask here.
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def chunk_step(obj, probe, intensities, positions, *, options, kernel=None, dete
     n_patterns = intensities.shape[0]
     if n_patterns == 0:
         return Partial()
-    c = ms._Chunk(obj, probe, intensities, positions, kernel, detector)
+    c = ms.SliceChunk(obj, probe, intensities, positions, kernel, detector)
     xp, n_slices = c.xp, c.n_slices
     y = xp.asarray(intensities).astype(np.float32, copy=False)
     if valid is not None:
@@ -89,7 +89,7 @@ def chunk_step(obj, probe, intensities, positions, *, options, kernel=None, dete
     if position_terms:
         grads = multislice_vjp(chi, c.patches, incident, c.kernel)[0] if n_slices > 1 else \
             (xp.conj(incident[0]) * chi).sum(axis=1)[None]
-        part.local["shift_terms"] = ms._shift_terms(c, grads, incident)
+        part.local["shift_terms"] = ms.position_shift_terms(c, grads, incident)
     return part
 
 
