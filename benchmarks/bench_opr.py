@@ -3,7 +3,7 @@ NRMSE figures of the ground-truth scan of tests/test_opr.py.
 
     python benchmarks/bench_opr.py [--workers 2] [--epochs 40] [--timing-grid 24] [--n 64]
         [--repeats 3] [--opr-modes 2] [--start-epoch 10] [--skip-timing] [--skip-quality]
-        [--scan step=2.5,grid=22,defocus=1.9,defocus_drift=2,flux_jitter=0.2,seed=0]
+        [--scan step=2.5,grid=22,defocus=1.9,defocus_drift=2,flux_jitter=0.2,seed=0] [--at 30,50]
 
 Timing: a drifting-probe scan of --timing-grid² patterns of --n² pixels, s/epoch (median of
 the epochs after the first two) without OPR and with K = 3 at the same rounds per epoch
@@ -16,7 +16,10 @@ constant probe, of the drifting scan without OPR and with OPR (K = --opr-modes, 
 --start-epoch), and the correlation of the recovered weights with the true flux and defocus,
 for LSQML and AD. ``--scan`` changes the ground-truth scan (the keywords of
 ``daskpty.simulate.variable_probe``): ``step=2.5,grid=22`` overlaps far more, ``defocus=5``
-spreads the probe (half its power within 4.1 px of its centre instead of 1.4 px).
+spreads the probe (half its power within 4.1 px of its centre instead of 1.4 px);
+``n=64,grid=16,defocus_drift=1.14`` is issue 33's strongly drifting beam (64² patterns, 256
+positions, defocus 1.9 ± 30 %, flux ± 20 %). ``--at 30,50`` also prints the NRMSE ratios at
+those epochs of the same runs (``--epochs`` is then their largest).
 """
 from __future__ import annotations
 
@@ -44,6 +47,7 @@ def main(argv=None):
     parser.add_argument("--opr-modes", type=int, default=2)
     parser.add_argument("--start-epoch", type=int, default=15)
     parser.add_argument("--scan", default="", help="KEY=VALUE,... for simulate_variable_probe")
+    parser.add_argument("--at", default="", help="EPOCH,... : also the NRMSE after these epochs")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--chunk-only", action="store_true", help=argparse.SUPPRESS)
@@ -67,9 +71,16 @@ def main(argv=None):
     from daskpty.metrics import nrmse_vs_truth
     from daskpty.simulate.variable_probe import simulate_variable_probe
 
-    def run(ds, client, **kw):
+    at = sorted({int(e) for e in args.at.split(",") if e})
+    if at:
+        args.epochs = max(at)
+
+    def run(ds, client, snapshots=None, **kw):
+        def keep(epoch, state, metrics):   # object and illumination after the epochs of --at
+            if epoch + 1 in at:
+                snapshots[epoch + 1] = (np.array(state.object), np.array(state.illumination))
         return daskpty.reconstruct(daskpty.from_arrays(ds.intensities, ds.positions), client=client,
-                                   check_data=False, **kw)
+                                   check_data=False, callback=None if snapshots is None else keep, **kw)
 
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
                       dashboard_address=None) as cluster, Client(cluster) as client:
@@ -98,17 +109,28 @@ def main(argv=None):
         if args.skip_quality:
             return
 
-        scan = {k: (int(v) if k in ("grid", "seed") else float(v))
+        scan = {k: (int(v) if k in ("grid", "seed", "n") else float(v))
                 for k, v in (item.split("=", 1) for item in args.scan.split(",") if item)}
         varying, constant = simulate_variable_probe(**scan), simulate_variable_probe(constant=True, **scan)
-        print(f"ground truth: {len(varying.positions)} patterns of 32², {args.epochs} epochs, scan {scan or 'default'}")
+        size = varying.intensities.shape[-1]
+        print(f"ground truth: {len(varying.positions)} patterns of {size}², {args.epochs} epochs, scan {scan or 'default'}")
         for engine in ("lsqml", "ad"):
             start = time.perf_counter()
             kw = dict(engine=engine, epochs=args.epochs, chunk_length=48)
-            e_const = nrmse_vs_truth(*_parts(run(constant, client, **kw)), constant.truth)
+            snaps_const, snaps_opr = {}, {}
+            rec_const = run(constant, client, snaps_const, **kw)
+            e_const = nrmse_vs_truth(*_parts(rec_const), constant.truth)
             e_plain = nrmse_vs_truth(*_parts(run(varying, client, **kw)), varying.truth)
-            rec = run(varying, client, opr_modes=args.opr_modes, probe_model={"start_epoch": args.start_epoch}, **kw)
+            rec = run(varying, client, snaps_opr, opr_modes=args.opr_modes, probe_model={"start_epoch": args.start_epoch},
+                      **kw)
             e_opr = nrmse_vs_truth(*_parts(rec), varying.truth)
+            if at:
+                ratios = [nrmse_vs_truth(snaps_opr[e][0], rec.positions, snaps_opr[e][1], varying.truth)
+                          / nrmse_vs_truth(snaps_const[e][0], rec_const.positions, snaps_const[e][1], constant.truth)
+                          for e in at]
+                print(f"  {engine}: OPR / constant-probe NRMSE " + ", ".join(
+                    f"{r:.2f}x at {e}" for e, r in zip(at, ratios)) + f" (R = {rec_const.options['rounds_per_epoch']} / "
+                    f"{rec.options['rounds_per_epoch']} rounds per epoch)", flush=True)
             w = rec.probe_weights
             r_flux = np.corrcoef(w[:, 0] ** 2, varying.truth.flux)[0, 1]
             # a pattern's probe power is Σ_k w_jk² ‖U_0‖² (orthonormal eigen-probes), not w_j0² alone
