@@ -108,13 +108,23 @@ class EpochState:
         ``chunk_local`` holds every chunk's, gathered from the workers that keep them."""
         if self._state is None:
             try:
-                self._state = self._fetch()
+                self._state = self._fetch_once_more_if_cancelled()
             except OSError:  # the comm closed under the fetch: a lost scheduler is one line
                 live_workers(self._future.client)
                 raise
             self._future.release()
             self._future, self._local = None, []
         return self._state
+
+    def _fetch_once_more_if_cancelled(self):
+        """:meth:`_fetch`, again once if its wait was cancelled: the stop checkpoint of a run
+        interrupted by a signal fetches right after the signal broke off the client's last wait,
+        and distributed's ``sync`` can then lose the fetch's coroutine (an UnboundLocalError from
+        its result, or CancelledError); the future itself is still good."""
+        try:
+            return self._fetch()
+        except (UnboundLocalError, CancelledError):
+            return self._fetch()
 
     def _fetch(self):
         # large arrays in row blocks: no transient copies of the object on the client
