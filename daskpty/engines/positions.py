@@ -230,3 +230,19 @@ def settle_start(state, options: PositionOptions) -> None:
         return
     state.positions_start = decide_start(state.epoch - 1, probe_change(state.epoch_start_probe, state.probe))
     state.epoch_start_probe = None
+
+
+def step_maps(state) -> tuple | None:
+    """What a refining chunk step needs of the last epoch's fits, for every engine's payload:
+    ``(affine, affine_boost, window_map)``, or None before any."""
+    if state.affine is None and state.window_map is None:
+        return None
+    return (state.affine, state.affine_boost, state.window_map)
+
+
+def epoch_parameters(state) -> dict:
+    """The fitted affine map's, the windows' deformation and the decided start epoch, for every
+    engine's history entry."""
+    out = {} if state.affine is None else affine_parameters(state.affine)
+    return {**out, **window_parameters(state.window_deformation), **start_parameters(state)}
+

@@ -20,8 +20,8 @@ from ..engines import ad, lsqml_opr
 from ..engines import sample_model as sm
 from ..engines.ad import opr as ad_opr
 from ..engines.window_deformation import warp_object
-from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
-                                 options_for, positions_for_step, settle_start, start_parameters, window_parameters)
+from ..engines.positions import (epoch_parameters, step_maps, PositionOptions, finish_epoch, initial_local, note_epoch_start,
+                                 options_for, positions_for_step, settle_start)
 from ..engines.probe_model import ProbeModelOptions
 from .lsqml_adapter import forward_sums_chunk
 from .probe_model_part import ProbeModelPart
@@ -114,8 +114,7 @@ class ADAdapter:
 
     def epoch_scalars(self, state) -> dict:
         """The fitted affine map's, the windows' and the probe model's parameters, for the history."""
-        out = {} if state.affine is None else affine_parameters(state.affine)
-        out = {**out, **window_parameters(state.window_deformation), **start_parameters(state)}
+        out = epoch_parameters(state)
         return out if self.probe_model is None else {**out, **self.probe_model.epoch_scalars(state)}
 
     @property
@@ -124,8 +123,7 @@ class ADAdapter:
         return self.options.optimizer == "cg"
 
     def payload(self, state: ad.ADState, object=None, probe=None) -> ADPayload:
-        affine = (None if state.affine is None and state.window_map is None
-                  else (state.affine, state.affine_boost, state.window_map))
+        affine = step_maps(state)
         model = {} if self.probe_model is None else self.probe_model.payload_fields(state)
         return ADPayload(state.object if object is None else object,
                          state.probe if probe is None else probe, self.options,

@@ -17,9 +17,8 @@ import numpy as np
 
 from ..engines import lsqml, lsqml_opr
 from ..engines import sample_model as sm
-from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
-                                 options_for, settle_start, start_arrays, start_from_arrays, start_parameters,
-                                 window_parameters)
+from ..engines.positions import (epoch_parameters, step_maps, PositionOptions, finish_epoch, initial_local, note_epoch_start,
+                                 options_for, settle_start, start_arrays, start_from_arrays)
 from ..engines.probe_model import ProbeModelOptions
 from .probe_model_part import ProbeModelPart
 from .rounds import ChunkedData, map_reduce
@@ -103,16 +102,14 @@ class LSQMLAdapter:
         return local
 
     def payload(self, state: lsqml.LSQMLState) -> LSQMLPayload:
-        affine = (None if state.affine is None and state.window_map is None
-                  else (state.affine, state.affine_boost, state.window_map))
+        affine = step_maps(state)
         model = {} if self.probe_model is None else self.probe_model.payload_fields(state)
         return LSQMLPayload(state.object, state.probe, self.options, state.update_probe(self.options), self.valid,
                             options_for(self.positions, state), state.epoch, affine, self.sample, **model)
 
     def epoch_scalars(self, state) -> dict:
         """The fitted affine map's, the windows' and the probe model's parameters, for the history."""
-        out = {} if state.affine is None else affine_parameters(state.affine)
-        out = {**out, **window_parameters(state.window_deformation), **start_parameters(state)}
+        out = epoch_parameters(state)
         return out if self.probe_model is None else {**out, **self.probe_model.epoch_scalars(state)}
 
     def apply(self, state, total):

@@ -20,9 +20,8 @@ import numpy as np
 
 from ..engines import lsqml, pie, pie_multislice
 from ..engines import sample_model as sm
-from ..engines.positions import (PositionOptions, affine_parameters, finish_epoch, initial_local, note_epoch_start,
-                                 options_for, settle_start, start_arrays, start_from_arrays, start_parameters,
-                                 window_parameters)
+from ..engines.positions import (epoch_parameters, step_maps, PositionOptions, finish_epoch, initial_local, note_epoch_start,
+                                 options_for, settle_start, start_arrays, start_from_arrays)
 from .rounds import ChunkedData, map_reduce
 
 
@@ -86,15 +85,13 @@ class PIEAdapter:
         return self.positions is not None
 
     def payload(self, state) -> PIEPayload:
-        affine = (None if state.affine is None and state.window_map is None
-                  else (state.affine, state.affine_boost, state.window_map))
+        affine = step_maps(state)
         return PIEPayload(state.object, state.probe, self.options, pie.updates_probe(state, self.options),
                           self.valid, options_for(self.positions, state), state.epoch, affine, self.sample)
 
     def epoch_scalars(self, state) -> dict:
         """The fitted affine map's and the windows' parameters, for the history."""
-        out = {} if state.affine is None else affine_parameters(state.affine)
-        return {**out, **window_parameters(state.window_deformation), **start_parameters(state)}
+        return epoch_parameters(state)
 
     def initial_local(self, nominal) -> dict:
         return {} if self.positions is None else initial_local(nominal, self.positions, "lsqml")
