@@ -25,6 +25,7 @@ from .execution.parts import with_probe_model, with_sample
 from .execution.scatter import scatter_in_memory
 from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
 from .io.checkpoint import Checkpointer, sigterm_as_interrupt
+from .io.epoch_handle import StateLost
 from .io.identity import DataChanged, DataWatch
 from .io.inputs import (RESUMED_SETTINGS, check_initial_object, check_initial_probe, check_object_size, check_rounds,
                         checked_data, resume_settings, resumed_store)
@@ -455,7 +456,7 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
             checkpointer.write()
             raise
         except (PositionsDiverged, ProbeModelDiverged, ReconstructionDiverged, ReconstructionStalled,
-                DataChanged) as exc:
+                DataChanged, StateLost) as exc:
             raise _saying_what_is_kept(exc, checkpoint, checkpointer) from None
         finally:
             del chunked

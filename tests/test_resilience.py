@@ -137,3 +137,40 @@ def test_worker_killed_mid_round_gives_the_same_result(tmp_path):
     assert os.path.exists(marker), "the worker was not killed"
     np.testing.assert_array_equal(disturbed.object, undisturbed.object)
     np.testing.assert_array_equal(disturbed.probe, undisturbed.probe)
+
+
+def test_a_state_lost_with_its_worker_skips_that_checkpoint_or_ends_in_one_line(tmp_path, monkeypatch):
+    """An epoch's state whose future is cancelled for good (its worker died): with workers left,
+    ``get`` raises StateLost and a periodic checkpoint of that epoch is skipped (the older one
+    stays); with none left, the watchdog's wait ends in ClusterUnavailable's one line. CI once
+    failed on the fetch's retry re-raising distributed's FutureCancelledError as a traceback."""
+    import time
+
+    from daskpty.execution.cluster import ClusterUnavailable
+    from daskpty.execution.driver import EpochState
+    from daskpty.io.checkpoint import Checkpointer
+    from daskpty.io.epoch_handle import StateLost
+
+    monkeypatch.setenv("DASKPTY_STALL_SECONDS", "1")
+    made = []
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as c:
+        def lost_handle(epoch):
+            future = c.submit(time.sleep, 0, pure=False)
+            future.result()
+            handle = EpochState(epoch, future=future)
+            c.cancel(future)
+            return handle
+
+        with pytest.raises(StateLost, match="epoch 3 was lost"):
+            lost_handle(3).get()
+        writer = Checkpointer(tmp_path / "c.zarr", lambda state, history: made.append(state), every=1)
+        writer(4, lost_handle(4), {"epoch": 4})
+        assert writer.written_epoch is None and made == [] and writer.snapshot is None
+        handle = lost_handle(5)
+        cluster.scale(0)
+        deadline = time.monotonic() + 30
+        while c.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(ClusterUnavailable, match="was lost and none came back"):
+            handle.get()

@@ -15,6 +15,7 @@ import warnings
 from .. import __version__, _interrupted_while_starting
 from ..execution.watchdog import (ReconstructionDiverged, ReconstructionStalled, install_loss_filter,
                                  quiet_handled_losses)
+from ..io.epoch_handle import StateLost
 from ..io.safety import StoreWriteError
 from . import export, import_data, info, reconstruct, show, simulate
 from .interrupts import INTERRUPTED, InterruptGuard, forget_handled_interrupt
@@ -24,7 +25,8 @@ COMMANDS = [simulate, info, import_data, reconstruct, show, export]
 
 #: exceptions that mean "bad input": reported as one line on stderr with exit code 2
 USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError,
-               IsADirectoryError, PermissionError, StoreWriteError, ReconstructionStalled, ReconstructionDiverged)
+               IsADirectoryError, PermissionError, StoreWriteError, ReconstructionStalled, ReconstructionDiverged,
+               StateLost)
 
 
 class _Parser(argparse.ArgumentParser):

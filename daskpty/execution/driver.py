@@ -23,6 +23,7 @@ from concurrent.futures import CancelledError
 
 import numpy as np
 
+from ..io.epoch_handle import StateLost
 from .cluster import live_workers, result_unless_paused, wait_for_workers
 from .device_state import fetch_host_state
 from .fetch import BLOCK_BYTES, fetch_state
@@ -31,7 +32,7 @@ from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
 from .placement import run_stuck_loose_tasks
 from .rounds import ChunkedData, default_split_every, map_reduce
-from .watchdog import ReconstructionStalled, Watchdog, check_loss, quiet_handled_losses
+from .watchdog import ReconstructionStalled, Watchdog, check_loss, quiet_handled_losses, stall_seconds
 
 
 def with_local(state, local: dict | None):
@@ -124,7 +125,14 @@ class EpochState:
         try:
             return self._fetch()
         except (UnboundLocalError, CancelledError):
+            pass
+        try:
             return self._fetch()
+        except CancelledError:  # cancelled twice: the state died with its worker
+            # no worker left: the watchdog's wait for one, then ClusterUnavailable's one line
+            wait_for_workers(self._future.client, timeout=stall_seconds(), lost=True)
+            raise StateLost(f"the state of epoch {self.epoch} was lost with the worker that held it; continue "
+                            "with --resume (API: resume=)") from None
 
     def _fetch(self):
         # large arrays in row blocks: no transient copies of the object on the client

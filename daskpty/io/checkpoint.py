@@ -1,7 +1,7 @@
 """Checkpoints of a running reconstruction: every K epochs, at the end, and on Ctrl-C / SIGTERM / SIGHUP.
 
 The checkpoint is a reconstruction store (:mod:`.results`), so io owns the writer too. It knows
-the driver's epoch-state handle only as the :class:`EpochHandle` protocol and the divergence
+the driver's epoch-state handle only as the :class:`~.epoch_handle.EpochHandle` protocol and the divergence
 check only as the ``check`` it is given (``daskpty.execution.watchdog.check_finite_result`` in
 :func:`daskpty.reconstruct`): io never imports execution.
 """
@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import signal
 import threading
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable
 
+from .epoch_handle import EpochHandle, StateLost
 from .results import Reconstruction
 
-
-@runtime_checkable
-class EpochHandle(Protocol):
-    """What a callback with ``takes_epoch_state = True`` receives after an epoch
-    (``daskpty.execution.driver.EpochState``): the epoch counter at once, the state on ``get()``."""
-
-    epoch: int
-
-    def get(self): ...
+logger = logging.getLogger(__name__)
 
 
 class Checkpointer:
@@ -55,7 +49,11 @@ class Checkpointer:
             return
         self.snapshot = (state if isinstance(state, EpochHandle) else copy.copy(state), list(self.history))
         if epoch % self.every == 0:
-            self.write()
+            try:
+                self.write()
+            except StateLost as exc:  # the last written checkpoint stays; the next one comes
+                logger.warning("daskpty: checkpoint of epoch %d skipped (%s)", epoch, exc)
+                self.snapshot = None
 
     def write(self) -> Reconstruction | None:
         """Write the last complete epoch's state (no-op when nothing ran, there is no path, or it
