@@ -23,6 +23,7 @@ from .execution.memory import (check_step_fits, clamp_chunk_length, largest_fitt
 from .execution.options import ExecutionOptions
 from .execution.parts import with_probe_model, with_sample
 from .execution.scatter import scatter_in_memory
+from .execution.tile_graph import TilesUnsupported, check_tiles_supported
 from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
 from .io.checkpoint import Checkpointer, sigterm_as_interrupt
 from .io.epoch_handle import StateLost
@@ -315,7 +316,9 @@ def reconstruct(data, engine="lsqml", epochs: int = DEFAULT_EPOCHS, *, probe=Non
         the cluster memory); ``device`` ("auto" | "cpu" | "gpu": gpu when every worker sees
         one); ``split_every`` (fan-in of the tree reduction; default 4 for up to 16 chunks,
         else 8); ``sort`` (order the patterns along a Morton curve when that makes chunks more
-        compact).
+        compact); ``tiles`` (cut the object into row tiles, one per worker, instead of a copy
+        on every worker: only tile borders travel; LSQML with one slice, far field, fixed
+        positions and a constant probe so far).
     run : dict or RunOptions, optional
         How the run is kept and watched (`daskpty.options.RunOptions`). Shortcuts:
         ``checkpoint`` (a reconstruction store updated atomically every ``checkpoint_every``
@@ -370,6 +373,8 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
     thick = sample.resolve(getattr(data, "metadata", None), n)  # slices and detector operator
     spec.check_features(multislice=thick.multislice)
     adapter = with_sample(adapter, thick)  # slices and the detector (None: one slice, far field)
+    if execution.tiles:  # before any work: what tiles cannot run yet is refused here
+        check_tiles_supported(adapter)
     if adapter.positions is not None:  # the window scale follows the start probe's size
         adapter.positions = adapter.positions.for_start_probe(guessed=_probe_is_guessed(probe, data))
     if model is not None:
@@ -415,6 +420,10 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
         execution = _resolve_persist_and_rounds(c, execution, intensities.nbytes, len(positions), n, obj.shape,
                                                 _probe_modes_hint(probe, probe_modes, resumed), thick,
                                                 per_pattern_probe=model is not None and model.per_pattern)
+        if execution.tiles and not execution.persist:
+            raise TilesUnsupported("tiles need the data kept in worker memory, but they take more than half "
+                                   "the cluster's memory (persist='auto' chose False); add workers or memory, "
+                                   "or use tiles=False")
         run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist)
         publisher = None
         if run.dashboard:
@@ -450,7 +459,7 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
             with sigterm_as_interrupt():
                 state, _ = run_epochs(c, chunked, adapter, state, epochs=remaining,
                                       rounds_per_epoch=execution.rounds_per_epoch,
-                                      split_every=execution.split_every,
+                                      split_every=execution.split_every, tiles=execution.tiles,
                                       callbacks=callbacks, initialise=eng.rescale_probe)
         except KeyboardInterrupt:
             checkpointer.write()

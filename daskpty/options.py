@@ -14,7 +14,8 @@ Each group is a small frozen dataclass validated in ``__post_init__`` (one line 
 ``probe_model=``     ProbeModelOptions   ``opr_modes``, ``fit_intensity``, ``background``
 ``sample=``          SampleOptions       ``slices``, ``slice_spacing_m``
 ``execution=``       ExecutionOptions    ``n_workers``, ``chunk_length``, ``rounds_per_epoch``,
-                                         ``persist``, ``device``, ``split_every``, ``sort``
+                                         ``persist``, ``device``, ``split_every``, ``sort``,
+                                         ``tiles``
 ``run=``             RunOptions          ``checkpoint``, ``checkpoint_every``, ``resume``,
                                          ``progress``, ``dashboard``, ``callback``, ``check_data``
 ===================  ==================  ==========================================================
@@ -164,7 +165,8 @@ GROUPS = (
     Group("refine_positions", "positions", PositionOptions),
     Group("sample", "sample and geometry", SampleOptions, ("slices", "slice_spacing_m")),
     Group("execution", "execution", ExecutionOptions,
-          ("n_workers", "chunk_length", "rounds_per_epoch", "persist", "device", "split_every", "sort")),
+          ("n_workers", "chunk_length", "rounds_per_epoch", "persist", "device", "split_every", "sort",
+           "tiles")),
     Group("run", "run (checkpoints and monitoring)", RunOptions,
           ("checkpoint", "checkpoint_every", "resume", "progress", "dashboard", "callback", "check_data")),
 )

@@ -19,7 +19,7 @@ TWO_VALUES = {
     "opr_modes": (2, 3), "fit_intensity": (True, False), "background": ("constant", "pixel"),
     "slices": (2, 3), "slice_spacing_m": (1e-9, 2e-9),
     "n_workers": (1, 2), "chunk_length": (8, 16), "rounds_per_epoch": (2, 3), "persist": (True, False),
-    "device": ("cpu", "gpu"), "split_every": (2, 4), "sort": (False, True),
+    "device": ("cpu", "gpu"), "split_every": (2, 4), "sort": (False, True), "tiles": (True, False),
     "checkpoint": ("a.zarr", "b.zarr"), "checkpoint_every": (5, 7), "resume": ("a.zarr", "b.zarr"),
     "progress": (True, False), "dashboard": (True, False), "callback": (print, repr),
     "check_data": (False, True),

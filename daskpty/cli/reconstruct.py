@@ -105,6 +105,10 @@ def add_parser(subparsers):
                         "core); auto: persist when they take at most half the cluster memory")
     g.add_argument("--split-every", type=int, default=None, metavar="F",
                    help="fan-in of the tree reduction (default: 4 for up to 16 chunks, else 8)")
+    g.add_argument("--tiles", action="store_true",
+                   help="cut the object into row tiles, one per worker, instead of a whole copy on every "
+                        "worker (only tile borders travel; LSQML, one slice, far field, fixed positions, "
+                        "constant probe so far)")
 
     g = p.add_argument_group(title["run"])
     g.add_argument("-o", "--output", required=True, metavar="RECON",
@@ -276,7 +280,7 @@ def _shortcuts(args) -> dict:
                 rounds_per_epoch=args.rounds_per_epoch, checkpoint_every=args.checkpoint_every,
                 resume=args.resume, dashboard=args.dashboard or None, device=args.device,
                 persist={"yes": True, "no": False}.get(args.persist, args.persist), split_every=args.split_every,
-                check_data=args.check_data,
+                tiles=args.tiles or None, check_data=args.check_data,
                 **_key_values(args.engine_settings, "--engine-settings"))
 
 

@@ -123,9 +123,10 @@ def _trimmed_mean(x, xp, trim: float = 0.1) -> float:
     return float(xp.sort(x)[k:n - k].mean())
 
 
-def _preconditioner(illum, delta: float):
+def _preconditioner(illum, delta: float, peak: float | None = None):
+    """√(W² + (δ max W)²); ``peak``: max W when ``illum`` is only a tile of the object's."""
     xp = get_xp(illum)
-    floor = np.float32((delta * float(illum.max())) ** 2)
+    floor = np.float32((delta * (float(illum.max()) if peak is None else peak)) ** 2)
     out = illum * illum
     out += floor
     return xp.sqrt(out, out=out).astype(np.float32, copy=False)
@@ -370,11 +371,13 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     return finish_step(part, new, refined, nominal, positions, epoch, n, obj.shape)
 
 
-def apply(state: LSQMLState, total: Partial, options: LSQMLOptions) -> LSQMLState:
+def apply(state: LSQMLState, total: Partial, options: LSQMLOptions,
+          illumination_max: float | None = None) -> LSQMLState:
     """Add a reduced partial to the state: O += β ΔO / √(W² + (δ max W)²), P += β ΔP / N.
 
     Runs where the state lives (NumPy, or CuPy on a GPU worker: see
-    :mod:`daskpty.execution.device_state`); ``total`` must live there too."""
+    :mod:`daskpty.execution.device_state`); ``total`` must live there too. ``illumination_max``:
+    max W over the whole object, when the state holds only a tile of it (:mod:`.lsqml_tiles`)."""
     accumulate_affine(state, total)
     accumulate_window(state, total)
     if "object" not in total.boxes:
@@ -384,7 +387,7 @@ def apply(state: LSQMLState, total: Partial, options: LSQMLOptions) -> LSQMLStat
     obj = state.object.copy()
     num = total.boxes["object"]
     illum = total.boxes["illumination"]
-    scale = _preconditioner(illum.data, options.delta)
+    scale = _preconditioner(illum.data, options.delta, illumination_max)
     xp.divide(np.float32(options.beta), scale, out=scale)  # β / p: complex ÷ real is 5× slower
     step = num.data * scale
     BoxedArray(num.offset, step).add_into(obj)
@@ -437,12 +440,18 @@ def begin_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
 
 
 
-def end_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
-    """Momentum on the object's change, probe-mode orthogonalisation, scale-ambiguity removal."""
+def end_epoch(state: LSQMLState, options: LSQMLOptions, *, agree: bool | None = None,
+              scale: float | None = None) -> LSQMLState:
+    """Momentum on the object's change, probe-mode orthogonalisation, scale-ambiguity removal.
+
+    ``agree`` (the momentum test: does the change point along the velocity?) and ``scale``
+    (the normalisation's mean |O| over the lit region) come from outside when the state holds
+    only a tile of the object (:mod:`.lsqml_tiles`); None: computed here."""
     if options.momentum > 0 and state.epoch_start_object is not None:
         change = state.object - state.epoch_start_object
         if state.velocity is not None:
-            agree = float(get_xp(change).vdot(state.velocity, change).real) > 0
+            if agree is None:
+                agree = float(get_xp(change).vdot(state.velocity, change).real) > 0
             if agree:
                 state.object = (state.object + options.momentum * state.velocity).astype(np.complex64)
                 state.velocity = (change + options.momentum * state.velocity).astype(np.complex64)
@@ -451,29 +460,37 @@ def end_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
         else:
             state.velocity = change.astype(np.complex64)
     state.epoch_start_object = None  # only needed within the epoch (keeps gathered states small)
-    return close_epoch(state, options)
+    return close_epoch(state, options, scale)
 
 
-def close_epoch(state, options):
+def normalizes_now(state, options) -> bool:
+    """Whether this epoch's end removes the scale ambiguity (every ``options.normalize_every``)."""
+    return bool(options.normalize_every) and (state.epoch + 1) % options.normalize_every == 0
+
+
+def close_epoch(state, options, scale: float | None = None):
     """The end of every engine's epoch that keeps LSQML's state: probe-mode orthogonalisation
     (``options.orthogonalize``), scale-ambiguity removal every ``options.normalize_every``
-    epochs, and the epoch counter."""
+    epochs (``scale``: see :func:`normalize_scale`), and the epoch counter."""
     if options.orthogonalize and state.probe.shape[0] > 1:
         state.probe = orthogonalize_modes(state.probe)
-    if options.normalize_every and (state.epoch + 1) % options.normalize_every == 0:
-        normalize_scale(state)
+    if normalizes_now(state, options):
+        normalize_scale(state, scale)
     state.epoch += 1
     return state
 
 
-def normalize_scale(state: LSQMLState) -> None:
-    """Remove the O·c, P/c ambiguity: mean |O| = 1 over the well-illuminated region."""
-    if state.illumination is None:
-        return
-    lit = state.illumination > 0.5 * state.illumination.max()
-    if not lit.any():
-        return
-    c = float(get_xp(state.object).abs(state.object[lit]).mean())
+def normalize_scale(state: LSQMLState, scale: float | None = None) -> None:
+    """Remove the O·c, P/c ambiguity: mean |O| = 1 over the well-illuminated region. ``scale``:
+    that mean when the state holds only a tile of the object (0: no lit pixel anywhere)."""
+    if scale is None:
+        if state.illumination is None:
+            return
+        lit = state.illumination > 0.5 * state.illumination.max()
+        if not lit.any():
+            return
+        scale = float(get_xp(state.object).abs(state.object[lit]).mean())
+    c = scale
     if c > 0 and np.isfinite(c):
         state.object = (state.object / np.float32(c)).astype(np.complex64)
         state.probe = (state.probe * np.float32(c)).astype(np.complex64)

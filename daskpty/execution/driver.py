@@ -32,6 +32,7 @@ from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals
 from .placement import run_stuck_loose_tasks
 from .rounds import ChunkedData, default_split_every, map_reduce
+from .tile_graph import check_tiles_supported, tiled_epochs
 from .watchdog import ReconstructionStalled, Watchdog, check_loss, quiet_handled_losses, stall_seconds
 
 
@@ -351,14 +352,14 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
 
 
 def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds_per_epoch: int = 1,
-               split_every: int | None = None, callbacks=(), initialise: bool = True):
+               split_every: int | None = None, callbacks=(), initialise: bool = True, tiles: bool = False):
     """Run ``epochs`` epochs of ``rounds_per_epoch`` rounds each. Returns ``(state, history)``.
 
     Each callback is called as ``callback(epoch, state, metrics)`` after every epoch; a callback
     returning ``False`` stops the loop after that epoch. A callback with the attribute
     ``takes_epoch_state = True`` gets an :class:`EpochState` instead of the state and fetches the
     state only when it needs it: with epoch graphs, an epoch no callback fetches stays on the
-    workers.
+    workers. ``tiles``: the object in row tiles, one per worker (:mod:`.tile_graph`).
     """
     history = []
     n_total = int(sum(data.chunk_lengths))
@@ -368,9 +369,13 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
         state = with_local(state, initial_locals(adapter, data.positions_host, data.chunk_lengths))
     if initialise and state.epoch == 0:
         state = adapter.initialise(client, data, state, split_every=split_every)
+    if tiles:
+        check_tiles_supported(adapter, data)
     if epochs <= 0:
         return state, history
-    if data.persisted and not (isinstance(adapter, RunsOwnRounds) and adapter.needs_evaluations):
+    if tiles:
+        epochs_iter = tiled_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)
+    elif data.persisted and not (isinstance(adapter, RunsOwnRounds) and adapter.needs_evaluations):
         epochs_iter = _graph_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)
     else:
         epochs_iter = _client_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)

@@ -3,7 +3,7 @@
 An engine's per-chunk mathematics lives in ``daskpty/engines`` (no dask); its *adapter* binds it
 to the round loop of :mod:`.driver` and :mod:`.epoch_graph`. :class:`EngineAdapter` is what every
 adapter has; :class:`RunsOwnRounds` is the one optional hook (an engine whose apply needs extra
-map-reduces, as AD's CG line search). :mod:`.engine_registry` makes adapters by engine name, and
+map-reduces, as AD's CG line search); :class:`RunsOnTiles` lets the state be cut into tiles. :mod:`.engine_registry` makes adapters by engine name, and
 tests/test_engine_protocol.py checks every registered adapter against these Protocols.
 """
 from __future__ import annotations
@@ -73,3 +73,28 @@ class RunsOwnRounds(Protocol):
     def run_round(self, client, data, state, *, round_index: int = 0, rounds: int = 1,
                   split_every: int | None = None, local: dict | None = None):
         """Run one round; returns ``(state, total)``."""
+
+
+@runtime_checkable
+class RunsOnTiles(Protocol):
+    """Optional: an adapter whose state can be cut into row tiles of the object
+    (:mod:`.tile_graph`). Each worker holds a tile (its own rows and a halo, in the tile's frame);
+    the whole-object numbers of ``apply`` and ``end_epoch`` come as every tile's share over its
+    own rows (``own``: those rows in the tile's frame), in worker order."""
+
+    tile_fields: tuple  # state attributes in the object's frame (..., H, W), cut by rows
+
+    def tiles_unsupported(self) -> str | None:
+        """What in this adapter's parts cannot run on tiles yet (None: everything can)."""
+
+    def tile_round_sums(self, state, total, own) -> dict:
+        """This tile's share of the whole-object numbers ``tile_apply`` needs."""
+
+    def tile_apply(self, state, total, shares):
+        """``apply`` on a tile; ``shares``: every tile's ``tile_round_sums``."""
+
+    def tile_end_sums(self, state, own) -> dict:
+        """This tile's share of the whole-object numbers ``tile_end_epoch`` needs."""
+
+    def tile_end_epoch(self, state, shares):
+        """``end_epoch`` on a tile; ``shares``: every tile's ``tile_end_sums``."""

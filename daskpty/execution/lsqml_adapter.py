@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engines import lsqml, lsqml_opr
+from ..engines import lsqml, lsqml_opr, lsqml_tiles
 from ..engines import sample_model as sm
 from ..engines.positions import (epoch_parameters, step_maps, PositionOptions, finish_epoch, initial_local, note_epoch_start,
                                  options_for, settle_start, start_arrays, start_from_arrays)
@@ -159,6 +159,29 @@ class LSQMLAdapter:
                 out[name] = getattr(state, name)
         out = {**out, **start_arrays(state)}
         return out if self.probe_model is None else {**out, **self.probe_model.stored(state)}
+
+    # Tiles (:mod:`.tile_graph`; protocol: :class:`~.engine_protocol.RunsOnTiles`)
+    tile_fields = ("object", "velocity", "epoch_start_object", "illumination")
+
+    def tiles_unsupported(self) -> str | None:
+        """Why this adapter's parts cannot run on tiles yet (None: they can)."""
+        for part, name in ((self.sample, "K slices or the near field"), (self.positions, "position refinement"),
+                           (self.probe_model, "a varying probe")):
+            if part is not None:
+                return name
+        return None
+
+    def tile_round_sums(self, state, total, own):
+        return lsqml_tiles.round_sums(total, own)
+
+    def tile_apply(self, state, total, shares):
+        return lsqml_tiles.apply(state, total, self.options, shares)
+
+    def tile_end_sums(self, state, own):
+        return lsqml_tiles.end_sums(state, self.options, own)
+
+    def tile_end_epoch(self, state, shares):
+        return lsqml_tiles.end_epoch(state, self.options, shares)
 
     def initialise(self, client, data: ChunkedData, state, *, split_every: int):
         """First-epoch probe intensity rescale so that Σŷ = Σy (the eigen-probes follow)."""

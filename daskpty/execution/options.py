@@ -34,6 +34,8 @@ class ExecutionOptions:
     device: ``"auto"``, ``"cpu"`` (NumPy chunks) or ``"gpu"`` (CuPy chunks).
     split_every: fan-in of the tree reduction (None: 4 for up to 16 chunks, else 8).
     sort: order the patterns along a Morton curve when that makes chunks more compact.
+    tiles: cut the object into row tiles, one per worker, instead of a whole copy on every
+        worker; only tile borders and small sums travel (:mod:`daskpty.execution.tile_graph`).
     """
 
     n_workers: int | None = None
@@ -43,6 +45,7 @@ class ExecutionOptions:
     device: str = "auto"
     split_every: int | None = None
     sort: bool = True
+    tiles: bool = False
 
     def __post_init__(self):
         def check(ok, message):
@@ -62,7 +65,9 @@ class ExecutionOptions:
             check(v is None or v >= least, f"{name} must be >= {least}, got {v!r}")
         check(isinstance(self.device, str) and self.device in DEVICES,
               f"device must be one of {DEVICES}, got {self.device!r}")
-        check(isinstance(self.sort, (bool, np.bool_)), f"sort must be True or False, got {self.sort!r}")
+        for name in ("sort", "tiles"):
+            v = getattr(self, name)
+            check(isinstance(v, (bool, np.bool_)), f"{name} must be True or False, got {v!r}")
 
     def replace(self, **changes) -> "ExecutionOptions":
         """These options with ``changes`` (validated again)."""

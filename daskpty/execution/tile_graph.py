@@ -1,0 +1,372 @@
+"""Epochs on tiles: each worker holds a row tile of the object, and only borders and small sums travel.
+
+The replicated epoch graph (:mod:`.epoch_graph`) keeps the whole state on every worker that
+holds chunks, and every round each of them receives every other worker's partial sums whole.
+Here (issue 34) the state's object-frame arrays (the adapter's ``tile_fields``: object,
+momentum, illumination) are cut into the row tiles of a :class:`~.tiles.TileLayout`: worker w
+holds rows [``held_start``, ``held_stop``) — its own strip and a halo its chunks' windows reach —
+in a frame that starts at ``held_start``. A round is then:
+
+1. **chunk steps** on each worker's tile (the positions moved into the tile's frame: whole
+   rows, so the sub-pixel fractions are the same bits), summed over the complete subtrees of the
+   fixed tree (:class:`~.rounds.FixedTree`) among its chunks, moved back to the object's frame
+   and cut into the *pieces* each worker holds rows of (``"halo"`` strategy of
+   :mod:`.tiles`: a worker receives what touches its strip *or* its halo, and updates its halo
+   redundantly — nothing to refresh afterwards);
+2. **the sum** of a worker's pieces in the fixed tree's order (a pixel's sum is the same bits
+   as with one worker: a piece is a crop, and adding a zero changes nothing), and its share of
+   the whole-object numbers ``apply`` needs (``adapter.tile_round_sums``: e.g. the largest
+   illumination over its own rows);
+3. **the apply** on each tile with every tile's share (a few numbers per worker, in worker order).
+
+The epoch's end does the same with ``tile_end_sums`` / ``tile_end_epoch``. The probe, the
+scalars and the probe-frame sums travel whole (they are small). Per round, a worker receives the
+pieces of the others' partial sums that touch its tile: the exchange grows with a tile's border,
+not with the object's area (``exchanged_bytes``: the most any worker received, per round).
+
+The state after an epoch stays on the workers, one tile each; :class:`TiledEpochState` gathers
+each worker's own rows and stitches them when the client asks (a checkpoint, the result).
+"""
+from __future__ import annotations
+
+import copy
+import operator
+import time
+import uuid
+
+import dask
+import numpy as np
+
+from ..engines.partials import BoxedArray, Partial
+from ..io.epoch_handle import StateLost
+from .device_state import follow_partials, has_device_arrays, resident, to_host
+from .engine_protocol import RunsOnTiles
+from .epoch_graph import EpochCarry
+from .placement import chunk_annotations
+from .rounds import ChunkedData, FixedTree, default_split_every, run_chunk
+from .tiles import TileLayout
+from .watchdog import ReconstructionStalled, Watchdog
+
+
+class TilesUnsupported(ValueError):
+    """What was asked cannot run on tiles (yet); the message says what to change."""
+
+
+def check_tiles_supported(adapter, data: ChunkedData | None = None) -> None:
+    """Raise :class:`TilesUnsupported` naming what stands in the way of tiles for this run
+    (``data`` None: the adapter's parts only, before any data moved)."""
+    if not isinstance(adapter, RunsOnTiles):
+        raise TilesUnsupported(f"the {adapter.name} engine cannot run on tiles yet; use tiles=False "
+                               "(every worker then holds the whole object)")
+    reason = adapter.tiles_unsupported()
+    if reason is not None:
+        raise TilesUnsupported(f"tiles do not support {reason} yet; use tiles=False (every worker then "
+                               "holds the whole object) or leave that part off")
+    if data is not None and not data.persisted:
+        raise TilesUnsupported("tiles need the data kept in worker memory (persist=True or 'auto' on "
+                               "enough memory); with persist=False use tiles=False")
+
+
+# -- the state cut into tiles and stitched back ------------------------------------------------
+
+
+def crop_state(state, fields: tuple, start: int, stop: int):
+    """A copy of ``state`` with its object-frame ``fields`` cut to rows [start, stop)."""
+    out = copy.copy(state)
+    for name in fields:
+        value = getattr(state, name, None)
+        if value is not None:
+            setattr(out, name, value[..., start:stop, :].copy())
+    return out
+
+
+def _own_rows_on_host(carry: EpochCarry, fields: tuple, own: tuple):
+    """Task on a tile's worker: its state on the host with the object-frame fields cut to its own
+    rows (what the client stitches)."""
+    return to_host(crop_state(carry.state, fields, *own))
+
+
+def stitch_states(parts: list, fields: tuple):
+    """One state from every tile's own rows (``parts``, in row order): the object-frame fields
+    concatenated, everything else from the first."""
+    out = copy.copy(parts[0])
+    for name in fields:
+        values = [getattr(p, name, None) for p in parts]
+        setattr(out, name, None if values[0] is None else np.concatenate(values, axis=-2))
+    if isinstance(getattr(out, "extra", None), dict):
+        out.extra = {k: v for k, v in out.extra.items() if k != "illumination_max"}
+    return out
+
+
+# -- the tasks of one round --------------------------------------------------------------------
+
+
+def _piece(part: Partial | None, origin: int, tile) -> Partial | None:
+    """``part`` (boxes in the frame of a tile that starts at row ``origin``) as the piece ``tile``
+    receives: its boxes cut to the rows it holds, in its frame; probe-frame sums and scalars whole."""
+    if part is None:
+        return None
+    boxes = {}
+    for name, box in part.boxes.items():
+        y0 = box.offset[0] + origin
+        a, b = max(tile.held_start, y0), min(tile.held_stop, y0 + box.data.shape[-2])
+        if a < b:
+            boxes[name] = BoxedArray((a - tile.held_start, box.offset[1]), box.data[..., a - y0:b - y0, :])
+    return Partial(boxes, dict(part.arrays), dict(part.scalars))
+
+
+def _tile_chunks(carry: EpochCarry, adapter, layout: TileLayout, w: int, round_index: int, rounds: int,
+                 tree: FixedTree, blocks, positions, indices) -> dict:
+    """Round ``round_index``'s chunk steps on worker ``w``'s tile; returns ``{v: {node: piece}}``,
+    the pieces of its subtree sums for every worker ``v``."""
+    tile = layout.tiles[w]
+    state = resident(carry.state, adapter, blocks)
+    payload = adapter.payload(state)
+    shift = np.array([tile.held_start, 0.0])
+    parts = {}
+    for i, b, p in zip(indices, blocks, positions):
+        parts[(0, i)] = run_chunk(b, np.asarray(p, np.float64) - shift, payload, adapter.chunk_function,
+                                  round_index, rounds, None, i)
+    nodes = tree.reduce(parts)
+    return {v.worker: {k: _piece(part, tile.held_start, v) for k, part in nodes.items()} for v in layout.tiles}
+
+
+def _tile_total(tree: FixedTree, w: int, *pieces) -> tuple:
+    """Worker ``w``'s round total from every worker's pieces for it (in worker order), and the
+    bytes it received from the others."""
+    nodes, received = {}, 0
+    for u, group in enumerate(pieces):
+        nodes.update(group)
+        if u != w:
+            received += sum(p.nbytes for p in group.values() if p is not None)
+    return tree.reduce(nodes)[tree.root], received
+
+
+def _tile_round_share(summed: tuple, adapter, carry: EpochCarry, own: tuple) -> dict:
+    """A tile's share of the round's whole-object numbers, and its received bytes (small)."""
+    total, received = summed
+    return {"sums": adapter.tile_round_sums(carry.state, total, own), "received": received}
+
+
+def _tile_apply(carry: EpochCarry, adapter, first: bool, summed: tuple, *shares) -> EpochCarry:
+    """The round's update on a tile (``begin_epoch`` first in the epoch's first round)."""
+    total, _ = summed
+    state = follow_partials(adapter.copy_state(carry.state), adapter, total)
+    scalars = {} if first else dict(carry.scalars)
+    if first:
+        state = adapter.begin_epoch(state)
+    state = adapter.tile_apply(state, total, [s["sums"] for s in shares])
+    if total is not None:
+        for k, v in total.scalars.items():
+            scalars[k] = scalars.get(k, 0.0) + v
+    scalars["exchanged_bytes"] = scalars.get("exchanged_bytes", 0.0) + float(max(s["received"] for s in shares))
+    return EpochCarry(state, scalars)
+
+
+def _tile_end_share(carry: EpochCarry, adapter, own: tuple) -> dict:
+    return adapter.tile_end_sums(carry.state, own)
+
+
+def _tile_end(carry: EpochCarry, adapter, *shares) -> EpochCarry:
+    state = adapter.tile_end_epoch(adapter.copy_state(carry.state), list(shares))
+    return EpochCarry(state, {**carry.scalars, **adapter.epoch_scalars(state)}, time.time())
+
+
+def _summary(carry: EpochCarry) -> tuple:
+    return carry.state.epoch, carry.scalars, carry.ended_at, has_device_arrays(carry.state)
+
+
+# -- the graph ---------------------------------------------------------------------------------
+
+
+class TileGraph:
+    """Builds and submits epochs on tiles (see the module docstring); one tile per worker that
+    holds chunks, the strips cut where the workers' chunks meet."""
+
+    def __init__(self, client, data: ChunkedData, adapter, object_height: int, *, rounds: int = 1,
+                 split_every: int | None = None):
+        from distributed import futures_of
+
+        self.client, self.adapter, self.rounds = client, adapter, int(rounds)
+        self.split_every = max(2, int(split_every or default_split_every(data.n_chunks)))
+        self.token = uuid.uuid4().hex
+        blocks = list(data.intensities.to_delayed().ravel())
+        self.block_keys = [b.key for b in blocks]
+        pinned = chunk_annotations(client, data.intensities, blocks)
+        annotations = [pinned.get(k, {}) for k in self.block_keys]
+        self.workers = sorted({a["workers"][0] for a in annotations if a}) or [None]
+        worker_of = [self.workers.index(a["workers"][0]) if a else 0 for a in annotations]
+        self.groups = [[i for i, r in enumerate(worker_of) if r == w] for w in range(len(self.workers))]
+        bounds = np.cumsum((0,) + tuple(data.chunk_lengths))
+        chunk_positions = [data.positions_host[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        n = int(data.intensities.shape[-1])
+        self.layout = TileLayout.from_chunks(chunk_positions, worker_of, n, object_height)
+        leaves = []
+        with dask.annotate(**self._on(0)):
+            leaves.append(dask.delayed(adapter, name=f"daskpty-tile-adapter-{self.token}", traverse=False))
+        for i, p in enumerate(chunk_positions):
+            with dask.annotate(**annotations[i]):
+                leaves.append(dask.delayed(p, traverse=False, name=f"daskpty-tile-positions-{i}-{self.token}"))
+        computed = client.compute(leaves, optimize_graph=False)
+        self.adapter_key = computed[0].key
+        self.position_keys = [f.key for f in computed[1:]]
+        self.inputs = {f.key: f for f in futures_of(data.intensities) + computed}
+        self.count = 0
+
+    def _on(self, w: int) -> dict:
+        worker = self.workers[w]
+        return {} if worker is None else {"workers": [worker], "allow_other_workers": True}
+
+    def own(self, w: int) -> tuple:
+        """Worker ``w``'s own rows in its tile's frame."""
+        t = self.layout.tiles[w]
+        return (t.start - t.held_start, t.stop - t.held_start)
+
+    def scatter_tiles(self, state) -> list:
+        """The tiles of a state on the client, each scattered to its worker (one future each)."""
+        futures = []
+        for w, t in enumerate(self.layout.tiles):
+            tile = EpochCarry(crop_state(state, self.adapter.tile_fields, t.held_start, t.held_stop))
+            kwargs = {} if self.workers[w] is None else {"workers": [self.workers[w]]}
+            futures.append(self.client.scatter(tile, hash=False, **kwargs))
+        return futures
+
+    def submit(self, starts: list) -> tuple:
+        """One epoch from each tile's carry future; returns ``(end futures, summary future)``."""
+        from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+        tag = f"{self.count}-{self.token}"
+        self.count += 1
+        copies = len(self.workers)
+        inputs = {**self.inputs, **{f.key: f for f in starts}}
+        tasks = [{} for _ in range(copies)]
+        tree = FixedTree(len(self.block_keys), self.split_every)
+        carries = [f.key for f in starts]
+        for r in range(self.rounds):
+            chunk_keys = []
+            for w, chunks in enumerate(self.groups):
+                key = (f"daskpty-tile-chunks-{r}-{tag}", w)
+                tasks[w][key] = (_tile_chunks, carries[w], self.adapter_key, self.layout, w, r, self.rounds, tree,
+                                 [self.block_keys[i] for i in chunks], [self.position_keys[i] for i in chunks],
+                                 chunks)
+                chunk_keys.append(key)
+            pieces = {}
+            for w in range(copies):  # each piece a key of its own: only it travels
+                for v in range(copies):
+                    pieces[w, v] = (f"daskpty-tile-piece-{r}-{w}-{tag}", v)
+                    tasks[w][pieces[w, v]] = (operator.getitem, chunk_keys[w], v)
+            summed, shares = [], []
+            for v in range(copies):
+                summed.append((f"daskpty-tile-total-{r}-{tag}", v))
+                tasks[v][summed[v]] = (_tile_total, tree, v, *[pieces[w, v] for w in range(copies)])
+                shares.append((f"daskpty-tile-share-{r}-{tag}", v))
+                tasks[v][shares[v]] = (_tile_round_share, summed[v], self.adapter_key, carries[v], self.own(v))
+            new = []
+            for v in range(copies):
+                key = (f"daskpty-tile-round-{r}-{tag}", v)
+                tasks[v][key] = (_tile_apply, carries[v], self.adapter_key, r == 0, summed[v], *shares)
+                new.append(key)
+            carries = new
+        end_shares, ends = [], []
+        for v in range(copies):
+            end_shares.append((f"daskpty-tile-end-share-{tag}", v))
+            tasks[v][end_shares[v]] = (_tile_end_share, carries[v], self.adapter_key, self.own(v))
+        for v in range(copies):
+            ends.append((f"daskpty-tile-end-{tag}", v))
+            tasks[v][ends[v]] = (_tile_end, carries[v], self.adapter_key, *end_shares)
+        summary = (f"daskpty-tile-summary-{tag}", 0)
+        layers = {"inputs": MaterializedLayer(inputs)}
+        for w in range(copies):
+            layers[f"daskpty-tile-epoch-{tag}-{w}"] = MaterializedLayer(tasks[w], annotations=self._on(w) or None)
+        layers[f"daskpty-tile-summary-{tag}"] = MaterializedLayer({summary: (_summary, ends[0])},
+                                                                  annotations=self._on(0) or None)
+        graph = HighLevelGraph(layers, {name: set() for name in layers})
+        futures = self.client.get(graph, [*ends, summary], sync=False)
+        return futures[:copies], futures[copies]
+
+    def fetch(self, ends: list):
+        """The whole state from the tiles of an epoch (their own rows, stitched on the client)."""
+        parts = []
+        for w, future in enumerate(ends):
+            kwargs = {} if self.workers[w] is None else {"workers": [self.workers[w]]}
+            part = self.client.submit(_own_rows_on_host, future, self.adapter.tile_fields, self.own(w),
+                                      pure=False, **kwargs)
+            parts.append(part)
+        try:
+            return stitch_states([p.result() for p in parts], self.adapter.tile_fields)
+        finally:
+            for p in parts:
+                p.release()
+
+
+class TiledEpochState:
+    """What a callback gets after a tiled epoch: the epoch counter at once, the whole state on
+    :meth:`get` (each tile's own rows, gathered and stitched)."""
+
+    def __init__(self, epoch: int, graph: TileGraph, ends: list):
+        from distributed import Future
+
+        self.epoch = int(epoch)
+        self._graph = graph
+        self._ends = [Future(f.key, f.client) for f in ends]
+        self._state = None
+
+    @property
+    def fetched(self) -> bool:
+        return self._state is not None
+
+    def get(self):
+        if self._state is None:
+            from concurrent.futures import CancelledError
+
+            try:
+                self._state = self._graph.fetch(self._ends)
+            except CancelledError:
+                raise StateLost(f"the tiles of epoch {self.epoch} were lost with a worker that held one; "
+                                "continue with --resume (API: resume=)") from None
+            for f in self._ends:
+                f.release()
+            self._ends = []
+        return self._state
+
+
+def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds: int, split_every):
+    """Epochs on tiles; yields ``(TiledEpochState, scalars, seconds)`` like the driver's other
+    epoch loops. Each epoch is submitted before the previous one is reported. A worker lost
+    mid-run ends it with :class:`~.watchdog.ReconstructionStalled` (the last checkpoint stays;
+    tiles are not restarted yet)."""
+    from concurrent.futures import CancelledError
+
+    graph = TileGraph(client, data, adapter, int(state.object.shape[-2]), rounds=rounds, split_every=split_every)
+    watchdog = Watchdog(data_bytes=data.intensities.nbytes)
+    last_end = time.time()
+    pending = graph.submit(graph.scatter_tiles(state))
+    following = None
+    try:
+        for done in range(epochs):
+            if done + 1 < epochs:
+                following = graph.submit(pending[0])
+            try:
+                epoch, scalars, ended_at, _ = pending[1].result(timeout=watchdog.bound())
+            except (CancelledError, TimeoutError, OSError) as exc:
+                raise ReconstructionStalled(f"a tiled epoch did not finish ({type(exc).__name__}: {exc}); tiles are "
+                                            "not restarted after a lost worker yet: continue with --resume "
+                                            "(API: resume=)") from None
+            seconds, last_end = ended_at - last_end, ended_at
+            watchdog.observe(seconds)
+            handle = TiledEpochState(epoch, graph, pending[0])
+            if done + 1 == epochs:
+                handle.get()  # while its futures are held
+            yield handle, scalars, seconds
+            for f in (*pending[0], pending[1]):
+                f.release()
+            pending, following = following, None
+    finally:
+        for submitted in (pending, following):
+            if submitted is not None:
+                for f in (*submitted[0], submitted[1]):
+                    f.release()
+
+
+__all__ = ["TileGraph", "TiledEpochState", "TilesUnsupported", "check_tiles_supported", "crop_state",
+           "stitch_states", "tiled_epochs"]

@@ -1,0 +1,115 @@
+"""Epochs on tiles (issue 34): each worker holds a row tile of the object, only borders travel.
+
+W tiles equal 1 tile bit for bit, and the replicated graph to float32 rounding (the scale
+normalisation's mean is summed tile by tile); a worker receives less than replicas exchange;
+a real run through ``reconstruct`` (a Zarr store, worker processes) resumes bit-identically;
+what tiles cannot do yet is refused in one line.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import daskpty
+from daskpty.engines import lsqml
+from daskpty.execution.data import prepare_data
+from daskpty.execution.driver import run_epochs
+from daskpty.execution.lsqml_adapter import LSQMLAdapter
+from daskpty.execution.tile_graph import TilesUnsupported, crop_state, stitch_states
+from synthetic import make_dataset
+
+OPTIONS = lsqml.LSQMLOptions(noise="poisson", momentum=0.5, normalize_every=2)
+
+
+@pytest.fixture(scope="module")
+def three_workers():
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def one_worker():
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        yield client
+
+
+def _run(client, ds, tiles: bool, epochs=4, rounds=3, modes=1):
+    with client.as_current():
+        data = prepare_data(client, ds.intensities, ds.positions, chunk_length=24, persist=True)
+    adapter = LSQMLAdapter(OPTIONS)
+    probe = ds.truth.probe.copy() if modes == 1 else np.concatenate([ds.truth.probe, 0.1 * ds.truth.probe])
+    start = adapter.new_state(np.ones_like(ds.truth.object), probe)
+    return run_epochs(client, data, adapter, start, epochs=epochs, rounds_per_epoch=rounds, split_every=2,
+                      tiles=tiles)
+
+
+def test_crop_and_stitch_give_the_state_back():
+    state = lsqml.LSQMLState(np.arange(60, dtype=np.complex64).reshape(6, 10), np.ones((1, 4, 4), np.complex64),
+                             illumination=np.arange(60, dtype=np.float32).reshape(6, 10))
+    fields = LSQMLAdapter.tile_fields
+    parts = [crop_state(state, fields, a, b) for a, b in ((0, 2), (2, 5), (5, 6))]
+    back = stitch_states(parts, fields)
+    np.testing.assert_array_equal(back.object, state.object)
+    np.testing.assert_array_equal(back.illumination, state.illumination)
+    assert back.velocity is None and parts[1].object.shape == (3, 10)
+
+
+@pytest.mark.parametrize("modes", [1, 2])
+def test_three_tiles_equal_one_tile_and_the_replicas(three_workers, one_worker, modes):
+    ds = make_dataset(grid=12, seed=3)
+    one, _ = _run(one_worker, ds, tiles=True, modes=modes)
+    three, hist = _run(three_workers, ds, tiles=True, modes=modes)
+    replicas, r_hist = _run(three_workers, ds, tiles=False, modes=modes)
+    np.testing.assert_array_equal(three.object, one.object)
+    np.testing.assert_array_equal(three.probe, one.probe)
+    assert three.epoch == replicas.epoch == 4
+    scale = np.abs(replicas.object).max()
+    np.testing.assert_allclose(three.object, replicas.object, rtol=0, atol=2e-5 * scale)
+    np.testing.assert_allclose(three.probe, replicas.probe, rtol=0, atol=2e-5 * np.abs(replicas.probe).max())
+    np.testing.assert_allclose([h["loss"] for h in hist], [h["loss"] for h in r_hist], rtol=1e-6)
+    # the tiles are borders: a worker receives less than the replicas' whole partial sums
+    tiles_bytes = [h["exchanged_bytes_per_round"] for h in hist]
+    assert all(0 < t < r["exchanged_bytes_per_round"] for t, r in zip(tiles_bytes, r_hist))
+    # and the reconstruction is a reconstruction: closer to the truth than the start
+    from daskpty.metrics import nrmse
+
+    assert nrmse(three.object, ds.truth.object) < nrmse(np.ones_like(ds.truth.object), ds.truth.object)
+
+
+def test_reconstruct_on_tiles_from_a_store_resumes_bit_identically(tmp_path, three_workers):
+    ds = make_dataset(grid=10, seed=5)
+    store = tmp_path / "data.zarr"
+    daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(store, client=three_workers)
+    common = dict(client=three_workers, tiles=True, rounds_per_epoch=2, chunk_length=25, persist=True)
+    whole = daskpty.reconstruct(str(store), "lsqml", 6, checkpoint=tmp_path / "a.zarr", **common)
+    daskpty.reconstruct(str(store), "lsqml", 3, checkpoint=tmp_path / "b.zarr", **common)
+    resumed = daskpty.reconstruct(str(store), "lsqml", 6, checkpoint=tmp_path / "b.zarr",
+                                  resume=tmp_path / "b.zarr", **common)
+    np.testing.assert_array_equal(resumed.object, whole.object)
+    np.testing.assert_array_equal(resumed.probe, whole.probe)
+    assert [h["epoch"] for h in resumed.history] == list(range(1, 7))
+
+
+@pytest.mark.parametrize("settings,expected", [
+    ({"refine_positions": True}, "position refinement"),
+    ({"sample": {"slices": 2, "slice_spacing_m": 1e-9, "wavelength_m": 2e-12, "object_pixel_size_m": 1e-10}},
+     "K slices"),
+    ({"opr_modes": 2}, "a varying probe"),
+])
+def test_what_tiles_cannot_do_yet_is_refused_in_one_line(one_worker, settings, expected):
+    ds = make_dataset(grid=6, seed=1)
+    with pytest.raises(TilesUnsupported, match=expected) as info:
+        daskpty.reconstruct(ds, "lsqml", 1, client=one_worker, tiles=True, persist=True, **settings)
+    assert "\n" not in str(info.value) and "tiles=False" in str(info.value)
+
+
+def test_the_lsqml_adapter_declares_the_tile_protocol():
+    from daskpty.execution.ad_adapter import ADAdapter
+    from daskpty.engines import ad
+    from daskpty.execution.engine_protocol import RunsOnTiles
+
+    assert isinstance(LSQMLAdapter(OPTIONS), RunsOnTiles)
+    assert not isinstance(ADAdapter(ad.ADOptions()), RunsOnTiles)
