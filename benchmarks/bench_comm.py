@@ -40,7 +40,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _util import bench_cluster, dataset, fmt_bytes, jsonable  # noqa: E402
 
-_ROUND_KEY = re.compile(r"daskpty-(round|end)-(?:(\d+)-)?(\d+)-([0-9a-f]{32})")
+# the epoch graph's round and end tasks, and the tile graph's (chunks, pieces, totals, shares)
+_ROUND_KEY = re.compile(r"daskpty-(?:tile-)?(round|end|end-share|chunks|piece|total|share)-(?:(\d+)-)?(?:\d+-)?"
+                        r"(\d+)-([0-9a-f]{32})")
 
 
 def _sizes(text):
@@ -69,6 +71,10 @@ def build_parser():
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--skip", type=int, default=2, help="warm-up epochs left out")
     ap.add_argument("--engine", choices=("lsqml", "ad"), default="lsqml")
+    ap.add_argument("--layouts", type=lambda t: [x for x in t.split(",") if x], default=["replicas"],
+                    metavar="L,L", help="replicas (a whole state on every worker) and/or tiles (a row tile "
+                                        "each), e.g. replicas,tiles")
+    ap.add_argument("--chunk-length", type=int, default=None, help="passed to reconstruct")
     ap.add_argument("--threads-per-worker", type=int, default=1)
     ap.add_argument("--memory-limit", default="auto")
     ap.add_argument("--tmpdir", default=None)
@@ -199,21 +205,72 @@ def transfer_probe(client, sizes, gpu: bool, repeat: int = 3, log=print) -> list
     return out
 
 
-def measure(args, data, n_patterns, n, workers, rounds) -> dict:
+def _rss():
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+class WorkerMemory:
+    """Samples every worker's resident memory and status every ``every`` s while running: the
+    peak per worker, whether any paused, and whether any was replaced (restarted) meanwhile."""
+
+    def __init__(self, client, every: float = 0.5):
+        import threading
+
+        self.client, self.every = client, every
+        self.start_workers = set(client.scheduler_info(n_workers=-1)["workers"])
+        self.limits = {a: w.get("memory_limit") or 0 for a, w in
+                       client.scheduler_info(n_workers=-1)["workers"].items()}
+        self.peak, self.paused = {}, set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(self.every):
+            try:
+                for a, rss in self.client.run(_rss).items():
+                    self.peak[a] = max(self.peak.get(a, 0), rss)
+                for a, w in self.client.scheduler_info(n_workers=-1)["workers"].items():
+                    if str(w.get("status", "")).endswith("paused"):
+                        self.paused.add(a)
+            except Exception:
+                pass
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.end_workers = set(self.client.scheduler_info(n_workers=-1)["workers"])
+
+    def figures(self) -> dict:
+        return {"peak_rss_per_worker": max(self.peak.values(), default=0),
+                "memory_limit": min(self.limits.values(), default=0),
+                "paused_workers": len(self.paused),
+                "restarted_workers": len(self.start_workers - self.end_workers)}
+
+
+def measure(args, data, n_patterns, n, workers, rounds, layout: str = "replicas") -> dict:
     import daskpty
     from distributed import get_task_stream
 
     row = {"backend": args.backend, "patterns": n_patterns, "n": n, "workers": workers, "rounds": rounds,
-           "engine": args.engine}
+           "engine": args.engine, "layout": layout}
     with bench_cluster(args.backend, workers, args.threads_per_worker, args.memory_limit) as (client, what):
         row["cluster"] = what
         row["workers"] = len(client.scheduler_info(n_workers=-1)["workers"])
         _register_partial_sizeof()
         client.run(_register_partial_sizeof)
-        with get_task_stream(client) as ts:
+        t0 = time.perf_counter()
+        with get_task_stream(client) as ts, WorkerMemory(client) as memory:
             rec = daskpty.reconstruct(data, engine=args.engine, epochs=args.epochs, client=client,
                                       rounds_per_epoch=rounds, persist=True, device=args.backend,
-                                      seed=args.seed)
+                                      seed=args.seed, tiles=layout == "tiles", chunk_length=args.chunk_length)
+        row["reconstruct_s"] = time.perf_counter() - t0
+        row.update(memory.figures())
         logs = client.run(_incoming_logs)
         if args.probe_bytes:
             row["transfer_probe"] = transfer_probe(client, args.probe_bytes, args.backend == "gpu")
@@ -229,6 +286,14 @@ def measure(args, data, n_patterns, n, workers, rounds) -> dict:
     row["exchanged_bytes"] = float(np.median(exchanged)) if exchanged else float("nan")
     row["bandwidth"] = row["exchanged_bytes"] / row["exchange_s"] if row["exchange_s"] > 0 else float("nan")
     row["object_pixels"] = int(np.prod(rec.object.shape[-2:]))
+    row["object_bytes"] = int(np.prod(rec.object.shape)) * 8  # complex64
+    if getattr(data, "truth", None) is not None:
+        from daskpty.metrics import nrmse
+
+        try:
+            row["nrmse"] = float(nrmse(rec.object, data.truth.object))
+        except Exception:
+            row["nrmse"] = float("nan")
     row["data_bytes"] = int(data.intensities.nbytes)
     row["seconds_per_epoch"] = wall * rounds
     w = row["workers"]
@@ -239,18 +304,18 @@ def measure(args, data, n_patterns, n, workers, rounds) -> dict:
 
 def print_table(rows, log=print):
     log("")
-    log("| patterns | n | workers | rounds/epoch | wall s/round | compute s/round | exchange s/round | "
+    log("| patterns | n | workers | rounds/epoch | layout | wall s/round | compute s/round | exchange s/round | "
         "other s/round | bytes/round received (scalar) | bytes/round (transfer log) | bandwidth | "
         "partials B/object px |")
-    log("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    log("|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         px = r["partial_bytes"] / r["object_pixels"] if r.get("object_pixels") else float("nan")
         bw = r["bandwidth"]
-        log(f"| {r['patterns']} | {r['n']} | {r['workers']} | {r['rounds']} | {r['wall_s']:.4f} | "
+        log(f"| {r['patterns']} | {r['n']} | {r['workers']} | {r['rounds']} | {r.get('layout', 'replicas')} | {r['wall_s']:.4f} | "
             f"{r['compute_s']:.4f} | {r['exchange_s']:.4f} | {r['other_s']:.4f} | "
             f"{fmt_bytes(r['exchanged_bytes'])} | {fmt_bytes(r['log_bytes'])} | "
             f"{bw / 1e6:.0f} MB/s | {px:.1f} |" if np.isfinite(bw) else
-            f"| {r['patterns']} | {r['n']} | {r['workers']} | {r['rounds']} | {r['wall_s']:.4f} | "
+            f"| {r['patterns']} | {r['n']} | {r['workers']} | {r['rounds']} | {r.get('layout', 'replicas')} | {r['wall_s']:.4f} | "
             f"{r['compute_s']:.4f} | {r['exchange_s']:.4f} | {r['other_s']:.4f} | "
             f"{fmt_bytes(r['exchanged_bytes'])} | {fmt_bytes(r['log_bytes'])} | n/a | {px:.1f} |")
 
@@ -389,14 +454,19 @@ def main(argv=None):
             n_patterns, n = int(data.intensities.shape[0]), int(data.intensities.shape[-1])
             for workers in args.workers:
                 for rounds in args.rounds:
-                    t0 = time.perf_counter()
-                    row = measure(args, data, n_patterns, n, workers, rounds)
-                    print(f"{n_patterns} x {n}^2, {row['workers']} worker(s), {rounds} round(s)/epoch: "
-                          f"{row['seconds_per_epoch']:.3f} s/epoch, {row['epochs_seen']} epoch graphs seen, "
-                          f"measured in {time.perf_counter() - t0:.1f} s; {row['cluster']}", flush=True)
-                    if args.json:
-                        print(json.dumps(jsonable(row)), flush=True)
-                    rows.append(row)
+                    for layout in args.layouts:
+                        t0 = time.perf_counter()
+                        row = measure(args, data, n_patterns, n, workers, rounds, layout)
+                        print(f"{n_patterns} x {n}^2, {row['workers']} worker(s), {rounds} round(s)/epoch, {layout}: "
+                              f"{row['seconds_per_epoch']:.3f} s/epoch, received {fmt_bytes(row['exchanged_bytes'])}"
+                              f"/round ({row['exchanged_bytes'] / row['object_bytes']:.1%} of the object), peak "
+                              f"RSS/worker {fmt_bytes(row['peak_rss_per_worker'])} (limit "
+                              f"{fmt_bytes(row['memory_limit'])}, {row['paused_workers']} paused, "
+                              f"{row['restarted_workers']} restarted), reconstruct {row['reconstruct_s']:.1f} s, "
+                              f"measured in {time.perf_counter() - t0:.1f} s; {row['cluster']}", flush=True)
+                        if args.json:
+                            print(json.dumps(jsonable(row)), flush=True)
+                        rows.append(row)
     print_table(rows)
     if args.project:
         print_projection(args, rows)

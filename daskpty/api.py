@@ -13,12 +13,12 @@ from .engines.initial import (object_frame, probe_diameter_from_scan, probe_from
 from .engines.positions import PositionOptions, PositionsDiverged
 from .engines.probe_model import ProbeModelDiverged, effective_weights
 from .engines.sample_options import aperture_probe
-from .execution.cluster import client_context, wait_for_workers
+from .execution.cluster import client_context, live_workers, wait_for_workers
 from .execution.data import auto_rounds, choose_chunk_length, prepare_data, should_persist, workers_have_gpus
 from .execution.driver import run_epochs, with_local
 from .execution.latency import enable_low_latency
 from .execution.local_state import PatternLayout
-from .execution.memory import (check_step_fits, clamp_chunk_length, largest_fitting_chunk, state_bytes,
+from .execution.memory import (check_step_fits, clamp_chunk_length, held_shape, largest_fitting_chunk, state_bytes,
                                step_bytes)
 from .execution.options import ExecutionOptions
 from .execution.parts import with_probe_model, with_sample
@@ -207,19 +207,20 @@ def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, ob
     return execution.replace(persist=bool(persist), rounds_per_epoch=rounds)
 
 
-def _resolve_device_and_chunks(client, execution, n_patterns, n, modes, object_shape, thick) -> ExecutionOptions:
+def _resolve_device_and_chunks(client, execution, n_patterns, n, modes, object_shape, thick,
+                               tiles: int | None = None) -> ExecutionOptions:
     """``device="auto"``: gpu when every worker sees one; the chunk length from the probe size and
     the workers' memory (shorter on small workers rather than a refusal); a step that cannot fit
-    is refused here rather than stalling a worker."""
+    is refused here rather than stalling a worker (``tiles``: the object in that many row tiles)."""
     device, length = execution.device, execution.chunk_length
     if device == "auto":
         device = "gpu" if workers_have_gpus(client) else "cpu"
     if length is None:
         length = choose_chunk_length(client, n_patterns, n, modes, thick.working_factor)
-        fitting = largest_fitting_chunk(client, n, modes, object_shape, thick.working_factor)
+        fitting = largest_fitting_chunk(client, n, modes, object_shape, thick.working_factor, tiles)
         if fitting:
             length = min(length, fitting)
-    check_step_fits(client, length, n, modes, object_shape, thick.working_factor)
+    check_step_fits(client, length, n, modes, object_shape, thick.working_factor, tiles)
     return execution.replace(device=device, chunk_length=int(length))
 
 
@@ -318,7 +319,7 @@ def reconstruct(data, engine="lsqml", epochs: int = DEFAULT_EPOCHS, *, probe=Non
         else 8); ``sort`` (order the patterns along a Morton curve when that makes chunks more
         compact); ``tiles`` (cut the object into row tiles, one per worker, instead of a copy
         on every worker: only tile borders travel; LSQML with one slice, far field, fixed
-        positions and a constant probe so far).
+        positions so far; OPR, intensity factors and background included).
     run : dict or RunOptions, optional
         How the run is kept and watched (`daskpty.options.RunOptions`). Shortcuts:
         ``checkpoint`` (a reconstruction store updated atomically every ``checkpoint_every``
@@ -417,13 +418,15 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
             data, intensities = scatter_in_memory(c, data, intensities, execution.chunk_length)
         if run.check_data:
             check_values(data if hasattr(data, "path") else intensities, client=c).raise_if_bad()
-        execution = _resolve_persist_and_rounds(c, execution, intensities.nbytes, len(positions), n, obj.shape,
+        tiles_of = len(live_workers(c)) if execution.tiles else None  # a row tile per worker
+        execution = _resolve_persist_and_rounds(c, execution, intensities.nbytes, len(positions), n,
+                                                held_shape(obj.shape, n, tiles_of),
                                                 _probe_modes_hint(probe, probe_modes, resumed), thick,
                                                 per_pattern_probe=model is not None and model.per_pattern)
         if execution.tiles and not execution.persist:
-            raise TilesUnsupported("tiles need the data kept in worker memory, but they take more than half "
-                                   "the cluster's memory (persist='auto' chose False); add workers or memory, "
-                                   "or use tiles=False")
+            raise TilesUnsupported("tiles need the data kept in worker memory (persist=True or 'auto'), but "
+                                   "persist is False (or 'auto' found the data over half the cluster's "
+                                   "memory); add workers or memory, or use tiles=False")
         run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist)
         publisher = None
         if run.dashboard:
@@ -442,7 +445,7 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
             state = adapter.new_state(obj, first if first is not None else
                                       _initial_probe(probe, data, c, intensities, probe_modes, eng.seed))
         execution = _resolve_device_and_chunks(c, execution, len(positions), n, state.probe.shape[0], obj.shape,
-                                               thick)
+                                               thick, tiles_of)
         run_options.update(chunk_length=execution.chunk_length)
         if hasattr(data, "intensities_in_chunks") and not execution.persist:
             intensities = data.intensities_in_chunks(execution.chunk_length)  # out of core: read sub-shards

@@ -128,3 +128,21 @@ def test_worker_processes_too_small_for_their_own_process_are_refused_up_front()
     assert "\n" not in message and "pauses at 144 MiB (180 MiB limit)" in message
     needed = int(message.split("give each worker at least ")[1].split()[0])
     assert needed > 180
+
+
+def test_an_object_too_large_for_one_worker_names_the_tiles_that_fit(small_workers):
+    """A state that does not fit one 64 MiB worker whole: the refusal names tiles and the fewest
+    workers they need, and that many tiles do fit (the rule counts a tile and its halo)."""
+    from daskpty.execution.memory import held_shape, state_bytes
+
+    shape, n = (1200, 1200), 32  # 88 MiB of state: over the 51 MiB pause threshold alone
+    with pytest.raises(ValueError) as info:
+        check_step_fits(small_workers, 4, n, 1, shape)
+    message = str(info.value)
+    assert "\n" not in message and "tiles=True" in message
+    fewest = int(message.split("over at least ")[1].split()[0])
+    assert state_bytes(held_shape(shape, n, fewest - 1)) > state_bytes(held_shape(shape, n, fewest))
+    check_step_fits(small_workers, 4, n, 1, shape, tiles=fewest)  # fits on that many tiles
+    with pytest.raises(ValueError, match=f"at least {fewest} workers"):
+        check_step_fits(small_workers, 4, n, 1, shape, tiles=fewest - 1)
+    assert held_shape(shape, n, 4) == (300 + 2 * (n + 2), 1200) and held_shape(shape, n, None) == shape

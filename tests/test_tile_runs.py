@@ -15,7 +15,9 @@ import daskpty
 from daskpty.engines import lsqml
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
+from daskpty.engines.probe_model import ProbeModelOptions
 from daskpty.execution.lsqml_adapter import LSQMLAdapter
+from daskpty.execution.parts import with_probe_model
 from daskpty.execution.tile_graph import TilesUnsupported, crop_state, stitch_states
 from synthetic import make_dataset
 
@@ -36,10 +38,10 @@ def one_worker():
         yield client
 
 
-def _run(client, ds, tiles: bool, epochs=4, rounds=3, modes=1):
+def _run(client, ds, tiles: bool, epochs=4, rounds=3, modes=1, model=None):
     with client.as_current():
         data = prepare_data(client, ds.intensities, ds.positions, chunk_length=24, persist=True)
-    adapter = LSQMLAdapter(OPTIONS)
+    adapter = with_probe_model(LSQMLAdapter(OPTIONS), model)
     probe = ds.truth.probe.copy() if modes == 1 else np.concatenate([ds.truth.probe, 0.1 * ds.truth.probe])
     start = adapter.new_state(np.ones_like(ds.truth.object), probe)
     return run_epochs(client, data, adapter, start, epochs=epochs, rounds_per_epoch=rounds, split_every=2,
@@ -57,14 +59,24 @@ def test_crop_and_stitch_give_the_state_back():
     assert back.velocity is None and parts[1].object.shape == (3, 10)
 
 
-@pytest.mark.parametrize("modes", [1, 2])
-def test_three_tiles_equal_one_tile_and_the_replicas(three_workers, one_worker, modes):
+VARYING = ProbeModelOptions(opr_modes=2, fit_intensity=True, background="constant", start_epoch=1)
+
+
+@pytest.mark.parametrize("modes,model", [(1, None), (2, None), (1, VARYING)], ids=["1 mode", "2 modes", "OPR"])
+def test_three_tiles_equal_one_tile_and_the_replicas(three_workers, one_worker, modes, model):
     ds = make_dataset(grid=12, seed=3)
-    one, _ = _run(one_worker, ds, tiles=True, modes=modes)
-    three, hist = _run(three_workers, ds, tiles=True, modes=modes)
-    replicas, r_hist = _run(three_workers, ds, tiles=False, modes=modes)
+    one, _ = _run(one_worker, ds, tiles=True, modes=modes, model=model)
+    three, hist = _run(three_workers, ds, tiles=True, modes=modes, model=model)
+    replicas, r_hist = _run(three_workers, ds, tiles=False, modes=modes, model=model)
     np.testing.assert_array_equal(three.object, one.object)
     np.testing.assert_array_equal(three.probe, one.probe)
+    if model is not None:  # the per-pattern weights and factors come back from every tile
+        assert sorted(three.chunk_local) == sorted(replicas.chunk_local) == sorted(one.chunk_local)
+        for i, local in three.chunk_local.items():
+            for name, value in local.items():
+                np.testing.assert_array_equal(value, one.chunk_local[i][name])
+                np.testing.assert_allclose(value, replicas.chunk_local[i][name], rtol=1e-4, atol=1e-5)
+        np.testing.assert_array_equal(three.eigen_probes, one.eigen_probes)
     assert three.epoch == replicas.epoch == 4
     scale = np.abs(replicas.object).max()
     np.testing.assert_allclose(three.object, replicas.object, rtol=0, atol=2e-5 * scale)
@@ -97,7 +109,6 @@ def test_reconstruct_on_tiles_from_a_store_resumes_bit_identically(tmp_path, thr
     ({"refine_positions": True}, "position refinement"),
     ({"sample": {"slices": 2, "slice_spacing_m": 1e-9, "wavelength_m": 2e-12, "object_pixel_size_m": 1e-10}},
      "K slices"),
-    ({"opr_modes": 2}, "a varying probe"),
 ])
 def test_what_tiles_cannot_do_yet_is_refused_in_one_line(one_worker, settings, expected):
     ds = make_dataset(grid=6, seed=1)

@@ -16,7 +16,6 @@ give the same result.
 """
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from concurrent.futures import CancelledError
@@ -29,19 +28,11 @@ from .device_state import fetch_host_state
 from .fetch import BLOCK_BYTES, fetch_state
 from .engine_protocol import RunsOwnRounds
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
-from .local_state import initial_locals
+from .local_state import initial_locals, with_local
 from .placement import run_stuck_loose_tasks
 from .rounds import ChunkedData, default_split_every, map_reduce
 from .tile_graph import check_tiles_supported, tiled_epochs
 from .watchdog import ReconstructionStalled, Watchdog, check_loss, quiet_handled_losses, stall_seconds
-
-
-def with_local(state, local: dict | None):
-    """A shallow copy of ``state`` carrying ``chunk_local``: every chunk's per-pattern state
-    (``{chunk: {name: array}}``, see :mod:`.local_state`), as callbacks and results see it."""
-    state = copy.copy(state)
-    state.chunk_local = local
-    return state
 
 
 def _carry_of(state) -> EpochCarry:
@@ -367,14 +358,15 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
         split_every = default_split_every(data.n_chunks)
     if adapter.local_state and getattr(state, "chunk_local", None) is None:
         state = with_local(state, initial_locals(adapter, data.positions_host, data.chunk_lengths))
-    if initialise and state.epoch == 0:
-        state = adapter.initialise(client, data, state, split_every=split_every)
     if tiles:
         check_tiles_supported(adapter, data)
+    if initialise and state.epoch == 0 and not (tiles and epochs > 0):
+        state = adapter.initialise(client, data, state, split_every=split_every)
     if epochs <= 0:
         return state, history
-    if tiles:
-        epochs_iter = tiled_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)
+    if tiles:  # (the first epoch's set-up runs on the tiles there)
+        epochs_iter = tiled_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every,
+                                   initialise=initialise and state.epoch == 0)
     elif data.persisted and not (isinstance(adapter, RunsOwnRounds) and adapter.needs_evaluations):
         epochs_iter = _graph_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)
     else:

@@ -83,6 +83,10 @@ class RunsOnTiles(Protocol):
     own rows (``own``: those rows in the tile's frame), in worker order."""
 
     tile_fields: tuple  # state attributes in the object's frame (..., H, W), cut by rows
+    tile_sums_function: Callable  # chunk function of the first epoch's sums, on a tile's payload
+
+    def tile_initialise(self, state, sums):
+        """``initialise`` from ``tile_sums_function``'s sums over all chunks (reduced)."""
 
     def tiles_unsupported(self) -> str | None:
         """What in this adapter's parts cannot run on tiles yet (None: everything can)."""

@@ -11,6 +11,8 @@ results, checkpoints and resume).
 """
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from ..engines.eigen_probes import effective_weights
@@ -130,3 +132,11 @@ class PatternLayout:
                        if local_name(k) and np.ndim(v) == 2 and len(v) == len(positions)})
         return initial_locals(adapter, data.positions_host, data.chunk_lengths,
                               sort_like_chunks(arrays, data.order))
+
+
+def with_local(state, local: dict | None):
+    """A shallow copy of ``state`` carrying ``chunk_local``: every chunk's per-pattern state
+    (``{chunk: {name: array}}``), as callbacks and results see it."""
+    state = copy.copy(state)
+    state.chunk_local = local
+    return state

@@ -162,25 +162,36 @@ class LSQMLAdapter:
 
     # Tiles (:mod:`.tile_graph`; protocol: :class:`~.engine_protocol.RunsOnTiles`)
     tile_fields = ("object", "velocity", "epoch_start_object", "illumination")
+    tile_sums_function = staticmethod(forward_sums_chunk)  # the first epoch's sums (initialise)
 
     def tiles_unsupported(self) -> str | None:
         """Why this adapter's parts cannot run on tiles yet (None: they can)."""
-        for part, name in ((self.sample, "K slices or the near field"), (self.positions, "position refinement"),
-                           (self.probe_model, "a varying probe")):
+        for part, name in ((self.sample, "K slices or the near field"), (self.positions, "position refinement")):
             if part is not None:
                 return name
         return None
+
+    def tile_initialise(self, state, sums):
+        """The first-epoch probe rescale from ``tile_sums_function``'s reduced sums."""
+        before = state.probe
+        state = lsqml.rescale_probe(state, sums)
+        return state if self.probe_model is None else self.probe_model.rescaled(state, before)
 
     def tile_round_sums(self, state, total, own):
         return lsqml_tiles.round_sums(total, own)
 
     def tile_apply(self, state, total, shares):
-        return lsqml_tiles.apply(state, total, self.options, shares)
+        state = lsqml_tiles.apply(state, total, self.options, shares)
+        if self.probe_model is not None and total is not None:
+            lsqml_opr.apply(state, total, self.probe_model.model, self.options.delta, self.valid)
+        return state
 
     def tile_end_sums(self, state, own):
         return lsqml_tiles.end_sums(state, self.options, own)
 
     def tile_end_epoch(self, state, shares):
+        if self.probe_model is not None:
+            lsqml_opr.end_epoch(state, self.probe_model.model)
         return lsqml_tiles.end_epoch(state, self.options, shares)
 
     def initialise(self, client, data: ChunkedData, state, *, split_every: int):

@@ -79,22 +79,54 @@ def state_bytes(object_shape) -> int:
     return int(math.prod(object_shape)) * STATE_BYTES_PER_PIXEL
 
 
+def held_shape(object_shape, n: int, tiles: int | None = None) -> tuple:
+    """The part of the object a worker holds: all of it (``tiles`` None), or with the object in
+    ``tiles`` row tiles (:mod:`.tile_graph`) its strip and a halo of a window (n + 2 rows) on
+    each side, for spatially ordered chunks spread evenly over the workers."""
+    shape = tuple(int(s) for s in object_shape)
+    if not tiles or tiles <= 1:
+        return shape
+    rows = min(shape[-2], math.ceil(shape[-2] / tiles) + 2 * (n + 2))
+    return shape[:-2] + (rows, shape[-1])
+
+
+def fewest_tiles(limit: int, baseline: int, step: int, object_shape, n: int, most: int = 4096) -> int | None:
+    """The fewest row tiles whose held part, one step and the worker process fit under the pause
+    threshold of a worker of ``limit`` bytes (None: no number of tiles does)."""
+    pause = _fraction("pause", 0.8) * limit
+    for tiles in range(1, most + 1):
+        if state_bytes(held_shape(object_shape, n, tiles)) + baseline + step <= pause:
+            return tiles
+        if held_shape(object_shape, n, tiles)[-2] <= 2 * (n + 3):  # only the halo is left
+            return None
+    return None
+
+
 def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
-                    working_factor: float = 1.0) -> None:
-    """Raise ValueError (one line, with what would fit) when one chunk step plus the state exceed
-    the pause threshold of the smallest worker. No-op when workers have no memory limit."""
+                    working_factor: float = 1.0, tiles: int | None = None) -> None:
+    """Raise ValueError (one line, with what would fit) when one chunk step plus the state (of
+    the whole object, or with ``tiles`` of one row tile and its halo) exceed the pause threshold
+    of the smallest worker. No-op when workers have no memory limit."""
     limit = smallest_worker_memory(client)
     if not limit:
         return
     pause = _fraction("pause", 0.8) * limit
-    state = state_bytes(object_shape) + _baseline(client)
-    need = step_bytes(chunk_length, n, modes, working_factor) + state
+    baseline = _baseline(client)
+    held = held_shape(object_shape, n, tiles)
+    state = state_bytes(held) + baseline
+    step = step_bytes(chunk_length, n, modes, working_factor)
+    need = step + state
     if need <= pause:
         return
     fits = int((pause - state) // step_bytes(1, n, modes, working_factor))
+    what = (f"a {held[-2]}-row tile of a {object_shape[-2]} x {object_shape[-1]} object" if tiles and tiles > 1
+            else f"a {object_shape[-2]} x {object_shape[-1]} object")
     how = (f"or a chunk_length of at most {fits} patterns" if fits >= 1 else
-           f"(the state of a {object_shape[-2]} x {object_shape[-1]} object and the worker process, "
-           f"{state / MIB:.0f} MiB, do not fit alone)")
+           f"(the state of {what} and the worker process, {state / MIB:.0f} MiB, do not fit alone)")
+    fewest = fewest_tiles(limit, baseline, step, object_shape, n)
+    if fewest is not None and fewest > max(1, tiles or 1):
+        how += (f"; or cut the object into tiles (tiles=True) over at least {fewest} workers of this memory"
+                if not tiles else f"; or use at least {fewest} workers of this memory")
     raise ValueError(
         f"one chunk step of {chunk_length} patterns of {n}x{n} ({modes} mode(s)) plus the state needs "
         f"about {need / MIB:.0f} MiB per worker, but the smallest worker pauses at {pause / MIB:.0f} MiB "
@@ -102,13 +134,14 @@ def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
         f"(memory_limit=, fewer workers per machine) {how}")
 
 
-def largest_fitting_chunk(client, n: int, modes: int, object_shape, working_factor: float = 1.0) -> int | None:
-    """The most patterns per chunk whose step plus the state fit under the smallest worker's pause
-    threshold (None: no memory limit; 0: not even one pattern fits)."""
+def largest_fitting_chunk(client, n: int, modes: int, object_shape, working_factor: float = 1.0,
+                          tiles: int | None = None) -> int | None:
+    """The most patterns per chunk whose step plus the state (``tiles``: of one row tile) fit under
+    the smallest worker's pause threshold (None: no memory limit; 0: not even one pattern fits)."""
     limit = smallest_worker_memory(client)
     if not limit:
         return None
-    room = _fraction("pause", 0.8) * limit - state_bytes(object_shape) - _baseline(client)
+    room = _fraction("pause", 0.8) * limit - state_bytes(held_shape(object_shape, n, tiles)) - _baseline(client)
     return max(0, int(room // step_bytes(1, n, modes, working_factor)))
 
 

@@ -80,10 +80,10 @@ def crop_state(state, fields: tuple, start: int, stop: int):
     return out
 
 
-def _own_rows_on_host(carry: EpochCarry, fields: tuple, own: tuple):
+def _own_rows_on_host(carry: EpochCarry, fields: tuple, own: tuple, chunks) -> tuple:
     """Task on a tile's worker: its state on the host with the object-frame fields cut to its own
-    rows (what the client stitches)."""
-    return to_host(crop_state(carry.state, fields, *own))
+    rows (what the client stitches), and its chunks' per-pattern state."""
+    return to_host(crop_state(carry.state, fields, *own)), {i: carry.local[i] for i in chunks if i in carry.local}
 
 
 def stitch_states(parts: list, fields: tuple):
@@ -118,17 +118,29 @@ def _piece(part: Partial | None, origin: int, tile) -> Partial | None:
 def _tile_chunks(carry: EpochCarry, adapter, layout: TileLayout, w: int, round_index: int, rounds: int,
                  tree: FixedTree, blocks, positions, indices) -> dict:
     """Round ``round_index``'s chunk steps on worker ``w``'s tile; returns ``{v: {node: piece}}``,
-    the pieces of its subtree sums for every worker ``v``."""
+    the pieces of its subtree sums for every worker ``v``, and under ``"local"`` its chunks'
+    updated per-pattern state (it stays on this worker)."""
     tile = layout.tiles[w]
     state = resident(carry.state, adapter, blocks)
     payload = adapter.payload(state)
     shift = np.array([tile.held_start, 0.0])
-    parts = {}
+    parts, local = {}, {}
     for i, b, p in zip(indices, blocks, positions):
-        parts[(0, i)] = run_chunk(b, np.asarray(p, np.float64) - shift, payload, adapter.chunk_function,
-                                  round_index, rounds, None, i)
+        own = None
+        if adapter.local_state:
+            own = carry.local.get(i)
+            if own is None:
+                own = adapter.initial_local(p)
+        part = run_chunk(b, np.asarray(p, np.float64) - shift, payload, adapter.chunk_function,
+                         round_index, rounds, own, i)
+        if part is not None and part.local:
+            local.update(part.local)
+            part.local = {}
+        parts[(0, i)] = part
     nodes = tree.reduce(parts)
-    return {v.worker: {k: _piece(part, tile.held_start, v) for k, part in nodes.items()} for v in layout.tiles}
+    out = {v.worker: {k: _piece(part, tile.held_start, v) for k, part in nodes.items()} for v in layout.tiles}
+    out["local"] = local
+    return out
 
 
 def _tile_total(tree: FixedTree, w: int, *pieces) -> tuple:
@@ -148,8 +160,9 @@ def _tile_round_share(summed: tuple, adapter, carry: EpochCarry, own: tuple) -> 
     return {"sums": adapter.tile_round_sums(carry.state, total, own), "received": received}
 
 
-def _tile_apply(carry: EpochCarry, adapter, first: bool, summed: tuple, *shares) -> EpochCarry:
-    """The round's update on a tile (``begin_epoch`` first in the epoch's first round)."""
+def _tile_apply(carry: EpochCarry, adapter, first: bool, summed: tuple, chunked: dict, *shares) -> EpochCarry:
+    """The round's update on a tile (``begin_epoch`` first in the epoch's first round);
+    ``chunked``: this worker's chunk task result (its chunks' per-pattern state)."""
     total, _ = summed
     state = follow_partials(adapter.copy_state(carry.state), adapter, total)
     scalars = {} if first else dict(carry.scalars)
@@ -160,7 +173,7 @@ def _tile_apply(carry: EpochCarry, adapter, first: bool, summed: tuple, *shares)
         for k, v in total.scalars.items():
             scalars[k] = scalars.get(k, 0.0) + v
     scalars["exchanged_bytes"] = scalars.get("exchanged_bytes", 0.0) + float(max(s["received"] for s in shares))
-    return EpochCarry(state, scalars)
+    return EpochCarry(state, scalars, local={**carry.local, **chunked["local"]})
 
 
 def _tile_end_share(carry: EpochCarry, adapter, own: tuple) -> dict:
@@ -169,7 +182,19 @@ def _tile_end_share(carry: EpochCarry, adapter, own: tuple) -> dict:
 
 def _tile_end(carry: EpochCarry, adapter, *shares) -> EpochCarry:
     state = adapter.tile_end_epoch(adapter.copy_state(carry.state), list(shares))
-    return EpochCarry(state, {**carry.scalars, **adapter.epoch_scalars(state)}, time.time())
+    return EpochCarry(state, {**carry.scalars, **adapter.epoch_scalars(state)}, time.time(), carry.local)
+
+
+def _tile_sums(carry: EpochCarry, adapter, layout: TileLayout, w: int, tree: FixedTree, blocks, positions,
+               indices) -> dict:
+    """The first epoch's sums (``adapter.tile_sums_function``, e.g. Σ measured and Σ model
+    intensity) of worker ``w``'s chunks on its tile, summed over its complete subtrees."""
+    tile = layout.tiles[w]
+    payload = adapter.payload(resident(carry.state, adapter, blocks))
+    shift = np.array([tile.held_start, 0.0])
+    parts = {(0, i): adapter.tile_sums_function(b, np.asarray(p, np.float64) - shift, payload)
+             for i, b, p in zip(indices, blocks, positions)}
+    return tree.reduce(parts)
 
 
 def _summary(carry: EpochCarry) -> tuple:
@@ -225,8 +250,12 @@ class TileGraph:
     def scatter_tiles(self, state) -> list:
         """The tiles of a state on the client, each scattered to its worker (one future each)."""
         futures = []
+        every = getattr(state, "chunk_local", None) or {}
+        state = copy.copy(state)
+        state.chunk_local = None  # each tile carries its own chunks' per-pattern state
         for w, t in enumerate(self.layout.tiles):
-            tile = EpochCarry(crop_state(state, self.adapter.tile_fields, t.held_start, t.held_stop))
+            tile = EpochCarry(crop_state(state, self.adapter.tile_fields, t.held_start, t.held_stop),
+                              local={i: every[i] for i in self.groups[w] if i in every})
             kwargs = {} if self.workers[w] is None else {"workers": [self.workers[w]]}
             futures.append(self.client.scatter(tile, hash=False, **kwargs))
         return futures
@@ -264,7 +293,7 @@ class TileGraph:
             new = []
             for v in range(copies):
                 key = (f"daskpty-tile-round-{r}-{tag}", v)
-                tasks[v][key] = (_tile_apply, carries[v], self.adapter_key, r == 0, summed[v], *shares)
+                tasks[v][key] = (_tile_apply, carries[v], self.adapter_key, r == 0, summed[v], chunk_keys[v], *shares)
                 new.append(key)
             carries = new
         end_shares, ends = [], []
@@ -284,16 +313,48 @@ class TileGraph:
         futures = self.client.get(graph, [*ends, summary], sync=False)
         return futures[:copies], futures[copies]
 
+    def _graph(self, tasks: list, inputs: dict):
+        from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
+
+        layers = {"inputs": MaterializedLayer(inputs)}
+        for w, own in enumerate(tasks):
+            layers[f"{next(iter(own))[0]}-{w}"] = MaterializedLayer(own, annotations=self._on(w) or None)
+        return HighLevelGraph(layers, {name: set() for name in layers})
+
+    def initialise(self, state):
+        """The adapter's first-epoch set-up (the probe's intensity rescale) from sums formed on
+        the tiles, so no worker receives the whole object for it; returns the new state."""
+        starts = self.scatter_tiles(state)
+        tree = FixedTree(len(self.block_keys), self.split_every)
+        tasks = [{(f"daskpty-tile-sums-{self.token}", w): (
+            _tile_sums, starts[w].key, self.adapter_key, self.layout, w, tree,
+            [self.block_keys[i] for i in chunks], [self.position_keys[i] for i in chunks], chunks)}
+            for w, chunks in enumerate(self.groups)]
+        keys = [next(iter(t)) for t in tasks]
+        futures = self.client.get(self._graph(tasks, {**self.inputs, **{f.key: f for f in starts}}), keys, sync=False)
+        try:
+            nodes = {}
+            for group in self.client.gather(futures):
+                nodes.update(group)
+        finally:
+            for f in (*futures, *starts):
+                f.release()
+        return self.adapter.tile_initialise(state, tree.reduce(nodes)[tree.root])
+
     def fetch(self, ends: list):
         """The whole state from the tiles of an epoch (their own rows, stitched on the client)."""
         parts = []
         for w, future in enumerate(ends):
             kwargs = {} if self.workers[w] is None else {"workers": [self.workers[w]]}
             part = self.client.submit(_own_rows_on_host, future, self.adapter.tile_fields, self.own(w),
-                                      pure=False, **kwargs)
+                                      self.groups[w], pure=False, **kwargs)
             parts.append(part)
         try:
-            return stitch_states([p.result() for p in parts], self.adapter.tile_fields)
+            results = [p.result() for p in parts]
+            state = stitch_states([r[0] for r in results], self.adapter.tile_fields)
+            if self.adapter.local_state:
+                state.chunk_local = {i: v for _, local in results for i, v in local.items()}
+            return state
         finally:
             for p in parts:
                 p.release()
@@ -330,14 +391,18 @@ class TiledEpochState:
         return self._state
 
 
-def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds: int, split_every):
+def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds: int, split_every,
+                 initialise: bool = False):
     """Epochs on tiles; yields ``(TiledEpochState, scalars, seconds)`` like the driver's other
-    epoch loops. Each epoch is submitted before the previous one is reported. A worker lost
-    mid-run ends it with :class:`~.watchdog.ReconstructionStalled` (the last checkpoint stays;
-    tiles are not restarted yet)."""
+    epoch loops (``initialise``: the adapter's first-epoch set-up first, on the tiles). Each epoch
+    is submitted before the previous one is reported. A worker lost mid-run ends it with
+    :class:`~.watchdog.ReconstructionStalled` (the last checkpoint stays; tiles are not
+    restarted yet)."""
     from concurrent.futures import CancelledError
 
     graph = TileGraph(client, data, adapter, int(state.object.shape[-2]), rounds=rounds, split_every=split_every)
+    if initialise:
+        state = graph.initialise(state)
     watchdog = Watchdog(data_bytes=data.intensities.nbytes)
     last_end = time.time()
     pending = graph.submit(graph.scatter_tiles(state))
