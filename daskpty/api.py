@@ -451,7 +451,7 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
             intensities = data.intensities_in_chunks(execution.chunk_length)  # out of core: read sub-shards
         chunked = prepare_data(c, intensities, frame_positions, chunk_length=execution.chunk_length,
                                modes=state.probe.shape[0], sort=execution.sort, persist=execution.persist,
-                               device=execution.device, shift=not thick.near_field)
+                               device=execution.device, shift=not thick.near_field, row_bands=execution.tiles)
         layout.update(chunked)
         data = intensities = None  # the chunks live on the workers now: release scattered originals
         if resumed is not None and getattr(adapter, "local_state", False):

@@ -1,6 +1,7 @@
 """Epochs on tiles (issue 34): each worker holds a row tile of the object, only borders travel.
 
-W tiles equal 1 tile bit for bit, and the replicated graph to float32 rounding (the scale
+W tiles equal 1 tile bit for bit, and the replicated graph on the same pattern order to float32
+rounding (the scale
 normalisation's mean is summed tile by tile); a worker receives less than replicas exchange;
 a real run through ``reconstruct`` (a Zarr store, worker processes) resumes bit-identically;
 what tiles cannot do yet is refused in one line.
@@ -40,7 +41,7 @@ def one_worker():
 
 def _run(client, ds, tiles: bool, epochs=4, rounds=3, modes=1, model=None):
     with client.as_current():
-        data = prepare_data(client, ds.intensities, ds.positions, chunk_length=24, persist=True)
+        data = prepare_data(client, ds.intensities, ds.positions, chunk_length=24, persist=True, row_bands=True)
     adapter = with_probe_model(LSQMLAdapter(OPTIONS), model)
     probe = ds.truth.probe.copy() if modes == 1 else np.concatenate([ds.truth.probe, 0.1 * ds.truth.probe])
     start = adapter.new_state(np.ones_like(ds.truth.object), probe)
@@ -124,3 +125,35 @@ def test_the_lsqml_adapter_declares_the_tile_protocol():
 
     assert isinstance(LSQMLAdapter(OPTIONS), RunsOnTiles)
     assert not isinstance(ADAdapter(ad.ADOptions()), RunsOnTiles)
+
+
+@pytest.mark.parametrize("workers", [2, 3, 4, 8])
+def test_row_band_order_gives_each_worker_a_band_of_rows(workers):
+    """With tiles the chunks a worker holds cover a band of rows: its share of the rows, one row
+    of chunk cells where it meets a neighbour, and the windows' reach (a Morton order over the
+    whole scan gave 4 workers its quadrants: each held half the rows). Chunks stay compact."""
+    from daskpty.execution.ordering import compact_order, footprint_area, row_band_order
+    from daskpty.execution.placement import balanced_worker
+    from daskpty.execution.tiles import TileLayout
+
+    y, x = np.mgrid[0:64, 0:64] * 10.0 + 40
+    positions = np.stack([y.ravel(), x.ravel()], axis=1)
+    chunk, n, height = 32, 32, 700
+    cell = np.sqrt(chunk) * 10.0  # the side of a square holding a chunk's positions
+
+    def most_rows(p):
+        chunks = [p[s:s + chunk] for s in range(0, len(p), chunk)]
+        owners = [balanced_worker(i, len(chunks), workers) for i in range(len(chunks))]
+        layout = TileLayout.from_chunks(chunks, owners, n, height)
+        return max(t.held_stop - t.held_start for t in layout.tiles)
+
+    order = row_band_order(positions, chunk, n)
+    assert sorted(order) == list(range(len(positions)))
+    held = most_rows(positions[order])
+    assert held <= height / workers + cell + 2 * (n + 2)
+    shuffled = positions[np.random.default_rng(0).permutation(len(positions))]  # as the scan came
+    morton = shuffled[compact_order(shuffled, chunk, n)]
+    if workers == 4:
+        assert most_rows(morton) >= height / 2 > held
+    banded = shuffled[row_band_order(shuffled, chunk, n)]
+    assert footprint_area(banded, chunk, n) <= 1.25 * footprint_area(morton, chunk, n)

@@ -6,7 +6,7 @@ import math
 import dask.array as da
 import numpy as np
 
-from .ordering import compact_order
+from .ordering import compact_order, row_band_order
 from .memory import WORKING_BYTES_PER_PIXEL, persist_fits, smallest_worker_memory  # noqa: F401 (re-exported)
 from .placement import balanced_worker
 from .rounds import ChunkedData
@@ -165,7 +165,7 @@ def should_persist(client, nbytes: int, fraction: float = 0.5, working_bytes: in
 
 def prepare_data(client, intensities, positions, *, chunk_length: int | None = None, modes: int = 1,
                  sort: bool = True, persist: bool | str = "auto", device: str = "cpu",
-                 shift: bool = True) -> ChunkedData:
+                 shift: bool = True, row_bands: bool = False) -> ChunkedData:
     """Chunk along N, order chunks spatially, move the zero frequency to index 0, persist.
 
     intensities: dask or NumPy array (N, n, n), DC at the centre (as recorded), counts stay in
@@ -176,6 +176,8 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
     device: "cpu" (NumPy chunks) or "gpu" (CuPy chunks on dask-cuda workers).
     shift: move the zero frequency to index 0 (far field); False keeps the patterns as recorded
     (near-field holograms are images: no shift).
+    row_bands: order for tiles (:func:`~.ordering.row_band_order`): each worker's chunks a band
+    of rows.
     """
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
@@ -185,7 +187,9 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
     n_patterns, n = intensities.shape[0], intensities.shape[-1]
     if chunk_length is None:
         chunk_length = choose_chunk_length(client, n_patterns, n, modes)
-    order = compact_order(positions, chunk_length, n) if sort else None
+    order = None
+    if sort:  # compact chunks; for tiles also row bands per worker
+        order = (row_band_order if row_bands else compact_order)(positions, chunk_length, n)
     if order is not None:
         intensities = intensities[order]
         positions = positions[order]

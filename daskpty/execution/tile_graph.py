@@ -351,7 +351,8 @@ class TileGraph:
             parts.append(part)
         try:
             results = [p.result() for p in parts]
-            state = stitch_states([r[0] for r in results], self.adapter.tile_fields)
+            by_rows = sorted(range(len(results)), key=lambda w: self.layout.tiles[w].start)  # not worker order
+            state = stitch_states([results[w][0] for w in by_rows], self.adapter.tile_fields)
             if self.adapter.local_state:
                 state.chunk_local = {i: v for _, local in results for i, v in local.items()}
             return state
