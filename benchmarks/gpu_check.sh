@@ -123,8 +123,8 @@ COMM_SIZE="${COMM_SIZE:-${SIZES%% *}}"
 comm_data="--sizes ${COMM_SIZE}x128 --tmpdir /tmp"
 [ -f "/tmp/gpu_check_${COMM_SIZE}.zarr.ok" ] && comm_data="--data /tmp/gpu_check_${COMM_SIZE}.zarr"
 # shellcheck disable=SC2086
-step "bench_comm gpu ${COMM_SIZE} x 128^2, 2 workers on one GPU" 180 "$PY" benchmarks/bench_comm.py --backend gpu \
-    --workers 2 $comm_data --rounds 1,4 --epochs 4 --probe-bytes 64e6,256e6 --project --json
+step "bench_comm gpu ${COMM_SIZE} x 128^2, 2 workers on one GPU, replicas and tiles" 300 "$PY" benchmarks/bench_comm.py --backend gpu \
+    --workers 2 $comm_data --rounds 1,4 --epochs 4 --layouts replicas,tiles --probe-bytes 64e6,256e6 --project --json
 
 if [ -f benchmarks/bench_ablation.py ]; then
   # Cumulative only, on a mid-size set: "all off" builds a cuFFT plan for every single-pattern call.

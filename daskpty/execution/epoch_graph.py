@@ -69,7 +69,8 @@ def _chunks_of_round(blocks, positions, carry: EpochCarry, adapter, round_index,
             local.update(part.local)
             part.local = {}
         parts[(0, i)] = part
-    return tree.reduce(parts), local, carry
+        parts = tree.reduce(parts)  # as soon as a group is complete: few chunk partials held at once
+    return parts, local, carry
 
 
 def _split_chunk_task(*args) -> dict:

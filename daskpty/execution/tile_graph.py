@@ -101,7 +101,7 @@ def stitch_states(parts: list, fields: tuple):
 # -- the tasks of one round --------------------------------------------------------------------
 
 
-def _piece(part: Partial | None, origin: int, tile) -> Partial | None:
+def _piece(part: Partial | None, origin: int, tile, detach: bool = False) -> Partial | None:
     """``part`` (boxes in the frame of a tile that starts at row ``origin``) as the piece ``tile``
     receives: its boxes cut to the rows it holds, in its frame; probe-frame sums and scalars whole."""
     if part is None:
@@ -111,7 +111,9 @@ def _piece(part: Partial | None, origin: int, tile) -> Partial | None:
         y0 = box.offset[0] + origin
         a, b = max(tile.held_start, y0), min(tile.held_stop, y0 + box.data.shape[-2])
         if a < b:
-            boxes[name] = BoxedArray((a - tile.held_start, box.offset[1]), box.data[..., a - y0:b - y0, :])
+            rows = box.data[..., a - y0:b - y0, :]
+            # a copy when it leaves: a view would keep the whole sum alive here until it arrived
+            boxes[name] = BoxedArray((a - tile.held_start, box.offset[1]), rows.copy() if detach else rows)
     return Partial(boxes, dict(part.arrays), dict(part.scalars))
 
 
@@ -137,8 +139,10 @@ def _tile_chunks(carry: EpochCarry, adapter, layout: TileLayout, w: int, round_i
             local.update(part.local)
             part.local = {}
         parts[(0, i)] = part
-    nodes = tree.reduce(parts)
-    out = {v.worker: {k: _piece(part, tile.held_start, v) for k, part in nodes.items()} for v in layout.tiles}
+        parts = tree.reduce(parts)  # as soon as a group is complete: few chunk partials held at once
+    nodes = parts
+    out = {v.worker: {k: _piece(part, tile.held_start, v, detach=v.worker != w) for k, part in nodes.items()}
+           for v in layout.tiles}
     out["local"] = local
     return out
 
