@@ -345,6 +345,11 @@ def scenario_figures(args, rows=()) -> dict:
     side = (sc["patterns"] ** 0.5) * sc["step_over_n"] * sc["n"] + sc["n"]
     per_px = sc["partial_bytes_per_px"]
     sc["object_pixels"] = side * side
+    sc["side"] = side
+    # rows two neighbouring tiles both hold: a chunk's slab (patterns by rows: ~1,000 patterns
+    # = 2 scan rows of 512) where they meet plus a window; measured at 65,536 x 64^2 (bench_comm
+    # --layouts tiles): 4.29 MiB per border = 72 rows of a 5,172 px wide object at 12 B/px
+    sc["tile_shared_rows"] = 2 * sc["step_over_n"] * sc["n"] + sc["n"]
     sc["partial_bytes_per_px"] = per_px
     sc["bytes_per_round"] = args.bytes_per_round if args.bytes_per_round is not None else per_px * side * side
     sc["compute_s_a100"] = args.compute_s if args.compute_s is not None else sc["compute_s_a100"]
@@ -353,7 +358,7 @@ def scenario_figures(args, rows=()) -> dict:
 
 
 def print_projection(args, rows=(), log=print):
-    from daskpty.execution.comm_model import A100_MIG_UNITS, LINKS, Link, project_round_time
+    from daskpty.execution.comm_model import A100_MIG_UNITS, LINKS, Link, project_round_time, tile_border_bytes
 
     for r in rows:  # this cluster, projected to more workers of the same kind
         if not (r["workers"] > 1 and np.isfinite(r.get("bandwidth", float("nan")))):
@@ -384,9 +389,13 @@ def print_projection(args, rows=(), log=print):
             lk = Link(lk.name, stages, lk.shared_bandwidth, lk.latency_s)
         return lk
 
-    def table(title, names, counts, units=None):
+    border = tile_border_bytes(sc["side"], sc["tile_shared_rows"], sc["partial_bytes_per_px"])
+
+    def table(title, names, counts, units=None, tiles=False):
         log("")
-        log(f"{title}: s/round = compute + exchange (exchange share); '*' = communication-bound; "
+        what = (f"tiles, {border / 1e6:.0f} MB per border ({sc['tile_shared_rows']:.0f} rows shared)" if tiles
+                else "replicas")
+        log(f"{title}, {what}: s/round = compute + exchange (exchange share); '*' = communication-bound; "
             f"= t/t(one whole A100)")
         log("| workers | " + " | ".join(names) + " |")
         log("|---:|" + "---:|" * len(names))
@@ -395,8 +404,9 @@ def print_projection(args, rows=(), log=print):
             cells = []
             for name in names:
                 # MIG: compute_s is one 1g slice's (7 x the GPU's); a slice of the W-way split has units[w]
-                p = project_round_time(c * 7, b, w, link(name), worker_speed=units[w]) if units else \
-                    project_round_time(c, b, w, link(name))
+                edge = border if tiles else None
+                p = project_round_time(c * 7, b, w, link(name), worker_speed=units[w], border_bytes=edge) if units \
+                    else project_round_time(c, b, w, link(name), border_bytes=edge)
                 cells.append(f"{p.compute_s:.3f} + {p.exchange_s:.3f} ({100 * p.exchange_fraction:.0f}%)"
                              f"{'*' if p.communication_bound else ''} = {p.total_s / c:.2f}x")
                 if p.communication_bound:
@@ -406,11 +416,12 @@ def print_projection(args, rows=(), log=print):
             log(f"  {name}: exchange >= compute from {first[name]} workers" if name in first else
                 f"  {name}: compute-bound up to {max(counts)} workers")
 
-    table("MIG slices of one A100 (host-staged exchange, shared PCIe)", ["mig-tcp", "mig-ucx"],
-          range(2, 8), units=A100_MIG_UNITS)
-    table("Whole GPUs of one node", ["gpu-tcp", "gpu-ucx-nvlink"], range(2, 9))
-    table("Several nodes (one worker per node / NIC)", ["node-eth25-tcp", "node-eth100-tcp", "node-ib-hdr",
-                                                         "node-ib-ndr"], (2, 4, 8, 16, 32))
+    for tiles in (False, True):
+        table("MIG slices of one A100 (host-staged exchange, shared PCIe)", ["mig-tcp", "mig-ucx"],
+              range(2, 8), units=A100_MIG_UNITS, tiles=tiles)
+        table("Whole GPUs of one node", ["gpu-tcp", "gpu-ucx-nvlink"], range(2, 9), tiles=tiles)
+        table("Several nodes (one worker per node / NIC)", ["node-eth25-tcp", "node-eth100-tcp", "node-ib-hdr",
+                                                             "node-ib-ndr"], (2, 4, 8, 16, 32), tiles=tiles)
     # gpu_check.sh's stand-in for 2 MIG slices: 2 workers on one H200 (PCIe Gen5 host link), its
     # 65,536 x 128^2 case at the target of 0.5 s/epoch for 1 worker
     side = 65536 ** 0.5 * sc["step_over_n"] * 128 + 128

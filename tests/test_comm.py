@@ -264,3 +264,19 @@ def test_cli_protocol_tcp_runs_on_its_own_embedded_cluster(store_path, tmp_path,
                  "--epochs", "1", "--quiet"]) == 0
     assert asked and asked[0]["protocol"] == "tcp" and asked[0]["n_workers"] == 1
     assert "wrote" in capsys.readouterr().out
+
+
+def test_tiles_receive_at_most_two_borders_whatever_the_workers():
+    """With tiles a worker receives the borders of its (at most two) neighbours: the exchange
+    stops growing with the number of workers, where replicas receive B (W - 1) / W."""
+    from daskpty.execution.comm_model import exchange_seconds, project_round_time, tile_border_bytes
+
+    border = tile_border_bytes(8000, 160)
+    assert border == 8000 * 160 * 12
+    b = 13.0 * 8000 ** 2
+    for w, neighbours in ((2, 1), (3, 2), (8, 2), (32, 2)):
+        _, received, moved = exchange_seconds(b, w, "gpu-tcp", border_bytes=border)
+        assert received == neighbours * border and moved == 2 * (w - 1) * border
+        assert received < exchange_seconds(b, w, "gpu-tcp")[1]
+    tiles = [project_round_time(1.2, b, w, "gpu-tcp", border_bytes=border).exchange_s for w in (3, 8, 32)]
+    assert tiles[0] == tiles[1] == tiles[2] > 0

@@ -8,6 +8,12 @@ size, not the data's, and is the same for every round of an epoch). A :class:`Li
 fast those bytes move: stages every worker has for itself (its TCP stream, its PCIe link, its
 NVLink port, its NIC), taken one after the other, and optionally one path all workers share
 (MIG slices of one GPU share that GPU's PCIe link to host memory). See docs/gpu.md.
+
+With tiles (``tile_graph``: each worker holds a row tile of the object) a worker receives only
+the border of its neighbours' partial sums: ``border_bytes`` from each of its at most two
+neighbours, whatever the number of workers, and the cluster moves ``2 border_bytes (W - 1)``;
+:func:`tile_border_bytes` estimates a border from the object's width and the rows two tiles
+both hold.
 """
 from __future__ import annotations
 
@@ -123,14 +129,27 @@ class RoundProjection:
         return self.exchange_s >= self.compute_s
 
 
-def exchange_seconds(bytes_per_round: float, workers: int, link) -> tuple[float, float, float]:
-    """``(seconds, bytes one worker receives, bytes the cluster moves)`` of one round's exchange."""
+def tile_border_bytes(width_px: float, shared_rows: float, bytes_per_px: float = 12.0) -> float:
+    """Bytes of one tile border per round: the rows two neighbouring tiles both hold (a chunk's
+    slab of rows where they meet plus a window) across the object's width, at the partial sums'
+    bytes per pixel (a complex64 numerator and a float32 illumination: 12)."""
+    return float(width_px) * float(shared_rows) * float(bytes_per_px)
+
+
+def exchange_seconds(bytes_per_round: float, workers: int, link,
+                     border_bytes: float | None = None) -> tuple[float, float, float]:
+    """``(seconds, bytes one worker receives, bytes the cluster moves)`` of one round's exchange:
+    replicas (``border_bytes`` None) or tiles (``border_bytes`` per border, see the module)."""
     link = get_link(link)
     workers = _check(0.0, bytes_per_round, workers)
     if workers == 1:
         return 0.0, 0.0, 0.0
-    received = bytes_per_round * (workers - 1) / workers
-    moved = bytes_per_round * (workers - 1)
+    if border_bytes is None:
+        received = bytes_per_round * (workers - 1) / workers
+        moved = bytes_per_round * (workers - 1)
+    else:
+        received = border_bytes * min(2, workers - 1)
+        moved = border_bytes * 2 * (workers - 1)
     seconds = link.latency_s + sum(received / bw for bw in link.worker_bandwidths)
     if link.shared_bandwidth is not None:
         seconds += moved / link.shared_bandwidth
@@ -138,28 +157,29 @@ def exchange_seconds(bytes_per_round: float, workers: int, link) -> tuple[float,
 
 
 def project_round_time(compute_s: float, bytes_per_round: float, workers: int, link,
-                       worker_speed: float = 1.0) -> RoundProjection:
+                       worker_speed: float = 1.0, border_bytes: float | None = None) -> RoundProjection:
     """One round on ``workers`` workers joined by ``link`` (a :class:`Link` or a preset name).
 
     compute_s: the seconds one worker of speed 1 needs for the whole round's chunk steps (it
     splits evenly: each of ``workers`` workers of speed ``worker_speed`` takes
     ``compute_s / (workers * worker_speed)``); bytes_per_round: all workers' partial sums of one
-    round together (``B``; see the module docstring).
+    round together (``B``; see the module docstring); border_bytes: with tiles, the bytes of
+    one tile border (None: replicas).
     """
     workers = _check(compute_s, bytes_per_round, workers)
     if not worker_speed > 0:
         raise ValueError(f"worker_speed must be > 0, got {worker_speed!r}")
     link = get_link(link)
-    seconds, received, moved = exchange_seconds(bytes_per_round, workers, link)
+    seconds, received, moved = exchange_seconds(bytes_per_round, workers, link, border_bytes)
     return RoundProjection(workers, compute_s / (workers * worker_speed), seconds, received, moved, link.name)
 
 
 def crossover_workers(compute_s: float, bytes_per_round: float, link, max_workers: int = 64,
-                      worker_speed: float = 1.0) -> int | None:
+                      worker_speed: float = 1.0, border_bytes: float | None = None) -> int | None:
     """The fewest workers at which the exchange takes at least as long as the compute (None if
     that does not happen up to ``max_workers``)."""
     for w in range(2, int(max_workers) + 1):
-        if project_round_time(compute_s, bytes_per_round, w, link, worker_speed).communication_bound:
+        if project_round_time(compute_s, bytes_per_round, w, link, worker_speed, border_bytes).communication_bound:
             return w
     return None
 
