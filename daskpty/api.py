@@ -318,8 +318,8 @@ def reconstruct(data, engine="lsqml", epochs: int = DEFAULT_EPOCHS, *, probe=Non
         one); ``split_every`` (fan-in of the tree reduction; default 4 for up to 16 chunks,
         else 8); ``sort`` (order the patterns along a Morton curve when that makes chunks more
         compact); ``tiles`` (cut the object into row tiles, one per worker, instead of a copy
-        on every worker: only tile borders travel; LSQML with one slice, far field, fixed
-        positions so far; OPR, intensity factors and background included).
+        on every worker: only tile borders travel; LSQML with fixed positions so far, with every
+        sample model and probe model).
     run : dict or RunOptions, optional
         How the run is kept and watched (`daskpty.options.RunOptions`). Shortcuts:
         ``checkpoint`` (a reconstruction store updated atomically every ``checkpoint_every``

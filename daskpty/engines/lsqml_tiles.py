@@ -5,7 +5,8 @@ tile (its own rows and a halo) and applies a round's update there. Three numbers
 the whole object: the preconditioner's floor δ·max W (the round's largest illumination), the
 momentum test (does the epoch's change point along the velocity: a dot product) and the scale
 normalisation (mean |O| over the lit region, whose threshold is half the epoch's largest
-illumination). Each tile forms its share over its *own* rows (``round_sums``, ``end_sums``);
+illumination); for a (K, H, W) object (K slices, or the near field) each of them per slice.
+Each tile forms its share over its *own* rows (``round_sums``, ``end_sums``);
 the execution layer hands every tile the shares of all tiles in worker order, and
 ``apply`` / ``end_epoch`` combine them in that fixed order, so every tile takes the same
 decision. Maxima combine exactly; the sums of the scale agree with one worker's to float32
@@ -13,11 +14,18 @@ rounding. No dask here.
 """
 from __future__ import annotations
 
+
 import numpy as np
 
-from ..physics.backend import get_xp
+from ..physics.backend import get_xp, to_numpy
 from . import lsqml
+from . import multislice as ms
 from .partials import Partial
+
+
+def _slices(state) -> int | None:
+    """K for a (K, H, W) object (the sample model's: K slices or the near field), None for (H, W)."""
+    return int(state.object.shape[0]) if state.object.ndim == 3 else None
 
 
 def _rows(box, own: tuple[int, int]):
@@ -27,61 +35,94 @@ def _rows(box, own: tuple[int, int]):
     return box.data[..., a - y0:b - y0, :] if a < b else None
 
 
-def round_sums(total: Partial | None, own: tuple[int, int]) -> dict:
+def round_sums(state, total: Partial | None, own: tuple[int, int]) -> dict:
     """This tile's share of the round's whole-object numbers: the largest illumination of the
-    round's total over its own rows (0 when it has none)."""
+    round's total over its own rows (per slice for a (K, H, W) object; 0 where it has none)."""
+    k = _slices(state)
     illum = None if total is None else total.boxes.get("illumination")
     rows = None if illum is None else _rows(illum, own)
-    return {"illumination_max": 0.0 if rows is None or rows.size == 0 else float(rows.max())}
+    if k is None:
+        return {"illumination_max": 0.0 if rows is None or rows.size == 0 else float(rows.max())}
+    if rows is None or rows.size == 0:
+        return {"illumination_max": np.zeros(k, np.float32)}
+    return {"illumination_max": to_numpy(rows.reshape(k, -1).max(axis=1)).astype(np.float32)}
+
+
+def _largest(shares: list, key: str):
+    peak = shares[0][key]
+    for s in shares[1:]:
+        peak = np.maximum(peak, s[key])
+    return peak
 
 
 def apply(state: lsqml.LSQMLState, total: Partial | None, options: lsqml.LSQMLOptions,
           shares: list) -> lsqml.LSQMLState:
-    """:func:`lsqml.apply` on a tile, with the round's largest illumination over all tiles
+    """``apply`` of the state's layout (:func:`lsqml.apply`, or :func:`multislice.apply` for a
+    (K, H, W) object) on a tile, with the round's largest illumination over all tiles
     (``shares``: every tile's :func:`round_sums`); the epoch's largest illumination is kept in
     ``state.extra`` for the normalisation's threshold."""
-    peak = max(s["illumination_max"] for s in shares)
+    peak = _largest(shares, "illumination_max")
     first = state.illumination is None  # the epoch's first update (begin_epoch reset it)
     if total is not None:
-        state = lsqml.apply(state, total, options, illumination_max=peak)
-    before = 0.0 if first else state.extra.get("illumination_max", 0.0)
-    state.extra = {**state.extra, "illumination_max": max(before, peak)}
+        step = lsqml.apply if _slices(state) is None else ms.apply
+        state = step(state, total, options, illumination_max=peak)
+    before = peak * 0 if first else state.extra.get("illumination_max", peak * 0)
+    state.extra = {**state.extra, "illumination_max": np.maximum(before, peak)}
     return state
+
+
+def _lit_sums(obj, velocity, lit, momentum: float, moves: bool, xp) -> tuple:
+    """Count of lit pixels and Σ|O| over them, for the object as it is and as momentum moves it."""
+    out = (int(lit.sum()), float(xp.abs(obj[lit]).sum(dtype=np.float64)))
+    if moves:
+        moved = (obj + momentum * velocity).astype(np.complex64)
+        return out + (float(xp.abs(moved[lit]).sum(dtype=np.float64)),)
+    return out + (out[1],)
 
 
 def end_sums(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions, own: tuple[int, int]) -> dict:
     """This tile's share of the epoch end's whole-object numbers over its own rows: the momentum
-    test's dot product, and for the normalisation the lit pixels' count and Σ|O| — for the
-    object as it is and as momentum would move it (the test's outcome is not known yet)."""
+    test's dot product, and for the normalisation the lit pixels' count and Σ|O| (per slice for a
+    (K, H, W) object) — for the object as it is and as momentum would move it (the test's
+    outcome is not known yet)."""
     rows = slice(*own)
     xp = get_xp(state.object)
     out = {}
     moves = options.momentum > 0 and state.epoch_start_object is not None and state.velocity is not None
     if moves:
-        change = state.object[rows] - state.epoch_start_object[rows]
-        out["dot"] = float(xp.vdot(state.velocity[rows], change).real)
-    if lsqml.normalizes_now(state, options) and state.illumination is not None:
-        lit = state.illumination[rows] > 0.5 * np.float32(state.extra.get("illumination_max", 0.0))
-        obj = state.object[rows]
-        out["lit"] = int(lit.sum())
-        out["abs_sum"] = float(xp.abs(obj[lit]).sum(dtype=np.float64))
-        if moves:
-            moved = (obj + options.momentum * state.velocity[rows]).astype(np.complex64)
-            out["abs_sum_moved"] = float(xp.abs(moved[lit]).sum(dtype=np.float64))
+        change = state.object[..., rows, :] - state.epoch_start_object[..., rows, :]
+        out["dot"] = float(xp.vdot(state.velocity[..., rows, :], change).real)
+    if not (lsqml.normalizes_now(state, options) and state.illumination is not None):
+        return out
+    peak = state.extra.get("illumination_max", 0.0)
+    velocity = None if state.velocity is None else state.velocity[..., rows, :]
+    k = _slices(state)
+    layers = [None] if k is None else range(k)
+    sums = []
+    for j in layers:
+        pick = (lambda a: a[..., rows, :]) if j is None else (lambda a, j=j: a[j, rows, :])
+        threshold = np.float32(0.5) * np.float32(peak if j is None else peak[j])
+        lit = pick(state.illumination) > threshold
+        sums.append(_lit_sums(pick(state.object), None if velocity is None else pick(state.velocity), lit,
+                              options.momentum, moves, xp))
+    out["lit"], out["abs_sum"], out["abs_sum_moved"] = (np.array(v) for v in zip(*sums))
     return out
 
 
 def end_epoch(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions, shares: list) -> lsqml.LSQMLState:
-    """:func:`lsqml.end_epoch` on a tile, its momentum test and scale from every tile's
-    :func:`end_sums` (``shares``, in worker order)."""
-    agree = scale = None
+    """``end_epoch`` of the state's layout on a tile, its momentum test and scale(s) from every
+    tile's :func:`end_sums` (``shares``, in worker order)."""
+    agree = scales = None
     if "dot" in shares[0]:
         agree = sum(s["dot"] for s in shares) > 0
     if "lit" in shares[0]:
         lit = sum(s["lit"] for s in shares)
         key = "abs_sum_moved" if agree else "abs_sum"
-        scale = sum(s[key] for s in shares) / lit if lit else 0.0
-    return lsqml.end_epoch(state, options, agree=agree, scale=scale)
+        total = sum(s[key] for s in shares)
+        scales = np.where(lit > 0, total / np.maximum(lit, 1), 0.0)
+    if _slices(state) is None:
+        return lsqml.end_epoch(state, options, agree=agree, scale=None if scales is None else float(scales[0]))
+    return ms.end_epoch(state, options, agree=agree, scales=scales)
 
 
 __all__ = ["apply", "end_epoch", "end_sums", "round_sums"]

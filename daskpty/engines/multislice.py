@@ -167,10 +167,11 @@ def pattern_sums(y, yhat, valid, xp):
     return float((y * mask).sum(dtype=np.float64)), float((yhat * mask).sum(dtype=np.float64))
 
 
-def _preconditioner(illum, delta: float):
-    """√(W² + (δ max W)²) per slice of W (K, h, w)."""
+def _preconditioner(illum, delta: float, peak=None):
+    """√(W² + (δ max W)²) per slice of W (K, h, w); ``peak``: the (K,) float32 maxima when
+    ``illum`` is only a tile of the object's."""
     xp = get_xp(illum)
-    peak = illum.reshape(illum.shape[0], -1).max(axis=1)
+    peak = illum.reshape(illum.shape[0], -1).max(axis=1) if peak is None else xp.asarray(peak, np.float32)
     floor = ((np.float32(delta) * peak) ** 2).astype(np.float32)[:, None, None]
     return xp.sqrt(illum * illum + floor).astype(np.float32, copy=False)
 
@@ -319,10 +320,11 @@ def pixel_sums(y, yhat):
     return y.reshape(b, -1).sum(axis=0, dtype=np.float64), yhat.reshape(b, -1).sum(axis=0, dtype=np.float64)
 
 
-def apply(state: LSQMLState, total: Partial, options: LSQMLOptions) -> LSQMLState:
+def apply(state: LSQMLState, total: Partial, options: LSQMLOptions, illumination_max=None) -> LSQMLState:
     """Add a reduced partial to a (K, H, W) state: O_k += β ΔO_k / √(W_k² + (δ max W_k)²),
     P += β ΔP / N; the epoch's illumination (K, H, W) keeps the largest of its rounds'; the
-    positions' affine sums are gathered as in :func:`daskpty.engines.lsqml.apply`."""
+    positions' affine sums are gathered as in :func:`daskpty.engines.lsqml.apply`.
+    ``illumination_max``: the (K,) maxima over the whole object when the state holds a tile."""
     accumulate_affine(state, total)
     accumulate_window(state, total)
     if "object" not in total.boxes:
@@ -330,7 +332,7 @@ def apply(state: LSQMLState, total: Partial, options: LSQMLOptions) -> LSQMLStat
     xp = get_xp(state.object)  # NumPy, or CuPy for a state in a GPU worker's memory
     obj = state.object.copy()
     num, illum = total.boxes["object"], total.boxes["illumination"]
-    scale = _preconditioner(illum.data, options.delta)
+    scale = _preconditioner(illum.data, options.delta, illumination_max)
     xp.divide(np.float32(options.beta), scale, out=scale)
     BoxedArray(num.offset, num.data * scale).add_into(obj)
     probe = state.probe
@@ -343,25 +345,31 @@ def apply(state: LSQMLState, total: Partial, options: LSQMLOptions) -> LSQMLStat
     return state
 
 
-def end_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
+def end_epoch(state: LSQMLState, options: LSQMLOptions, *, agree: bool | None = None,
+              scales=None) -> LSQMLState:
     """:func:`daskpty.engines.lsqml.end_epoch` (momentum, mode orthogonalisation) with the scale
-    ambiguity removed slice by slice (:func:`normalize_scale`)."""
-    state = lsqml.end_epoch(state, dataclasses.replace(options, normalize_every=0))
+    ambiguity removed slice by slice (:func:`normalize_scale`). ``agree`` and ``scales`` (the
+    slices' mean |O_k| where lit) come from outside when the state holds a tile."""
+    state = lsqml.end_epoch(state, dataclasses.replace(options, normalize_every=0), agree=agree)
     if options.normalize_every and state.epoch % options.normalize_every == 0:
-        normalize_scale(state)
+        normalize_scale(state, scales)
     return state
 
 
-def normalize_scale(state: LSQMLState) -> None:
-    """Remove the slices' scale ambiguity O_k c_k, P / Π c_k: mean |O_k| = 1 where slice k is lit."""
-    if state.illumination is None:
+def normalize_scale(state: LSQMLState, scales=None) -> None:
+    """Remove the slices' scale ambiguity O_k c_k, P / Π c_k: mean |O_k| = 1 where slice k is lit
+    (``scales``: those means, when the state holds only a tile of the object)."""
+    if state.illumination is None and scales is None:
         return
     obj = state.object.copy()
     total = 1.0
     for k in range(obj.shape[0]):
-        w = state.illumination[k]
-        lit = w > 0.5 * w.max()
-        c = float(get_xp(obj).abs(obj[k][lit]).mean()) if bool(lit.any()) else 0.0
+        if scales is not None:
+            c = float(scales[k])
+        else:
+            w = state.illumination[k]
+            lit = w > 0.5 * w.max()
+            c = float(get_xp(obj).abs(obj[k][lit]).mean()) if bool(lit.any()) else 0.0
         if c > 0 and np.isfinite(c):
             obj[k] /= np.float32(c)
             total *= c

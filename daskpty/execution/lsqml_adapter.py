@@ -166,10 +166,7 @@ class LSQMLAdapter:
 
     def tiles_unsupported(self) -> str | None:
         """Why this adapter's parts cannot run on tiles yet (None: they can)."""
-        for part, name in ((self.sample, "K slices or the near field"), (self.positions, "position refinement")):
-            if part is not None:
-                return name
-        return None
+        return "position refinement" if self.positions is not None else None
 
     def tile_initialise(self, state, sums):
         """The first-epoch probe rescale from ``tile_sums_function``'s reduced sums."""
@@ -178,7 +175,7 @@ class LSQMLAdapter:
         return state if self.probe_model is None else self.probe_model.rescaled(state, before)
 
     def tile_round_sums(self, state, total, own):
-        return lsqml_tiles.round_sums(total, own)
+        return lsqml_tiles.round_sums(state, total, own)
 
     def tile_apply(self, state, total, shares):
         state = lsqml_tiles.apply(state, total, self.options, shares)
