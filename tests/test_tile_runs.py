@@ -174,3 +174,57 @@ def test_row_band_order_gives_each_worker_a_band_of_rows(workers):
     assert held <= height / workers + 2 * (slab + n / 2 + 2)
     if workers == 4:
         assert most_rows(shuffled[compact_order(shuffled, chunk, n)]) >= height / 2 > held
+
+
+def _killing_chunk(intensities, positions, payload, local=None):
+    """lsqml_chunk, but the 12th call in a worker process exits that process (once per test:
+    the marker file named in DASKPTY_TILE_KILL)."""
+    import os
+
+    from daskpty.execution.lsqml_adapter import lsqml_chunk
+
+    marker = os.environ.get("DASKPTY_TILE_KILL")
+    if marker:
+        calls = int(os.environ.get("DASKPTY_TILE_CALLS", "0")) + 1
+        os.environ["DASKPTY_TILE_CALLS"] = str(calls)
+        if calls == 12:
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                os._exit(1)
+    return lsqml_chunk(intensities, positions, payload, local) if local is not None else \
+        lsqml_chunk(intensities, positions, payload)
+
+
+class _KillingAdapter(LSQMLAdapter):
+    chunk_function = staticmethod(_killing_chunk)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_on_tiles_gives_the_undisturbed_bits(tmp_path, monkeypatch):
+    """A worker process dies in a chunk step; the tiled run restarts from the last state on the
+    client, on tiles for the workers there are then, and ends with the bits of an undisturbed run."""
+    import os
+
+    ds = make_dataset(grid=12, seed=3)
+    marker = tmp_path / "killed-once"
+    monkeypatch.setenv("DASKPTY_TILE_KILL", str(marker))
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        results = {}
+        for name, cls in (("disturbed", _KillingAdapter), ("undisturbed", LSQMLAdapter)):
+            with client.as_current():
+                data = prepare_data(client, ds.intensities, ds.positions, chunk_length=24, persist=True,
+                                    row_bands=True)
+            adapter = cls(OPTIONS)
+            start = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
+            results[name] = run_epochs(client, data, adapter, start, epochs=5, rounds_per_epoch=2,
+                                       split_every=2, tiles=True)
+            os.environ.pop("DASKPTY_TILE_KILL", None)
+    assert marker.exists(), "no worker was killed"
+    (a, ha), (b, hb) = results["disturbed"], results["undisturbed"]
+    np.testing.assert_array_equal(a.object, b.object)
+    np.testing.assert_array_equal(a.probe, b.probe)
+    assert [h["epoch"] for h in ha] == [h["epoch"] for h in hb] == [1, 2, 3, 4, 5]

@@ -31,8 +31,10 @@ from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals, with_local
 from .placement import run_stuck_loose_tasks
 from .rounds import ChunkedData, default_split_every, map_reduce
-from .tile_graph import check_tiles_supported, tiled_epochs
-from .watchdog import ReconstructionStalled, Watchdog, check_loss, quiet_handled_losses, stall_seconds
+from .tile_epochs import tiled_epochs
+from .tile_graph import check_tiles_supported
+from .watchdog import (MAX_EPOCH_RESTARTS, ReconstructionStalled, Watchdog, check_loss, quiet_handled_losses,
+                       stall_seconds)
 
 
 def _carry_of(state) -> EpochCarry:
@@ -187,7 +189,6 @@ def _client_epochs(client, data, adapter, state, epochs, rounds, split_every):
         yield EpochState(state.epoch, state=with_local(state, local)), scalars, time.perf_counter() - start
 
 
-MAX_EPOCH_RESTARTS = 3
 logger = logging.getLogger("daskpty")
 
 

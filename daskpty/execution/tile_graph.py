@@ -24,8 +24,9 @@ scalars and the probe-frame sums travel whole (they are small). Per round, a wor
 pieces of the others' partial sums that touch its tile: the exchange grows with a tile's border,
 not with the object's area (``exchanged_bytes``: the most any worker received, per round).
 
-The state after an epoch stays on the workers, one tile each; :class:`TiledEpochState` gathers
-each worker's own rows and stitches them when the client asks (a checkpoint, the result).
+The state after an epoch stays on the workers, one tile each; :meth:`TileGraph.fetch` gathers
+each worker's own rows and stitches them when the client asks (a checkpoint, the result). The
+epoch loop is :mod:`.tile_epochs`.
 """
 from __future__ import annotations
 
@@ -38,14 +39,12 @@ import dask
 import numpy as np
 
 from ..engines.partials import BoxedArray, Partial
-from ..io.epoch_handle import StateLost
 from .device_state import follow_partials, has_device_arrays, resident, to_host
 from .engine_protocol import RunsOnTiles
 from .epoch_graph import EpochCarry
 from .placement import chunk_annotations
 from .rounds import ChunkedData, FixedTree, default_split_every, run_chunk
 from .tiles import TileLayout
-from .watchdog import ReconstructionStalled, Watchdog
 
 
 class TilesUnsupported(ValueError):
@@ -365,78 +364,4 @@ class TileGraph:
                 p.release()
 
 
-class TiledEpochState:
-    """What a callback gets after a tiled epoch: the epoch counter at once, the whole state on
-    :meth:`get` (each tile's own rows, gathered and stitched)."""
-
-    def __init__(self, epoch: int, graph: TileGraph, ends: list):
-        from distributed import Future
-
-        self.epoch = int(epoch)
-        self._graph = graph
-        self._ends = [Future(f.key, f.client) for f in ends]
-        self._state = None
-
-    @property
-    def fetched(self) -> bool:
-        return self._state is not None
-
-    def get(self):
-        if self._state is None:
-            from concurrent.futures import CancelledError
-
-            try:
-                self._state = self._graph.fetch(self._ends)
-            except CancelledError:
-                raise StateLost(f"the tiles of epoch {self.epoch} were lost with a worker that held one; "
-                                "continue with --resume (API: resume=)") from None
-            for f in self._ends:
-                f.release()
-            self._ends = []
-        return self._state
-
-
-def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds: int, split_every,
-                 initialise: bool = False):
-    """Epochs on tiles; yields ``(TiledEpochState, scalars, seconds)`` like the driver's other
-    epoch loops (``initialise``: the adapter's first-epoch set-up first, on the tiles). Each epoch
-    is submitted before the previous one is reported. A worker lost mid-run ends it with
-    :class:`~.watchdog.ReconstructionStalled` (the last checkpoint stays; tiles are not
-    restarted yet)."""
-    from concurrent.futures import CancelledError
-
-    graph = TileGraph(client, data, adapter, int(state.object.shape[-2]), rounds=rounds, split_every=split_every)
-    if initialise:
-        state = graph.initialise(state)
-    watchdog = Watchdog(data_bytes=data.intensities.nbytes)
-    last_end = time.time()
-    pending = graph.submit(graph.scatter_tiles(state))
-    following = None
-    try:
-        for done in range(epochs):
-            if done + 1 < epochs:
-                following = graph.submit(pending[0])
-            try:
-                epoch, scalars, ended_at, _ = pending[1].result(timeout=watchdog.bound())
-            except (CancelledError, TimeoutError, OSError) as exc:
-                raise ReconstructionStalled(f"a tiled epoch did not finish ({type(exc).__name__}: {exc}); tiles are "
-                                            "not restarted after a lost worker yet: continue with --resume "
-                                            "(API: resume=)") from None
-            seconds, last_end = ended_at - last_end, ended_at
-            watchdog.observe(seconds)
-            handle = TiledEpochState(epoch, graph, pending[0])
-            if done + 1 == epochs:
-                handle.get()  # while its futures are held
-            yield handle, scalars, seconds
-            for f in (*pending[0], pending[1]):
-                f.release()
-            pending, following = following, None
-    finally:
-        for submitted in (pending, following):
-            if submitted is not None:
-                for f in (*submitted[0], submitted[1]):
-                    f.release()
-
-
-__all__ = ["TileGraph", "TiledEpochState", "TilesUnsupported", "check_tiles_supported", "crop_state",
-           "stitch_states", "tiled_epochs"]
+__all__ = ["TileGraph", "TilesUnsupported", "check_tiles_supported", "crop_state", "stitch_states"]

@@ -25,6 +25,8 @@ import numpy as np
 DEFAULT_STALL_SECONDS = 300.0
 #: The bound is this multiple of the slowest epoch so far, when that is above the floor.
 EPOCH_FACTOR = 20.0
+#: How often one epoch is restarted after lost workers or a missed bound before the run stops.
+MAX_EPOCH_RESTARTS = 3
 
 
 class ReconstructionStalled(RuntimeError):
