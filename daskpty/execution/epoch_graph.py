@@ -15,11 +15,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import dask
-import numpy as np
 
 from .device_state import follow_partials, has_device_arrays, resident
-from .placement import chunk_annotations
+from .placement import GraphInputs
 from .rounds import (
     CHUNK_PREFIX,
     ROUND_PREFIX,
@@ -301,7 +299,6 @@ class EpochGraph:
 
     def __init__(self, client, data: ChunkedData, adapter, *, rounds: int = 1,
                  split_every: int | None = None, fused: bool = True):
-        from distributed import futures_of
 
         self.client = client
         self.fused = fused
@@ -311,35 +308,17 @@ class EpochGraph:
             split_every = default_split_every(data.n_chunks)
         self.split_every = max(2, int(split_every))
         self.token = uuid.uuid4().hex
-        blocks = list(data.intensities.to_delayed().ravel())
-        self.block_keys = [b.key for b in blocks]
-        pinned = chunk_annotations(client, data.intensities, blocks)
-        annotations = [pinned.get(k, {}) for k in self.block_keys]
-        # The workers that keep a copy of the state (None: let the scheduler place one copy).
-        self.replicas = sorted({a["workers"][0] for a in annotations if a}) or [None]
-        replica_of = [self.replicas.index(a["workers"][0]) if a else 0 for a in annotations]
-        # The chunks of each replica (every replica holds some: replicas are the chunks' holders).
-        self.groups = [[i for i, r in enumerate(replica_of) if r == w] for w in range(len(self.replicas))]
-        # What every epoch reads: the data chunks, and the adapter and the positions as tasks
-        # computed once (kept next to their chunk; unlike scattered data, dask can recompute
-        # them after a lost worker).
-        leaves = []
-        with dask.annotate(**self._on_replica(0)):
-            leaves.append(dask.delayed(adapter, name=f"daskpty-adapter-{self.token}", traverse=False))
-        bounds = np.cumsum((0,) + tuple(data.chunk_lengths))
-        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            with dask.annotate(**annotations[i]):
-                leaves.append(dask.delayed(data.positions_host[a:b], traverse=False,
-                                           name=f"daskpty-positions-{i}-{self.token}"))
-        computed = client.compute(leaves, optimize_graph=False)
-        self.adapter_key = computed[0].key
-        self.position_keys = [f.key for f in computed[1:]]
-        self.inputs = {f.key: f for f in futures_of(data.intensities) + computed}
+        placed = GraphInputs(client, data, adapter, self.token)
+        self.block_keys, self.groups = placed.block_keys, placed.groups
+        # The workers that keep a copy of the state (None: let the scheduler place one copy);
+        # every replica holds chunks: replicas are the chunks' holders.
+        self.replicas = placed.workers
+        self.adapter_key, self.position_keys, self.inputs = placed.adapter_key, placed.position_keys, placed.inputs
+        self._placed = placed
         self.count = 0
 
     def _on_replica(self, w: int) -> dict:
-        worker = self.replicas[w]
-        return {} if worker is None else {"workers": [worker], "allow_other_workers": True}
+        return self._placed.on(w)
 
     def submit(self, start) -> SubmittedEpoch:
         """Submit one epoch. ``start``: the state to start from — one future of an

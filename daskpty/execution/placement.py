@@ -56,3 +56,42 @@ def _run_stuck_loose_tasks(dask_scheduler=None) -> int:
 def run_stuck_loose_tasks(client) -> int:
     """Run :func:`_run_stuck_loose_tasks` on the scheduler of ``client``."""
     return client.run_on_scheduler(_run_stuck_loose_tasks)
+
+
+class GraphInputs:
+    """What every epoch graph on persisted data reads, set up once: the chunks' keys, which
+    worker holds which chunks (``workers``: sorted addresses, ``[None]`` when unpinned;
+    ``groups[w]``: the chunk indices worker w holds), the chunks' positions (``chunk_positions``)
+    and the adapter and each chunk's positions as tasks computed once next to their chunk
+    (unlike scattered data, dask can recompute them after a lost worker); ``inputs``: the
+    futures a graph built on them must carry."""
+
+    def __init__(self, client, data, adapter, token: str, prefix: str = "daskpty"):
+        import dask
+        import numpy as np
+        from distributed import futures_of
+
+        blocks = list(data.intensities.to_delayed().ravel())
+        self.block_keys = [b.key for b in blocks]
+        pinned = chunk_annotations(client, data.intensities, blocks)
+        annotations = [pinned.get(k, {}) for k in self.block_keys]
+        self.workers = sorted({a["workers"][0] for a in annotations if a}) or [None]
+        self.worker_of = [self.workers.index(a["workers"][0]) if a else 0 for a in annotations]
+        self.groups = [[i for i, r in enumerate(self.worker_of) if r == w] for w in range(len(self.workers))]
+        bounds = np.cumsum((0,) + tuple(data.chunk_lengths))
+        self.chunk_positions = [data.positions_host[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        leaves = []
+        with dask.annotate(**self.on(0)):
+            leaves.append(dask.delayed(adapter, name=f"{prefix}-adapter-{token}", traverse=False))
+        for i, p in enumerate(self.chunk_positions):
+            with dask.annotate(**annotations[i]):
+                leaves.append(dask.delayed(p, traverse=False, name=f"{prefix}-positions-{i}-{token}"))
+        computed = client.compute(leaves, optimize_graph=False)
+        self.adapter_key = computed[0].key
+        self.position_keys = [f.key for f in computed[1:]]
+        self.inputs = {f.key: f for f in futures_of(data.intensities) + computed}
+
+    def on(self, w: int) -> dict:
+        """The annotation that keeps a task on worker ``w`` (loosely: it may move if w is lost)."""
+        worker = self.workers[w]
+        return {} if worker is None else {"workers": [worker], "allow_other_workers": True}

@@ -35,14 +35,13 @@ import operator
 import time
 import uuid
 
-import dask
 import numpy as np
 
 from ..engines.partials import BoxedArray, Partial
 from .device_state import follow_partials, has_device_arrays, resident, to_host
 from .engine_protocol import RunsOnTiles
 from .epoch_graph import EpochCarry
-from .placement import chunk_annotations
+from .placement import GraphInputs
 from .rounds import ChunkedData, FixedTree, default_split_every, run_chunk
 from .tiles import TileLayout
 
@@ -213,37 +212,19 @@ class TileGraph:
 
     def __init__(self, client, data: ChunkedData, adapter, object_height: int, *, rounds: int = 1,
                  split_every: int | None = None):
-        from distributed import futures_of
 
         self.client, self.adapter, self.rounds = client, adapter, int(rounds)
         self.split_every = max(2, int(split_every or default_split_every(data.n_chunks)))
         self.token = uuid.uuid4().hex
-        blocks = list(data.intensities.to_delayed().ravel())
-        self.block_keys = [b.key for b in blocks]
-        pinned = chunk_annotations(client, data.intensities, blocks)
-        annotations = [pinned.get(k, {}) for k in self.block_keys]
-        self.workers = sorted({a["workers"][0] for a in annotations if a}) or [None]
-        worker_of = [self.workers.index(a["workers"][0]) if a else 0 for a in annotations]
-        self.groups = [[i for i, r in enumerate(worker_of) if r == w] for w in range(len(self.workers))]
-        bounds = np.cumsum((0,) + tuple(data.chunk_lengths))
-        chunk_positions = [data.positions_host[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        placed = self._placed = GraphInputs(client, data, adapter, self.token, prefix="daskpty-tile")
+        self.block_keys, self.workers, self.groups = placed.block_keys, placed.workers, placed.groups
+        self.adapter_key, self.position_keys, self.inputs = placed.adapter_key, placed.position_keys, placed.inputs
         n = int(data.intensities.shape[-1])
-        self.layout = TileLayout.from_chunks(chunk_positions, worker_of, n, object_height)
-        leaves = []
-        with dask.annotate(**self._on(0)):
-            leaves.append(dask.delayed(adapter, name=f"daskpty-tile-adapter-{self.token}", traverse=False))
-        for i, p in enumerate(chunk_positions):
-            with dask.annotate(**annotations[i]):
-                leaves.append(dask.delayed(p, traverse=False, name=f"daskpty-tile-positions-{i}-{self.token}"))
-        computed = client.compute(leaves, optimize_graph=False)
-        self.adapter_key = computed[0].key
-        self.position_keys = [f.key for f in computed[1:]]
-        self.inputs = {f.key: f for f in futures_of(data.intensities) + computed}
+        self.layout = TileLayout.from_chunks(placed.chunk_positions, placed.worker_of, n, object_height)
         self.count = 0
 
     def _on(self, w: int) -> dict:
-        worker = self.workers[w]
-        return {} if worker is None else {"workers": [worker], "allow_other_workers": True}
+        return self._placed.on(w)
 
     def own(self, w: int) -> tuple:
         """Worker ``w``'s own rows in its tile's frame."""
