@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -174,3 +175,29 @@ def test_a_state_lost_with_its_worker_skips_that_checkpoint_or_ends_in_one_line(
             time.sleep(0.1)
         with pytest.raises(ClusterUnavailable, match="was lost and none came back"):
             handle.get()
+
+
+class _SlowToSend:
+    """A task result whose serialisation takes longer than one 2-s wait step of the client."""
+
+    sent = 0
+
+    def __reduce__(self):
+        type(self).sent += 1
+        time.sleep(2.5)
+        return (_SlowToSend, ())
+
+
+def test_a_result_slow_to_arrive_is_sent_once():
+    # A round's root sum of a large object (660 MB) takes seconds to reach the client. Waiting
+    # for it in 2-s steps of ``future.result(timeout=2)`` cancelled each transfer and asked for it
+    # again: the worker serialised it over and over until it ran out of memory (issue 31's lost
+    # full-size run). Over TCP, so that the result is really serialised.
+    from daskpty.execution.cluster import result_unless_paused
+
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, protocol="tcp",
+                      dashboard_address=None) as cluster, Client(cluster) as c:
+        _SlowToSend.sent = 0
+        future = c.submit(_SlowToSend, pure=False)
+        assert isinstance(result_unless_paused(c, future, 30), _SlowToSend)
+        assert _SlowToSend.sent == 1

@@ -13,7 +13,7 @@ import signal
 import threading
 import warnings
 
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, wait
 
 from .watchdog import ReconstructionStalled, seconds_from_env
 
@@ -457,12 +457,18 @@ def result_unless_paused(client, future, timeout: float | None):
     while True:
         now = time.monotonic()
         step = 2.0 if deadline is None else min(2.0, max(deadline - now, 0.0))
+        # Wait for the task, not for its result: a ``result(timeout=2)`` that times out while a
+        # large result is still on its way cancels that transfer and the next call asks the worker
+        # for it again, so a result that takes longer than the step to arrive (a 660 MB object sum)
+        # was serialised again and again until the worker ran out of memory.
         try:
-            return future.result(timeout=step)
+            wait([future], timeout=step)
         except TimeoutError:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise
+        else:
+            return future.result()
         workers = live_workers(client)
         if not (workers and all(_paused(w) for w in workers.values())):
             paused_since = None
