@@ -10,7 +10,11 @@ Each tile forms its share over its *own* rows (``round_sums``, ``end_sums``);
 the execution layer hands every tile the shares of all tiles in worker order, and
 ``apply`` / ``end_epoch`` combine them in that fixed order, so every tile takes the same
 decision. Maxima combine exactly; the sums of the scale agree with one worker's to float32
-rounding. No dask here.
+rounding.
+
+A tile's memory is what limits the object a worker can hold, so its update writes into the
+tile's own arrays (:func:`begin_epoch` makes them the epoch's own; :func:`apply`) in blocks of
+rows, instead of the engines' copy-and-rebind (three copies of a tile at once). No dask here.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from ..physics.backend import get_xp, to_numpy
 from . import lsqml
 from . import multislice as ms
 from .partials import Partial
+from .position_fits import accumulate_affine, accumulate_window
 
 
 def _slices(state) -> int | None:
@@ -55,17 +60,70 @@ def _largest(shares: list, key: str):
     return peak
 
 
+#: Rows of the object updated at a time: the update's temporaries stay a few MB however large
+#: the tile.
+BLOCK_ROWS = 64
+
+
+def begin_epoch(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions) -> lsqml.LSQMLState:
+    """After the engine's ``begin_epoch``: give the epoch an object of its own to write into.
+
+    The state's arrays are shared with the previous epoch's end (which the client may still
+    fetch), so :func:`apply` may not write into them. With momentum the engine just copied the
+    object as the epoch's start: the copy becomes the object and the shared array the (read-only)
+    start — the same values, no extra copy. The illumination starts afresh (``None``) anyway."""
+    if options.momentum > 0 and state.epoch_start_object is not None:
+        state.object, state.epoch_start_object = state.epoch_start_object, state.object
+    else:
+        state.object = state.object.copy()
+    return state
+
+
+def _add_update(obj, num, illum, options: lsqml.LSQMLOptions, peak) -> None:
+    """O += β ΔO / √(W² + (δ·peak)²) on ``num``'s box of ``obj`` (in place), block by block of
+    rows: element by element the same arithmetic as :func:`lsqml.apply` / :func:`ms.apply`."""
+    xp = get_xp(obj)
+    precondition = lsqml._preconditioner if obj.ndim == 2 else ms._preconditioner
+    (y0, x0), (_, x1) = num.offset, num.stop
+    for a in range(0, num.data.shape[-2], BLOCK_ROWS):
+        rows = slice(a, a + BLOCK_ROWS)
+        scale = precondition(illum.data[..., rows, :], options.delta, peak)
+        xp.divide(np.float32(options.beta), scale, out=scale)
+        step = num.data[..., rows, :] * scale
+        obj[..., y0 + a:y0 + a + step.shape[-2], x0:x1] += step
+
+
+def _apply_in_place(state: lsqml.LSQMLState, total: Partial, options: lsqml.LSQMLOptions, peak):
+    """:func:`lsqml.apply` / :func:`ms.apply` writing into the tile's object and illumination
+    (the epoch's own: see :func:`begin_epoch`)."""
+    accumulate_affine(state, total)
+    accumulate_window(state, total)
+    if "object" not in total.boxes:
+        return state
+    xp = get_xp(state.object)
+    num, illum = total.boxes["object"], total.boxes["illumination"]
+    _add_update(state.object, num, illum, options, peak)
+    if "probe" in total.arrays:
+        state.probe = (state.probe + options.beta * total.arrays["probe"]
+                       / np.float32(total.scalars["n"])).astype(np.complex64)
+    if state.illumination is None:  # the epoch's first round: W of its own
+        state.illumination = xp.zeros(state.object.shape, np.float32)
+    (y0, x0), (y1, x1) = illum.offset, illum.stop
+    frame = state.illumination[..., y0:y1, x0:x1]
+    xp.maximum(frame, illum.data, out=frame)
+    return state
+
+
 def apply(state: lsqml.LSQMLState, total: Partial | None, options: lsqml.LSQMLOptions,
           shares: list) -> lsqml.LSQMLState:
     """``apply`` of the state's layout (:func:`lsqml.apply`, or :func:`multislice.apply` for a
-    (K, H, W) object) on a tile, with the round's largest illumination over all tiles
-    (``shares``: every tile's :func:`round_sums`); the epoch's largest illumination is kept in
-    ``state.extra`` for the normalisation's threshold."""
+    (K, H, W) object) on a tile, in place (after :func:`begin_epoch`), with the round's largest
+    illumination over all tiles (``shares``: every tile's :func:`round_sums`); the epoch's
+    largest illumination is kept in ``state.extra`` for the normalisation's threshold."""
     peak = _largest(shares, "illumination_max")
     first = state.illumination is None  # the epoch's first update (begin_epoch reset it)
     if total is not None:
-        step = lsqml.apply if _slices(state) is None else ms.apply
-        state = step(state, total, options, illumination_max=peak)
+        state = _apply_in_place(state, total, options, peak)
     before = peak * 0 if first else state.extra.get("illumination_max", peak * 0)
     state.extra = {**state.extra, "illumination_max": np.maximum(before, peak)}
     return state
@@ -125,4 +183,4 @@ def end_epoch(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions, shares: list
     return ms.end_epoch(state, options, agree=agree, scales=scales)
 
 
-__all__ = ["apply", "end_epoch", "end_sums", "round_sums"]
+__all__ = ["apply", "begin_epoch", "end_epoch", "end_sums", "round_sums"]

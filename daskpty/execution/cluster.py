@@ -462,7 +462,8 @@ def result_unless_paused(client, future, timeout: float | None):
         # for it again, so a result that takes longer than the step to arrive (a 660 MB object sum)
         # was serialised again and again until the worker ran out of memory.
         try:
-            wait([future], timeout=step)
+            with future.client.as_current():  # (wait() takes the default client, maybe another)
+                wait([future], timeout=step)
         except TimeoutError:
             now = time.monotonic()
             if deadline is not None and now >= deadline:

@@ -91,11 +91,16 @@ class RunsOnTiles(Protocol):
     def tiles_unsupported(self) -> str | None:
         """What in this adapter's parts cannot run on tiles yet (None: everything can)."""
 
+    def tile_begin_epoch(self, state):
+        """``begin_epoch`` on a tile, leaving ``tile_apply`` arrays of the epoch's own to write
+        into (the arrays it got are shared with the previous epoch's end, never written)."""
+
     def tile_round_sums(self, state, total, own) -> dict:
         """This tile's share of the whole-object numbers ``tile_apply`` needs."""
 
     def tile_apply(self, state, total, shares):
-        """``apply`` on a tile; ``shares``: every tile's ``tile_round_sums``."""
+        """``apply`` on a tile, in place (a round's state is used by nothing after its next
+        round's update); ``shares``: every tile's ``tile_round_sums``."""
 
     def tile_end_sums(self, state, own) -> dict:
         """This tile's share of the whole-object numbers ``tile_end_epoch`` needs."""

@@ -174,6 +174,9 @@ class LSQMLAdapter:
         state = lsqml.rescale_probe(state, sums)
         return state if self.probe_model is None else self.probe_model.rescaled(state, before)
 
+    def tile_begin_epoch(self, state):
+        return lsqml_tiles.begin_epoch(self.begin_epoch(state), self.options)
+
     def tile_round_sums(self, state, total, own):
         return lsqml_tiles.round_sums(state, total, own)
 

@@ -162,20 +162,24 @@ def _tile_round_share(summed: tuple, adapter, carry: EpochCarry, own: tuple) -> 
     return {"sums": adapter.tile_round_sums(carry.state, total, own), "received": received}
 
 
-def _tile_apply(carry: EpochCarry, adapter, first: bool, summed: tuple, chunked: dict, *shares) -> EpochCarry:
-    """The round's update on a tile (``begin_epoch`` first in the epoch's first round);
-    ``chunked``: this worker's chunk task result (its chunks' per-pattern state)."""
+def _tile_apply(carry: EpochCarry, adapter, first: bool, summed: tuple, local: dict, *shares) -> EpochCarry:
+    """The round's update on a tile (``tile_begin_epoch`` first in the epoch's first round);
+    ``local``: this worker's chunks' updated per-pattern state.
+
+    It writes into the tile's arrays: every other task that reads ``carry`` (this round's chunk
+    steps and shares) is done by now, and the epoch's first round works on arrays of its own, so
+    the previous epoch's end, which the client may fetch, stays as it was."""
     total, _ = summed
     state = follow_partials(adapter.copy_state(carry.state), adapter, total)
     scalars = {} if first else dict(carry.scalars)
     if first:
-        state = adapter.begin_epoch(state)
+        state = adapter.tile_begin_epoch(state)
     state = adapter.tile_apply(state, total, [s["sums"] for s in shares])
     if total is not None:
         for k, v in total.scalars.items():
             scalars[k] = scalars.get(k, 0.0) + v
     scalars["exchanged_bytes"] = scalars.get("exchanged_bytes", 0.0) + float(max(s["received"] for s in shares))
-    return EpochCarry(state, scalars, local={**carry.local, **chunked["local"]})
+    return EpochCarry(state, scalars, local={**carry.local, **local})
 
 
 def _tile_end_share(carry: EpochCarry, adapter, own: tuple) -> dict:
@@ -263,11 +267,15 @@ class TileGraph:
                                  [self.block_keys[i] for i in chunks], [self.position_keys[i] for i in chunks],
                                  chunks)
                 chunk_keys.append(key)
-            pieces = {}
+            pieces, locals_ = {}, []
             for w in range(copies):  # each piece a key of its own: only it travels
                 for v in range(copies):
                     pieces[w, v] = (f"daskpty-tile-piece-{r}-{w}-{tag}", v)
                     tasks[w][pieces[w, v]] = (operator.getitem, chunk_keys[w], v)
+                # (and the per-pattern state too: the chunk task's result, all of its pieces, is
+                # then freed once they are summed, not held until the update)
+                locals_.append((f"daskpty-tile-local-{r}-{tag}", w))
+                tasks[w][locals_[w]] = (operator.getitem, chunk_keys[w], "local")
             summed, shares = [], []
             for v in range(copies):
                 summed.append((f"daskpty-tile-total-{r}-{tag}", v))
@@ -277,7 +285,7 @@ class TileGraph:
             new = []
             for v in range(copies):
                 key = (f"daskpty-tile-round-{r}-{tag}", v)
-                tasks[v][key] = (_tile_apply, carries[v], self.adapter_key, r == 0, summed[v], chunk_keys[v], *shares)
+                tasks[v][key] = (_tile_apply, carries[v], self.adapter_key, r == 0, summed[v], locals_[v], *shares)
                 new.append(key)
             carries = new
         end_shares, ends = [], []

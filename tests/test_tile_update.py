@@ -1,0 +1,56 @@
+"""A tile's update writes into arrays of the epoch's own (``engines.lsqml_tiles``): the same bits
+as the engines' copy-and-rebind update, and the previous epoch's arrays stay as they were."""
+import copy
+
+import numpy as np
+import pytest
+
+from daskpty.engines import lsqml, lsqml_tiles
+from daskpty.engines import multislice as ms
+from daskpty.engines.partials import BoxedArray, Partial
+
+
+def _state(shape, rng, momentum_history=True):
+    obj = (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(np.complex64)
+    velocity = (0.1 * rng.standard_normal(shape)).astype(np.complex64) if momentum_history else None
+    probe = (rng.standard_normal((1, 8, 8)) + 0j).astype(np.complex64)
+    return lsqml.LSQMLState(object=obj, probe=probe, epoch=3, velocity=velocity)
+
+
+def _round_sum(shape, rng, offset, size):
+    lead = shape[:-2]
+    num = (rng.standard_normal(lead + size) + 1j * rng.standard_normal(lead + size)).astype(np.complex64)
+    illum = rng.random(lead + size).astype(np.float32) * 5
+    return Partial(boxes={"object": BoxedArray(offset, num), "illumination": BoxedArray(offset, illum)},
+                   arrays={"probe": (rng.standard_normal((1, 8, 8)) + 0j).astype(np.complex64)},
+                   scalars={"n": 7.0})
+
+
+@pytest.mark.parametrize("shape", [(150, 90), (2, 150, 90)], ids=["1 slice", "2 slices"])
+@pytest.mark.parametrize("momentum", [0.5, 0.0])
+def test_in_place_rounds_equal_the_engines_update_and_leave_the_previous_epoch_alone(shape, momentum):
+    rng = np.random.default_rng(4)
+    options = lsqml.LSQMLOptions(momentum=momentum)
+    previous = _state(shape, rng)
+    kept = copy.deepcopy(previous)
+    sums = [_round_sum(shape, rng, (3, 5), (140, 60)), _round_sum(shape, rng, (10, 0), (100, 90))]
+    layers = shape[0] if len(shape) == 3 else None
+    peaks = [np.float32(6.0) if layers is None else np.full(layers, 6.0, np.float32),
+             np.float32(7.5) if layers is None else np.array([7.5, 5.0], np.float32)]
+
+    engine_apply = lsqml.apply if layers is None else ms.apply
+    expected = lsqml.begin_epoch(copy.copy(previous), options)
+    for total, peak in zip(sums, peaks):
+        expected = engine_apply(copy.copy(expected), total, options, illumination_max=peak)
+
+    state = lsqml_tiles.begin_epoch(lsqml.begin_epoch(copy.copy(previous), options), options)
+    for total, peak in zip(sums, peaks):
+        state = lsqml_tiles.apply(state, total, options, [{"illumination_max": peak}])
+
+    for name in ("object", "illumination", "probe"):
+        np.testing.assert_array_equal(getattr(state, name), getattr(expected, name), err_msg=name)
+    if momentum:
+        np.testing.assert_array_equal(state.epoch_start_object, kept.object)
+    for name in ("object", "velocity", "probe"):  # the previous epoch's end, as a client may fetch it
+        np.testing.assert_array_equal(getattr(previous, name), getattr(kept, name), err_msg=name)
+    assert not np.shares_memory(state.object, previous.object)
