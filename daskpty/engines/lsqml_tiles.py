@@ -93,15 +93,20 @@ def _add_update(obj, num, illum, options: lsqml.LSQMLOptions, peak) -> None:
         obj[..., y0 + a:y0 + a + step.shape[-2], x0:x1] += step
 
 
-def _apply_in_place(state: lsqml.LSQMLState, total: Partial, options: lsqml.LSQMLOptions, peak):
-    """:func:`lsqml.apply` / :func:`ms.apply` writing into the tile's object and illumination
-    (the epoch's own: see :func:`begin_epoch`)."""
+def apply_in_place(state: lsqml.LSQMLState, total: Partial, options: lsqml.LSQMLOptions, peak=None):
+    """:func:`lsqml.apply` / :func:`ms.apply` writing into the state's object and illumination
+    (the epoch's own: see :func:`begin_epoch`), the same bits. ``peak``: the round's largest
+    illumination over the whole object (per slice for a (K, H, W) one) when the state is a tile;
+    None: the round's own (the state holds the whole object)."""
     accumulate_affine(state, total)
     accumulate_window(state, total)
     if "object" not in total.boxes:
         return state
     xp = get_xp(state.object)
     num, illum = total.boxes["object"], total.boxes["illumination"]
+    if peak is None:  # as the engines' preconditioners take it, before the update goes by blocks
+        peak = (float(illum.data.max()) if state.object.ndim == 2
+                else illum.data.reshape(illum.data.shape[0], -1).max(axis=1))
     _add_update(state.object, num, illum, options, peak)
     if "probe" in total.arrays:
         state.probe = (state.probe + options.beta * total.arrays["probe"]
@@ -123,7 +128,7 @@ def apply(state: lsqml.LSQMLState, total: Partial | None, options: lsqml.LSQMLOp
     peak = _largest(shares, "illumination_max")
     first = state.illumination is None  # the epoch's first update (begin_epoch reset it)
     if total is not None:
-        state = _apply_in_place(state, total, options, peak)
+        state = apply_in_place(state, total, options, peak)
     before = peak * 0 if first else state.extra.get("illumination_max", peak * 0)
     state.extra = {**state.extra, "illumination_max": np.maximum(before, peak)}
     return state
@@ -183,4 +188,4 @@ def end_epoch(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions, shares: list
     return ms.end_epoch(state, options, agree=agree, scales=scales)
 
 
-__all__ = ["apply", "begin_epoch", "end_epoch", "end_sums", "round_sums"]
+__all__ = ["apply", "apply_in_place", "begin_epoch", "end_epoch", "end_sums", "round_sums"]

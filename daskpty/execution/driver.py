@@ -26,7 +26,7 @@ from ..io.epoch_handle import StateLost
 from .cluster import live_workers, result_unless_paused, wait_for_workers
 from .device_state import fetch_host_state
 from .fetch import BLOCK_BYTES, fetch_state
-from .engine_protocol import RunsOwnRounds
+from .engine_protocol import RunsOwnRounds, UpdatesInPlace
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals, with_local
 from .placement import run_stuck_loose_tasks
@@ -46,9 +46,10 @@ def _carry_of(state) -> EpochCarry:
 
 
 def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_every: int, local=None,
-                watchdog: Watchdog | None = None):
+                watchdog: Watchdog | None = None, in_place: bool = False):
     """One epoch round by round from the client: returns ``(state, summed scalars, local)``.
-    ``watchdog`` bounds each round's wait by the slowest round so far (see :mod:`.watchdog`)."""
+    ``watchdog`` bounds each round's wait by the slowest round so far (see :mod:`.watchdog`);
+    ``in_place``: the update writes into the state (begun with ``begin_epoch_owned``)."""
     scalars: dict[str, float] = {}
     for r in range(rounds):
         start = time.perf_counter()
@@ -59,7 +60,7 @@ def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_ev
             total = map_reduce(client, data, adapter.chunk_function, adapter.payload(state),
                                round_index=r, rounds=rounds, split_every=split_every, local=local,
                                timeout=None if watchdog is None else watchdog.bound())
-            state = adapter.apply(state, total)
+            state = (adapter.apply_in_place if in_place else adapter.apply)(state, total)
         if watchdog is not None:
             watchdog.observe(time.perf_counter() - start)
         if total is not None:
@@ -67,6 +68,7 @@ def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_ev
                 local = {**local, **total.local}
             for k, v in total.scalars.items():
                 scalars[k] = scalars.get(k, 0.0) + v
+        total = None  # (before the next round's sum arrives: one object-sized sum at a time)
     return state, scalars, local
 
 
@@ -179,10 +181,12 @@ def _client_epochs(client, data, adapter, state, epochs, rounds, split_every):
     """Epochs run round by round from the client; yields ``(EpochState, scalars, seconds)``."""
     local = getattr(state, "chunk_local", None)
     watchdog = Watchdog(data_bytes=data.intensities.nbytes)
+    in_place = isinstance(adapter, UpdatesInPlace) and not isinstance(adapter, RunsOwnRounds)
     for _ in range(epochs):
         start = time.perf_counter()
-        state = adapter.begin_epoch(state)
-        state, scalars, local = _run_rounds(client, data, adapter, state, rounds, split_every, local, watchdog)
+        state = adapter.begin_epoch_owned(state) if in_place else adapter.begin_epoch(state)
+        state, scalars, local = _run_rounds(client, data, adapter, state, rounds, split_every, local, watchdog,
+                                            in_place)
         state = adapter.end_epoch(state)
         scalars.update(adapter.epoch_scalars(state))
         # a shallow copy: the next epoch rebinds this state's arrays (it never writes into them)

@@ -65,6 +65,19 @@ class EngineAdapter(Protocol):
 
 
 @runtime_checkable
+class UpdatesInPlace(Protocol):
+    """Optional: an adapter whose update can write into the state's arrays where nothing else
+    holds them (the client's round-by-round epochs): no copy of an object-sized state per round."""
+
+    def begin_epoch_owned(self, state):
+        """``begin_epoch``, leaving arrays of the epoch's own (the arrays it got may still be
+        held by the previous epoch's handle: never written)."""
+
+    def apply_in_place(self, state, total):
+        """``apply`` writing into the arrays :meth:`begin_epoch_owned` gave the epoch."""
+
+
+@runtime_checkable
 class RunsOwnRounds(Protocol):
     """Optional: an adapter whose round is more than one map-reduce and an apply."""
 

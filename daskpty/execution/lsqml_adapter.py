@@ -118,6 +118,18 @@ class LSQMLAdapter:
             lsqml_opr.apply(state, total, self.probe_model.model, self.options.delta, self.valid)
         return state
 
+    def begin_epoch_owned(self, state):
+        """``begin_epoch``, then arrays of the epoch's own for :meth:`apply_in_place` (see
+        :func:`~daskpty.engines.lsqml_tiles.begin_epoch`)."""
+        return lsqml_tiles.begin_epoch(self.begin_epoch(state), self.options)
+
+    def apply_in_place(self, state, total):
+        """``apply`` writing into the arrays :meth:`begin_epoch_owned` made the epoch's own."""
+        state = lsqml_tiles.apply_in_place(state, total, self.options) if total is not None else state
+        if self.probe_model is not None and total is not None:
+            lsqml_opr.apply(state, total, self.probe_model.model, self.options.delta, self.valid)
+        return state
+
     @staticmethod
     def copy_state(state):
         """``apply`` only rebinds the state's arrays, so a shallow copy protects the original."""
@@ -175,7 +187,7 @@ class LSQMLAdapter:
         return state if self.probe_model is None else self.probe_model.rescaled(state, before)
 
     def tile_begin_epoch(self, state):
-        return lsqml_tiles.begin_epoch(self.begin_epoch(state), self.options)
+        return self.begin_epoch_owned(state)
 
     def tile_round_sums(self, state, total, own):
         return lsqml_tiles.round_sums(state, total, own)
