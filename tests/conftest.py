@@ -8,6 +8,7 @@ import signal
 import numpy as np
 import pytest
 import zarr
+from distributed import Client, LocalCluster
 
 # A test run started in the background of a non-interactive shell (``cmd &``, as scripts and
 # CI wrappers do) inherits SIGINT ignored, and so do the commands the tests start: those that
@@ -25,8 +26,6 @@ def client():
 
     Not the default client: tests that want it "current" use the ``use_client`` fixture.
     """
-    from distributed import Client, LocalCluster
-
     cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
                            dashboard_address=":0")
     c = Client(cluster, set_as_default=False)
@@ -40,6 +39,22 @@ def use_client(client):
     """Make the session client the current one for the duration of a test."""
     with client.as_current():
         yield client
+
+@pytest.fixture(scope="module")
+def three_workers():
+    """Three worker processes (not the default client), per test module: the tile tests' W = 3."""
+    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def one_worker():
+    """One in-process worker (not the default client), per test module: the tile tests' W = 1."""
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        yield client
+
 
 
 def make_arrays(n=12, size=16, dtype="uint16", seed=0):

@@ -25,20 +25,6 @@ from synthetic import make_dataset
 OPTIONS = lsqml.LSQMLOptions(noise="poisson", momentum=0.5, normalize_every=2)
 
 
-@pytest.fixture(scope="module")
-def three_workers():
-    with LocalCluster(n_workers=3, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
-            Client(cluster, set_as_default=False) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def one_worker():
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
-            Client(cluster, set_as_default=False) as client:
-        yield client
-
-
 def _run(client, ds, tiles: bool, epochs=4, rounds=3, modes=1, model=None):
     with client.as_current():
         data = prepare_data(client, ds.intensities, ds.positions, chunk_length=24, persist=True, row_bands=True)
@@ -137,13 +123,16 @@ def test_what_tiles_cannot_do_yet_is_refused_in_one_line(one_worker, settings, e
     assert "\n" not in str(info.value) and "tiles=False" in str(info.value)
 
 
-def test_the_lsqml_adapter_declares_the_tile_protocol():
+def test_the_lsqml_and_ad_adapters_declare_the_tile_protocol_and_pie_is_refused(one_worker):
     from daskpty.execution.ad_adapter import ADAdapter
     from daskpty.engines import ad
     from daskpty.execution.engine_protocol import RunsOnTiles
 
     assert isinstance(LSQMLAdapter(OPTIONS), RunsOnTiles)
-    assert not isinstance(ADAdapter(ad.ADOptions()), RunsOnTiles)
+    assert isinstance(ADAdapter(ad.ADOptions()), RunsOnTiles)
+    with pytest.raises(TilesUnsupported, match="engine cannot run on tiles") as info:
+        daskpty.reconstruct(make_dataset(grid=6, seed=1), "rpie", 1, client=one_worker, tiles=True, persist=True)
+    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("workers", [2, 3, 4, 8])

@@ -19,6 +19,7 @@ import numpy as np
 from ..engines import ad, lsqml_opr
 from ..engines import sample_model as sm
 from ..engines.ad import opr as ad_opr
+from ..engines.ad import tiles as ad_tiles
 from ..engines.window_deformation import warp_object
 from ..engines.positions import (epoch_parameters, step_maps, PositionOptions, finish_epoch, initial_local, note_epoch_start,
                                  options_for, positions_for_step, settle_start)
@@ -168,6 +169,45 @@ class ADAdapter:
         """Arrays beyond object and probe needed to continue exactly (optimiser memory; for checkpoints)."""
         out = state.to_arrays()
         return out if self.probe_model is None else {**out, **self.probe_model.stored(state)}
+
+    # Tiles (:mod:`.tile_graph`; protocol: :class:`~.engine_protocol.RunsOnTiles`)
+    tile_fields = ("object", "illumination", "optimizer")  # (the optimiser's memory cuts its object rows)
+    tile_sums_function = staticmethod(forward_sums_chunk)
+
+    @property
+    def tile_round_stages(self) -> int:
+        return ad_tiles.round_stages(self.options)
+
+    def tiles_unsupported(self) -> str | None:
+        """Why this adapter's parts cannot run on tiles yet (None: they can)."""
+        if self.positions is not None:
+            return "position refinement"
+        return "the CG optimiser (optimizer='cg')" if self.options.optimizer == "cg" else None
+
+    def tile_initialise(self, state, sums):
+        before = state.probe
+        state = ad.rescale_probe(state, sums)
+        return state if self.probe_model is None else self.probe_model.rescaled(state, before)
+
+    def tile_begin_epoch(self, state):
+        return self.begin_epoch(state)  # (copy_state is a deep copy: nothing shared to protect)
+
+    def tile_round_sums(self, state, total, own, *earlier):
+        return ad_tiles.round_sums(state, total, own, *earlier)
+
+    def tile_apply(self, state, total, shares):
+        state = ad_tiles.apply(state, total, self.options, shares)
+        if self.probe_model is not None and total is not None:
+            ad_opr.apply(state, total, self.probe_model.model, self.options.loss, self.options.delta)
+        return state
+
+    def tile_end_sums(self, state, own):
+        return ad_tiles.end_sums(state, self.options, own)
+
+    def tile_end_epoch(self, state, shares):
+        if self.probe_model is not None:
+            lsqml_opr.end_epoch(state, self.probe_model.model)
+        return ad_tiles.end_epoch(state, self.options, shares)
 
     def initialise(self, client, data: ChunkedData, state, *, split_every: int):
         """First-epoch probe intensity rescale so that Σŷ = Σy (the eigen-probes follow)."""

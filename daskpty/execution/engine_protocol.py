@@ -97,6 +97,7 @@ class RunsOnTiles(Protocol):
 
     tile_fields: tuple  # state attributes in the object's frame (..., H, W), cut by rows
     tile_sums_function: Callable  # chunk function of the first epoch's sums, on a tile's payload
+    tile_round_stages: int  # rounds of shares an update needs (2: a second needs the first's sums)
 
     def tile_initialise(self, state, sums):
         """``initialise`` from ``tile_sums_function``'s sums over all chunks (reduced)."""
@@ -108,8 +109,9 @@ class RunsOnTiles(Protocol):
         """``begin_epoch`` on a tile, leaving ``tile_apply`` arrays of the epoch's own to write
         into (the arrays it got are shared with the previous epoch's end, never written)."""
 
-    def tile_round_sums(self, state, total, own) -> dict:
-        """This tile's share of the whole-object numbers ``tile_apply`` needs."""
+    def tile_round_sums(self, state, total, own, *earlier) -> dict:
+        """This tile's share of the whole-object numbers ``tile_apply`` needs; at stage s > 0,
+        ``earlier`` holds every tile's shares of stages 0 … s − 1 (a list per stage)."""
 
     def tile_apply(self, state, total, shares):
         """``apply`` on a tile, in place (a round's state is used by nothing after its next

@@ -175,6 +175,7 @@ class LSQMLAdapter:
     # Tiles (:mod:`.tile_graph`; protocol: :class:`~.engine_protocol.RunsOnTiles`)
     tile_fields = ("object", "velocity", "epoch_start_object", "illumination")
     tile_sums_function = staticmethod(forward_sums_chunk)  # the first epoch's sums (initialise)
+    tile_round_stages = 1
 
     def tiles_unsupported(self) -> str | None:
         """Why this adapter's parts cannot run on tiles yet (None: they can)."""

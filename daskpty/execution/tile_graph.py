@@ -69,12 +69,15 @@ def check_tiles_supported(adapter, data: ChunkedData | None = None) -> None:
 
 
 def crop_state(state, fields: tuple, start: int, stop: int):
-    """A copy of ``state`` with its object-frame ``fields`` cut to rows [start, stop)."""
+    """A copy of ``state`` with its object-frame ``fields`` cut to rows [start, stop): arrays
+    (..., H, W), or holders of such arrays that cut themselves (``crop_rows`` / ``stitch_rows``,
+    e.g. an optimiser's memory)."""
     out = copy.copy(state)
     for name in fields:
         value = getattr(state, name, None)
         if value is not None:
-            setattr(out, name, value[..., start:stop, :].copy())
+            setattr(out, name, value.crop_rows(start, stop) if hasattr(value, "crop_rows")
+                    else value[..., start:stop, :].copy())
     return out
 
 
@@ -90,7 +93,12 @@ def stitch_states(parts: list, fields: tuple):
     out = copy.copy(parts[0])
     for name in fields:
         values = [getattr(p, name, None) for p in parts]
-        setattr(out, name, None if values[0] is None else np.concatenate(values, axis=-2))
+        if values[0] is None:
+            setattr(out, name, None)
+        elif hasattr(values[0], "stitch_rows"):
+            setattr(out, name, values[0].stitch_rows(values))
+        else:
+            setattr(out, name, np.concatenate(values, axis=-2))
     if isinstance(getattr(out, "extra", None), dict):
         out.extra = {k: v for k, v in out.extra.items() if k != "illumination_max"}
     return out
@@ -156,10 +164,21 @@ def _tile_total(tree: FixedTree, w: int, *pieces) -> tuple:
     return tree.reduce(nodes)[tree.root], received
 
 
-def _tile_round_share(summed: tuple, adapter, carry: EpochCarry, own: tuple) -> dict:
-    """A tile's share of the round's whole-object numbers, and its received bytes (small)."""
+def _tile_round_share(summed: tuple, adapter, carry: EpochCarry, own: tuple, copies: int, *earlier) -> dict:
+    """A tile's share of the round's whole-object numbers, and its received bytes (small).
+    ``earlier``: every tile's shares of the earlier stages (``copies`` per stage, stage by stage),
+    for numbers that need others first (a threshold at half the largest illumination)."""
     total, received = summed
-    return {"sums": adapter.tile_round_sums(carry.state, total, own), "received": received}
+    stages = [[s["sums"] for s in earlier[i:i + copies]] for i in range(0, len(earlier), copies)]
+    return {"sums": adapter.tile_round_sums(carry.state, total, own, *stages), "received": received}
+
+
+def _merged_shares(shares: tuple, copies: int) -> list:
+    """Every tile's shares of all stages as one dict per tile (in worker order)."""
+    merged = [{} for _ in range(copies)]
+    for i, share in enumerate(shares):
+        merged[i % copies].update(share["sums"])
+    return merged
 
 
 def _tile_apply(carry: EpochCarry, adapter, first: bool, summed: tuple, local: dict, *shares) -> EpochCarry:
@@ -174,12 +193,19 @@ def _tile_apply(carry: EpochCarry, adapter, first: bool, summed: tuple, local: d
     scalars = {} if first else dict(carry.scalars)
     if first:
         state = adapter.tile_begin_epoch(state)
-    state = adapter.tile_apply(state, total, [s["sums"] for s in shares])
+    copies = len(shares) // _stages(adapter)
+    state = adapter.tile_apply(state, total, _merged_shares(shares, copies))
     if total is not None:
         for k, v in total.scalars.items():
             scalars[k] = scalars.get(k, 0.0) + v
-    scalars["exchanged_bytes"] = scalars.get("exchanged_bytes", 0.0) + float(max(s["received"] for s in shares))
+    received = max(s["received"] for s in shares[:copies])
+    scalars["exchanged_bytes"] = scalars.get("exchanged_bytes", 0.0) + float(received)
     return EpochCarry(state, scalars, local={**carry.local, **local})
+
+
+def _stages(adapter) -> int:
+    """Rounds of shares a round's update needs (``RunsOnTiles.tile_round_stages``)."""
+    return int(getattr(adapter, "tile_round_stages", 1))
 
 
 def _tile_end_share(carry: EpochCarry, adapter, own: tuple) -> dict:
@@ -280,8 +306,12 @@ class TileGraph:
             for v in range(copies):
                 summed.append((f"daskpty-tile-total-{r}-{tag}", v))
                 tasks[v][summed[v]] = (_tile_total, tree, v, *[pieces[w, v] for w in range(copies)])
-                shares.append((f"daskpty-tile-share-{r}-{tag}", v))
-                tasks[v][shares[v]] = (_tile_round_share, summed[v], self.adapter_key, carries[v], self.own(v))
+            for stage in range(_stages(self.adapter)):  # each stage's shares from all earlier ones
+                earlier = list(shares)
+                for v in range(copies):
+                    shares.append((f"daskpty-tile-share{stage}-{r}-{tag}", v))
+                    tasks[v][shares[-1]] = (_tile_round_share, summed[v], self.adapter_key, carries[v], self.own(v),
+                                            copies, *earlier)
             new = []
             for v in range(copies):
                 key = (f"daskpty-tile-round-{r}-{tag}", v)

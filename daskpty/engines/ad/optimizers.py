@@ -40,6 +40,18 @@ class OptimizerState:
     def set(self, slot: str, name: str, value) -> None:
         self.arrays[f"{slot}/{name}"] = value
 
+    def crop_rows(self, start: int, stop: int) -> "OptimizerState":
+        """A copy with the object's memory cut to rows [start, stop) (a tile of the object)."""
+        return OptimizerState({k: v[..., start:stop, :].copy() if k.endswith("/object") else v
+                               for k, v in self.arrays.items()}, dict(self.scalars))
+
+    @staticmethod
+    def stitch_rows(parts: list) -> "OptimizerState":
+        """One memory from every tile's own rows (``parts``, in row order)."""
+        first = parts[0]
+        return OptimizerState({k: np.concatenate([p.arrays[k] for p in parts], axis=-2) if k.endswith("/object")
+                               else v for k, v in first.arrays.items()}, dict(first.scalars))
+
     def drop(self, slot: str) -> None:
         for k in [k for k in self.arrays if k.startswith(slot + "/")]:
             del self.arrays[k]

@@ -225,8 +225,10 @@ class ADState:
 # apply / epochs
 
 
-def _preconditioned(g, illum, delta: float):
-    return g / (illum + delta * float(illum.max())).astype(illum.dtype, copy=False)
+def _preconditioned(g, illum, delta: float, peak: float | None = None):
+    """g / (W + δ max W); ``peak``: max W when ``illum`` is only a tile of the object's."""
+    peak = float(illum.max()) if peak is None else peak
+    return g / (illum + delta * peak).astype(illum.dtype, copy=False)
 
 
 def _lit_mean_abs(obj, illum) -> float:
@@ -234,12 +236,15 @@ def _lit_mean_abs(obj, illum) -> float:
     return float(get_xp(obj).abs(obj[lit]).mean()) if bool(lit.any()) else 1.0
 
 
-def apply(state: ADState, total: Partial, options: ADOptions, evaluate=None) -> ADState:
+def apply(state: ADState, total: Partial, options: ADOptions, evaluate=None, *, peak: float | None = None,
+          lit_mean: float | None = None) -> ADState:
     """One optimiser step from a reduced gradient partial.
 
     ``evaluate(params) -> float``, with ``params`` a dict holding trial ``"object"`` and/or
     ``"probe"`` arrays, returns the loss (sum over the same patterns as ``total``); only the CG
-    optimiser calls it (its line search) and it is required there.
+    optimiser calls it (its line search) and it is required there. ``peak`` (the round's largest
+    illumination) and ``lit_mean`` (Adam's mean |O| where lit) come from outside when the state
+    holds only a tile of the object (:mod:`.tiles`); None: computed here.
     """
     if total is None:
         return state
@@ -258,10 +263,10 @@ def apply(state: ADState, total: Partial, options: ADOptions, evaluate=None) -> 
         g = xp.zeros(state.object.shape, dtype=np.result_type(state.object.dtype, box.data.dtype))
         box.add_into(g)
         params["object"], grads["object"] = state.object, g
-        pre["object"] = _preconditioned(g, full_illum, options.delta) if options.precondition else g
+        pre["object"] = _preconditioned(g, full_illum, options.delta, peak) if options.precondition else g
         lrs["object"] = options.learning_rate("object", epoch)
         if options.optimizer == "adam":
-            lrs["object"] *= _lit_mean_abs(state.object, full_illum)
+            lrs["object"] *= _lit_mean_abs(state.object, full_illum) if lit_mean is None else lit_mean
     if "probe_grad" in total.arrays:
         g = total.arrays["probe_grad"].astype(np.result_type(state.probe.dtype, total.arrays["probe_grad"].dtype))
         params["probe"], grads["probe"] = state.probe, g
@@ -299,12 +304,18 @@ def begin_epoch(state: ADState, options: ADOptions) -> ADState:
     return state
 
 
-def end_epoch(state: ADState, options: ADOptions) -> ADState:
-    """Probe-mode orthogonalisation, scale-ambiguity removal (optimiser memory follows), epoch += 1."""
+def normalizes_now(state: ADState, options: ADOptions) -> bool:
+    """Whether this epoch's end removes the scale ambiguity (every ``options.normalize_every``)."""
+    return bool(options.normalize_every) and (state.epoch + 1) % options.normalize_every == 0
+
+
+def end_epoch(state: ADState, options: ADOptions, *, scale: float | None = None) -> ADState:
+    """Probe-mode orthogonalisation, scale-ambiguity removal (optimiser memory follows), epoch += 1.
+    ``scale``: the mean |O| where lit, when the state holds only a tile of the object."""
     if options.orthogonalize and state.probe.shape[0] > 1 and state.active("probe", options):
         orthogonalize_probe(state)
-    if options.normalize_every and (state.epoch + 1) % options.normalize_every == 0:
-        normalize_scale(state, options)
+    if normalizes_now(state, options):
+        normalize_scale(state, options, scale)
     state.epoch += 1
     return state
 
@@ -330,15 +341,16 @@ def orthogonalize_probe(state: ADState) -> None:
         state.optimizer.arrays[key] = new.reshape(arr.shape).astype(arr.dtype)
 
 
-def normalize_scale(state: ADState, options: ADOptions) -> None:
-    """Remove the O·c, P/c ambiguity: mean |O| = 1 over the well-illuminated region.
+def normalize_scale(state: ADState, options: ADOptions, scale: float | None = None) -> None:
+    """Remove the O·c, P/c ambiguity: mean |O| = 1 over the well-illuminated region (``scale``:
+    that mean when the state holds only a tile of the object).
 
     The optimiser memory is rescaled consistently: with O' = O/c and P' = cP, raw gradients scale as
     c (object) and 1/c (probe), preconditioned ones like the parameters.
     """
-    if state.illumination is None:
+    if state.illumination is None and scale is None:
         return
-    c = _lit_mean_abs(state.object, state.illumination)
+    c = _lit_mean_abs(state.object, state.illumination) if scale is None else scale
     if not (c > 0 and math.isfinite(c)) or c == 1.0:
         return
     state.object = (state.object / c).astype(state.object.dtype)
