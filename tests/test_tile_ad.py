@@ -37,6 +37,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_three_tiles_equal_one_tile_and_the_replicas(three_workers, one_worker, case):
     options, model = CASES[case]
@@ -70,6 +71,7 @@ def test_the_optimisers_memory_is_cut_and_stitched_with_the_object():
     assert back.optimizer.scalars == {"t/object": 3.0}
 
 
+@pytest.mark.slow
 def test_ad_on_tiles_resumes_bit_identically_through_reconstruct(tmp_path, three_workers):
     ds = make_dataset(grid=10, seed=2)
     settings = dict(engine="ad", client=three_workers, tiles=True, persist=True, optimizer="adam",
