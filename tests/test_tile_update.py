@@ -54,3 +54,25 @@ def test_in_place_rounds_equal_the_engines_update_and_leave_the_previous_epoch_a
     for name in ("object", "velocity", "probe"):  # the previous epoch's end, as a client may fetch it
         np.testing.assert_array_equal(getattr(previous, name), getattr(kept, name), err_msg=name)
     assert not np.shares_memory(state.object, previous.object)
+
+
+@pytest.mark.parametrize("shape", [(150, 90), (2, 150, 90)], ids=["1 slice", "2 slices"])
+@pytest.mark.parametrize("agree", [True, False])
+def test_the_in_place_epoch_end_equals_the_engines_and_leaves_the_previous_epoch_alone(shape, agree):
+    rng = np.random.default_rng(7)
+    options = lsqml.LSQMLOptions(momentum=0.5, normalize_every=1)
+    previous = _state(shape, rng)
+    kept = copy.deepcopy(previous)
+    total = _round_sum(shape, rng, (3, 5), (140, 60))
+    layers = shape[0] if len(shape) == 3 else None
+    engine_apply, engine_end = (lsqml.apply, lsqml.end_epoch) if layers is None else (ms.apply, ms.end_epoch)
+
+    expected = engine_apply(lsqml.begin_epoch(copy.copy(previous), options), total, options)
+    expected = engine_end(expected, options, agree=agree)
+    state = lsqml_tiles.begin_epoch(lsqml.begin_epoch(copy.copy(previous), options), options)
+    state = engine_end(lsqml_tiles.apply_in_place(state, total, options), options, agree=agree, in_place=True)
+
+    for name in ("object", "velocity", "probe"):
+        np.testing.assert_array_equal(getattr(state, name), getattr(expected, name), err_msg=name)
+        np.testing.assert_array_equal(getattr(previous, name), getattr(kept, name), err_msg=name)
+    assert state.epoch == expected.epoch and state.epoch_start_object is None

@@ -174,7 +174,7 @@ def end_sums(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions, own: tuple[in
 
 def end_epoch(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions, shares: list) -> lsqml.LSQMLState:
     """``end_epoch`` of the state's layout on a tile, its momentum test and scale(s) from every
-    tile's :func:`end_sums` (``shares``, in worker order)."""
+    tile's :func:`end_sums` (``shares``, in worker order); in place (the epoch's own object)."""
     agree = scales = None
     if "dot" in shares[0]:
         agree = sum(s["dot"] for s in shares) > 0
@@ -184,8 +184,9 @@ def end_epoch(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions, shares: list
         total = sum(s[key] for s in shares)
         scales = np.where(lit > 0, total / np.maximum(lit, 1), 0.0)
     if _slices(state) is None:
-        return lsqml.end_epoch(state, options, agree=agree, scale=None if scales is None else float(scales[0]))
-    return ms.end_epoch(state, options, agree=agree, scales=scales)
+        return lsqml.end_epoch(state, options, agree=agree, scale=None if scales is None else float(scales[0]),
+                               in_place=True)
+    return ms.end_epoch(state, options, agree=agree, scales=scales, in_place=True)
 
 
 __all__ = ["apply", "apply_in_place", "begin_epoch", "end_epoch", "end_sums", "round_sums"]

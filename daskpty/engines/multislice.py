@@ -346,22 +346,26 @@ def apply(state: LSQMLState, total: Partial, options: LSQMLOptions, illumination
 
 
 def end_epoch(state: LSQMLState, options: LSQMLOptions, *, agree: bool | None = None,
-              scales=None) -> LSQMLState:
+              scales=None, in_place: bool = False) -> LSQMLState:
     """:func:`daskpty.engines.lsqml.end_epoch` (momentum, mode orthogonalisation) with the scale
     ambiguity removed slice by slice (:func:`normalize_scale`). ``agree`` and ``scales`` (the
-    slices' mean |O_k| where lit) come from outside when the state holds a tile."""
-    state = lsqml.end_epoch(state, dataclasses.replace(options, normalize_every=0), agree=agree)
+    slices' mean |O_k| where lit) come from outside when the state holds a tile; ``in_place``
+    as :func:`daskpty.engines.lsqml.end_epoch`."""
+    owned = lsqml.owned_at_end(state, options, in_place)
+    state = lsqml.end_epoch(state, dataclasses.replace(options, normalize_every=0), agree=agree, in_place=in_place)
     if options.normalize_every and state.epoch % options.normalize_every == 0:
-        normalize_scale(state, scales)
+        normalize_scale(state, scales, owned)
     return state
 
 
-def normalize_scale(state: LSQMLState, scales=None) -> None:
+def normalize_scale(state: LSQMLState, scales=None, owned: tuple = ()) -> None:
     """Remove the slices' scale ambiguity O_k c_k, P / Π c_k: mean |O_k| = 1 where slice k is lit
-    (``scales``: those means, when the state holds only a tile of the object)."""
+    (``scales``: those means, when the state holds only a tile of the object; ``owned``: the
+    arrays it may divide in place, "object" and "velocity")."""
     if state.illumination is None and scales is None:
         return
-    obj = state.object.copy()
+    obj = state.object if "object" in owned else state.object.copy()
+    velocity_owned = "velocity" in owned
     total = 1.0
     for k in range(obj.shape[0]):
         if scales is not None:
@@ -374,7 +378,8 @@ def normalize_scale(state: LSQMLState, scales=None) -> None:
             obj[k] /= np.float32(c)
             total *= c
             if state.velocity is not None:
-                state.velocity = state.velocity.copy()
+                if not velocity_owned:  # (once: a copy per slice cost K of them)
+                    state.velocity, velocity_owned = state.velocity.copy(), True
                 state.velocity[k] /= np.float32(c)
     state.object = obj
     state.probe = (state.probe * np.float32(total)).astype(np.complex64)

@@ -187,7 +187,7 @@ def _client_epochs(client, data, adapter, state, epochs, rounds, split_every):
         state = adapter.begin_epoch_owned(state) if in_place else adapter.begin_epoch(state)
         state, scalars, local = _run_rounds(client, data, adapter, state, rounds, split_every, local, watchdog,
                                             in_place)
-        state = adapter.end_epoch(state)
+        state = adapter.end_epoch_owned(state) if in_place else adapter.end_epoch(state)
         scalars.update(adapter.epoch_scalars(state))
         # a shallow copy: the next epoch rebinds this state's arrays (it never writes into them)
         yield EpochState(state.epoch, state=with_local(state, local)), scalars, time.perf_counter() - start

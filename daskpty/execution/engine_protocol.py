@@ -76,6 +76,9 @@ class UpdatesInPlace(Protocol):
     def apply_in_place(self, state, total):
         """``apply`` writing into the arrays :meth:`begin_epoch_owned` gave the epoch."""
 
+    def end_epoch_owned(self, state):
+        """``end_epoch`` writing into them too (the state it returns is the next epoch's start)."""
+
 
 @runtime_checkable
 class RunsOwnRounds(Protocol):

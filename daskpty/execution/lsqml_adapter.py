@@ -141,15 +141,20 @@ class LSQMLAdapter:
             note_epoch_start(state, self.positions)
         return state
 
-    def end_epoch(self, state):
+    def end_epoch(self, state, in_place: bool = False):
+        """The epoch's end; ``in_place``: after :meth:`begin_epoch_owned`, writing into the
+        epoch's own object (:meth:`end_epoch_owned`)."""
         if self.probe_model is not None:
             lsqml_opr.end_epoch(state, self.probe_model.model)
         if self.positions is not None:
             finish_epoch(state, self.positions, lsqml.resample_object_state)
-        state = sm.lsqml_end_epoch(self.sample)(state, self.options)
+        state = sm.lsqml_end_epoch(self.sample)(state, self.options, in_place=in_place)
         if self.positions is not None:
             settle_start(state, self.positions)
         return state
+
+    def end_epoch_owned(self, state):
+        return self.end_epoch(state, in_place=True)
 
     def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
         """A state from an object, a probe and (when resuming) the saved engine arrays."""
