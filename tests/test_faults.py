@@ -302,6 +302,7 @@ def test_loss_noise_goes_to_info_and_other_errors_pass():
     try:
         with quiet_handled_losses():
             log.error("failed during get data with %s -> %s", "tcp://a", "tcp://b", exc_info=(OSError, OSError(), None))
+            log.error("Couldn't gather keys: %s", {"daskpty-round-1": "waiting"})  # dozens of lines a loss
             log.error("Compute Failed\nKey: %s\nException: %r", "k", "CancelledError('lost')")
             log.error("Compute Failed\nKey: %s\nException: %r", "k2", "ValueError('a real failure')")
             logging.getLogger("asyncio").error("Task exception was never retrieved",

@@ -112,6 +112,7 @@ LOSS_MESSAGES = (
     "Worker stream died", "Failed to connect to", "Task exception was never retrieved",
     "Scheduler for Client", "Lost connection to", "exit status was already read",
     "Async instruction for",   # a worker's task cancelled while the cluster closes (an interrupt)
+    "Couldn't gather",  # a result fetched from a worker that died: the driver restarts the round
 )
 #: Exceptions that mark a "Compute Failed" report as a consequence of the loss.
 LOSS_EXCEPTIONS = ("CancelledError", "CommClosedError", "KilledWorker", "AllExit", "StreamClosedError",
