@@ -448,6 +448,19 @@ def owned_at_end(state: LSQMLState, options: LSQMLOptions, in_place: bool) -> tu
     return ("object", "velocity") if options.momentum > 0 and state.epoch_start_object is not None else ("object",)
 
 
+#: Rows at a time of an in-place epoch end's momentum step (its temporaries stay small).
+MOMENTUM_BLOCK_ROWS = 256
+
+
+def _add_momentum(obj, change, velocity, momentum: float) -> None:
+    """O += μ v and Δ += μ v in place, block by block of rows (the bits of the whole-array form)."""
+    for a in range(0, obj.shape[-2], MOMENTUM_BLOCK_ROWS):
+        rows = (..., slice(a, a + MOMENTUM_BLOCK_ROWS), slice(None))
+        moved = momentum * velocity[rows]
+        obj[rows] += moved
+        change[rows] += moved
+
+
 def end_epoch(state: LSQMLState, options: LSQMLOptions, *, agree: bool | None = None,
               scale: float | None = None, in_place: bool = False) -> LSQMLState:
     """Momentum on the object's change, probe-mode orthogonalisation, scale-ambiguity removal.
@@ -464,9 +477,7 @@ def end_epoch(state: LSQMLState, options: LSQMLOptions, *, agree: bool | None = 
             if agree is None:
                 agree = float(get_xp(change).vdot(state.velocity, change).real) > 0
             if agree and in_place:
-                moved = options.momentum * state.velocity
-                state.object += moved
-                change += moved
+                _add_momentum(state.object, change, state.velocity, options.momentum)
                 state.velocity = change
             elif agree:
                 state.object = (state.object + options.momentum * state.velocity).astype(np.complex64)
