@@ -444,7 +444,8 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
             first = _geometry_probe(probe, data, c, intensities, probe_modes, eng.seed, sample, thick)
             state = adapter.new_state(obj, first if first is not None else
                                       _initial_probe(probe, data, c, intensities, probe_modes, eng.seed))
-        execution = _resolve_device_and_chunks(c, execution, len(positions), n, state.probe.shape[0], obj.shape,
+        object_shape, obj = obj.shape, None  # (the state holds it: one object-sized array less held)
+        execution = _resolve_device_and_chunks(c, execution, len(positions), n, state.probe.shape[0], object_shape,
                                                thick, tiles_of)
         run_options.update(chunk_length=execution.chunk_length)
         if hasattr(data, "intensities_in_chunks") and not execution.persist:
