@@ -16,6 +16,7 @@ give the same result.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from concurrent.futures import CancelledError
@@ -69,6 +70,10 @@ def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_ev
             for k, v in total.scalars.items():
                 scalars[k] = scalars.get(k, 0.0) + v
         total = None  # (before the next round's sum arrives: one object-sized sum at a time)
+        # A received sum is also kept by a reference cycle (from its deserialisation) until the
+        # cyclic collector runs, which it rarely does: traced on a 7,615² object, every round's
+        # 650 MB sum stayed until then and the client grew by one per round.
+        gc.collect()
     return state, scalars, local
 
 
