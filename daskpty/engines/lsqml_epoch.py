@@ -1,0 +1,121 @@
+"""LSQML's epoch boundaries: the start-of-epoch copy, momentum on the epoch's change, probe-mode
+orthogonalisation and the scale-ambiguity removal (:func:`end_epoch`), in place where the object
+is the epoch's own (tiles, the client's round-by-round epochs). Split from :mod:`.lsqml`, which
+re-exports these functions. No dask here.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..physics import orthogonalize_modes
+from ..physics.backend import get_xp
+
+if TYPE_CHECKING:
+    from .lsqml import LSQMLOptions, LSQMLState
+
+def begin_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
+    """Remember the object at the start of the epoch (for momentum) and reset illumination."""
+    if options.momentum > 0:
+        state.epoch_start_object = state.object.copy()
+    state.illumination = None
+    state.affine_sums = None
+    return state
+
+
+
+def owned_at_end(state: LSQMLState, options: LSQMLOptions, in_place: bool) -> tuple:
+    """The arrays an in-place epoch end may write into: the epoch's own object, and the
+    velocity once momentum has made it anew (before that it is the previous epoch's)."""
+    if not in_place:
+        return ()
+    return ("object", "velocity") if options.momentum > 0 and state.epoch_start_object is not None else ("object",)
+
+
+#: Rows at a time of an in-place epoch end's momentum step (its temporaries stay small).
+MOMENTUM_BLOCK_ROWS = 256
+
+
+def _add_momentum(obj, change, velocity, momentum: float) -> None:
+    """O += μ v and Δ += μ v in place, block by block of rows (the bits of the whole-array form)."""
+    for a in range(0, obj.shape[-2], MOMENTUM_BLOCK_ROWS):
+        rows = (..., slice(a, a + MOMENTUM_BLOCK_ROWS), slice(None))
+        moved = momentum * velocity[rows]
+        obj[rows] += moved
+        change[rows] += moved
+
+
+def end_epoch(state: LSQMLState, options: LSQMLOptions, *, agree: bool | None = None,
+              scale: float | None = None, in_place: bool = False) -> LSQMLState:
+    """Momentum on the object's change, probe-mode orthogonalisation, scale-ambiguity removal.
+
+    ``agree`` (the momentum test: does the change point along the velocity?) and ``scale``
+    (the normalisation's mean |O| over the lit region) come from outside when the state holds
+    only a tile of the object (:mod:`.lsqml_tiles`); None: computed here. ``in_place``: the
+    object is the epoch's own (after ``lsqml_tiles.begin_epoch``) and is written into, as is the
+    new velocity — the same bits, two object-sized temporaries fewer."""
+    owned = owned_at_end(state, options, in_place)
+    if options.momentum > 0 and state.epoch_start_object is not None:
+        change = state.object - state.epoch_start_object
+        if state.velocity is not None:
+            if agree is None:
+                agree = float(get_xp(change).vdot(state.velocity, change).real) > 0
+            if agree and in_place:
+                _add_momentum(state.object, change, state.velocity, options.momentum)
+                state.velocity = change
+            elif agree:
+                state.object = (state.object + options.momentum * state.velocity).astype(np.complex64)
+                state.velocity = (change + options.momentum * state.velocity).astype(np.complex64)
+            else:
+                state.velocity = change if in_place else change.astype(np.complex64)
+        else:
+            state.velocity = change if in_place else change.astype(np.complex64)
+    state.epoch_start_object = None  # only needed within the epoch (keeps gathered states small)
+    return close_epoch(state, options, scale, owned)
+
+
+def normalizes_now(state, options) -> bool:
+    """Whether this epoch's end removes the scale ambiguity (every ``options.normalize_every``)."""
+    return bool(options.normalize_every) and (state.epoch + 1) % options.normalize_every == 0
+
+
+def close_epoch(state, options, scale: float | None = None, owned: tuple = ()):
+    """The end of every engine's epoch that keeps LSQML's state: probe-mode orthogonalisation
+    (``options.orthogonalize``), scale-ambiguity removal every ``options.normalize_every``
+    epochs (``scale``: see :func:`normalize_scale`), and the epoch counter."""
+    if options.orthogonalize and state.probe.shape[0] > 1:
+        state.probe = orthogonalize_modes(state.probe)
+    if normalizes_now(state, options):
+        normalize_scale(state, scale, owned)
+    state.epoch += 1
+    return state
+
+
+def _divided(a, c, in_place: bool):
+    """``a / c`` as complex64, written into ``a`` when ``in_place`` (the same bits)."""
+    if in_place:
+        a /= c
+        return a
+    return (a / c).astype(np.complex64)
+
+
+def normalize_scale(state: LSQMLState, scale: float | None = None, owned: tuple = ()) -> None:
+    """Remove the O·c, P/c ambiguity: mean |O| = 1 over the well-illuminated region. ``scale``:
+    that mean when the state holds only a tile of the object (0: no lit pixel anywhere).
+    ``owned``: the arrays it may divide in place ("object", "velocity")."""
+    if scale is None:
+        if state.illumination is None:
+            return
+        lit = state.illumination > 0.5 * state.illumination.max()
+        if not lit.any():
+            return
+        scale = float(get_xp(state.object).abs(state.object[lit]).mean())
+    c = scale
+    if c > 0 and np.isfinite(c):
+        state.object = _divided(state.object, np.float32(c), "object" in owned)
+        state.probe = (state.probe * np.float32(c)).astype(np.complex64)
+        if state.eigen_probes is not None:  # they scale with the mean probe (weights unchanged)
+            state.eigen_probes = (state.eigen_probes * np.float32(c)).astype(np.complex64)
+        if state.velocity is not None:
+            state.velocity = _divided(state.velocity, np.float32(c), "velocity" in owned)
