@@ -46,6 +46,10 @@ def _carry_of(state) -> EpochCarry:
     return EpochCarry(with_local(state, None), local=local)
 
 
+#: A round sum at least this large is followed by a cyclic garbage collection (see _run_rounds).
+COLLECT_AFTER_BYTES = 64 * 2**20
+
+
 def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_every: int, local=None,
                 watchdog: Watchdog | None = None, in_place: bool = False):
     """One epoch round by round from the client: returns ``(state, summed scalars, local)``.
@@ -69,11 +73,13 @@ def _run_rounds(client, data: ChunkedData, adapter, state, rounds: int, split_ev
                 local = {**local, **total.local}
             for k, v in total.scalars.items():
                 scalars[k] = scalars.get(k, 0.0) + v
+        large = total is not None and total.nbytes >= COLLECT_AFTER_BYTES
         total = None  # (before the next round's sum arrives: one object-sized sum at a time)
-        # A received sum is also kept by a reference cycle (from its deserialisation) until the
-        # cyclic collector runs, which it rarely does: traced on a 7,615² object, every round's
-        # 650 MB sum stayed until then and the client grew by one per round.
-        gc.collect()
+        if large:
+            # A received sum is also kept by a reference cycle (from its deserialisation) until
+            # the cyclic collector runs, which it rarely does: traced on a 7,615² object, every
+            # round's 650 MB sum stayed until then and the client grew by one per round.
+            gc.collect()
     return state, scalars, local
 
 
