@@ -82,6 +82,9 @@ EOF
 step "pytest -m gpu tests/test_gpu.py tests/test_kernels.py (in-process)" 200 "$PY" -m pytest -q -m gpu \
     tests/test_gpu.py tests/test_kernels.py -k "not dask_cuda" -p no:cacheprovider
 
+# How far one CuPy chunk step is from the NumPy one, part by part (the GPU test's tolerance).
+step "gpu_diag: CuPy vs NumPy chunk step" 60 "$PY" benchmarks/gpu_diag.py
+
 # One store per size, read by every benchmark below (each would otherwise simulate its own).
 data_for() {  # data_for N -> the bench_epoch/bench_comm arguments naming the data of size N
   if [ -f "/tmp/gpu_check_$1.zarr.ok" ]; then echo "--data /tmp/gpu_check_$1.zarr"

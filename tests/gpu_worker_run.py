@@ -45,19 +45,24 @@ def main():
             cpu = daskpty.reconstruct(data, client=c, device="cpu", **kwargs)
         results = {}
         pids = set()
+        stages = {"after the CPU run": compute_pids()}  # where the client's CUDA context, if any, began
         limits = {"gpu": None, "gpu_spilling": 2 * 2**20}  # the data: 4.5 MiB of uint16 in 9 chunks
         for name, limit in limits.items():
             extra = {} if limit is None else {"device_memory_limit": limit}
             with cuda_cluster(**extra) as cl, Client(cl) as c:
+                stages[f"{name}: cluster started"] = compute_pids()
                 rec = daskpty.reconstruct(data, client=c, device="auto", **kwargs)
                 kinds = c.run(_held_array_kinds)
-                pids |= compute_pids()
+                stages[f"{name}: reconstructed"] = compute_pids()
+                pids |= stages[f"{name}: reconstructed"]
             results[name] = {
                 "relative_difference": float(np.linalg.norm(rec.object - cpu.object) / np.linalg.norm(cpu.object)),
                 "loss_ratio": rec.history[-1]["loss"] / cpu.history[-1]["loss"],
                 "worker_data_types": sorted({k for held in kinds.values() for k in held}),
                 "workers": len(kinds)}
-    print(json.dumps({"client_pid": os.getpid(), "compute_pids": sorted(pids), **results}))
+    client_context = [stage for stage, seen in stages.items() if os.getpid() in seen]
+    print(json.dumps({"client_pid": os.getpid(), "compute_pids": sorted(pids),
+                      "client_context_seen": client_context, **results}))
 
 
 if __name__ == "__main__":

@@ -195,10 +195,10 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
         positions = positions[order]
     intensities = intensities.rechunk((chunk_length, -1, -1))
     if device == "gpu":
-        import cupy
-
+        # The blocks are CuPy on the workers; the graph's meta stays NumPy, as a CuPy meta would
+        # create a CUDA context (and its device memory) in the client process.
         intensities = intensities.map_blocks(_to_device, dtype=intensities.dtype,
-                                             meta=cupy.empty((0, 0, 0), dtype=intensities.dtype))
+                                             meta=np.empty((0, 0, 0), dtype=intensities.dtype))
     if shift:
         intensities = intensities.map_blocks(_ifftshift_patterns, dtype=intensities.dtype,
                                              meta=intensities._meta)
