@@ -245,11 +245,13 @@ def add_malloc_argument(g):
 
 
 @contextlib.contextmanager
-def bench_cluster(backend: str, workers, threads_per_worker: int = 1, memory_limit="auto", malloc_tune=None):
+def bench_cluster(backend: str, workers, threads_per_worker: int = 1, memory_limit="auto", malloc_tune=None,
+                  profile: bool = False):
     """Yield ``(client, description)`` for a fresh cluster made the way daskpty makes its own.
 
     ``malloc_tune`` "on"/"off" sets DASKPTY_MALLOC_TUNE for the worker processes (inherited at
-    their start); None leaves the environment alone."""
+    their start); None leaves the environment alone. ``profile``: keep dask's statistical
+    profiler on in the workers (off by default: it costs a little time)."""
     import dask
     from distributed import Client
 
@@ -257,7 +259,7 @@ def bench_cluster(backend: str, workers, threads_per_worker: int = 1, memory_lim
         os.environ["DASKPTY_MALLOC_TUNE"] = "1" if malloc_tune in ("on", True) else "0"
 
     memory = parse_memory(memory_limit) if isinstance(memory_limit, str) or memory_limit is None else memory_limit
-    with dask.config.set({"distributed.worker.profile.enabled": False}):
+    with dask.config.set({"distributed.worker.profile.enabled": profile}):
         if backend == "gpu":
             from daskpty.execution.gpu import cuda_cluster, list_cuda_devices
 
