@@ -14,7 +14,8 @@ from .engines.positions import PositionOptions, PositionsDiverged
 from .engines.probe_model import ProbeModelDiverged, effective_weights
 from .engines.sample_options import aperture_probe
 from .execution.cluster import client_context, live_workers, wait_for_workers
-from .execution.data import auto_rounds, choose_chunk_length, prepare_data, should_persist, workers_have_gpus
+from .execution.data import (auto_rounds, choose_chunk_length, gpu_steps_per_chunk, prepare_data, should_persist,
+                             workers_have_gpus)
 from .execution.driver import run_epochs, with_local
 from .execution.latency import enable_low_latency
 from .execution.local_state import PatternLayout
@@ -215,12 +216,14 @@ def _resolve_device_and_chunks(client, execution, n_patterns, n, modes, object_s
     device, length = execution.device, execution.chunk_length
     if device == "auto":
         device = "gpu" if workers_have_gpus(client) else "cpu"
+    rounds = max(1, int(execution.rounds_per_epoch))  # a step is slice round::rounds of a chunk
     if length is None:
-        length = choose_chunk_length(client, n_patterns, n, modes, thick.working_factor)
+        slices = gpu_steps_per_chunk(device, rounds)
+        length = choose_chunk_length(client, n_patterns, n, modes, thick.working_factor, steps_per_chunk=slices)
         fitting = largest_fitting_chunk(client, n, modes, object_shape, thick.working_factor, tiles)
         if fitting:
-            length = min(length, fitting)
-    check_step_fits(client, length, n, modes, object_shape, thick.working_factor, tiles)
+            length = min(length, fitting * slices)
+    check_step_fits(client, length, n, modes, object_shape, thick.working_factor, tiles, rounds=rounds)
     return execution.replace(device=device, chunk_length=int(length))
 
 

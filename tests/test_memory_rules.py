@@ -39,6 +39,26 @@ def test_a_step_too_large_for_the_workers_is_refused_with_what_fits(small_worker
     assert rec.options["chunk_length"] == fits
 
 
+def test_a_step_is_one_rounds_slice_of_its_chunk(small_workers):
+    """With R rounds a chunk step holds slice r::R of the chunk: the rule bounds the slice, and
+    on GPUs (where a step's cost is mostly fixed) the chosen chunks are R times longer."""
+    from daskpty.execution.data import choose_chunk_length, gpu_steps_per_chunk
+
+    shape = (400, 400)
+    with pytest.raises(ValueError) as info:
+        check_step_fits(small_workers, 1024, 64, 1, shape)
+    fits = int(str(info.value).split("chunk_length of at most ")[1].split()[0])
+    check_step_fits(small_workers, 4 * fits, 64, 1, shape, rounds=4)       # four slices of `fits`
+    with pytest.raises(ValueError) as info:
+        check_step_fits(small_workers, 4 * fits + 4, 64, 1, shape, rounds=4)
+    assert f"a chunk of {4 * fits + 4} in 4 rounds" in str(info.value)
+    assert int(str(info.value).split("chunk_length of at most ")[1].split()[0]) == 4 * fits
+    assert gpu_steps_per_chunk("cpu", 16) == 1 and gpu_steps_per_chunk("gpu", 16) == 16
+    one = choose_chunk_length(small_workers, 65536, 128)
+    sliced = choose_chunk_length(small_workers, 65536, 128, steps_per_chunk=16)
+    assert 15 * one <= sliced <= 65536 // 8
+
+
 def test_persist_needs_room_for_the_share_and_the_working_set(small_workers):
     assert persist_fits(small_workers, 40 * 2**20)                            # 20 MiB each
     assert not persist_fits(small_workers, 40 * 2**20, working_bytes=30 * 2**20)  # 50 > 38.4 MiB

@@ -103,22 +103,25 @@ def fewest_tiles(limit: int, baseline: int, step: int, object_shape, n: int, mos
 
 
 def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
-                    working_factor: float = 1.0, tiles: int | None = None) -> None:
+                    working_factor: float = 1.0, tiles: int | None = None, rounds: int = 1) -> None:
     """Raise ValueError (one line, with what would fit) when one chunk step plus the state (of
     the whole object, or with ``tiles`` of one row tile and its halo) exceed the pause threshold
-    of the smallest worker. No-op when workers have no memory limit."""
+    of the smallest worker. A step holds slice ``r::rounds`` of a chunk. No-op when workers have
+    no memory limit."""
     limit = smallest_worker_memory(client)
     if not limit:
         return
+    rounds = max(1, int(rounds))
     pause = _fraction("pause", 0.8) * limit
     baseline = _baseline(client)
     held = held_shape(object_shape, n, tiles)
     state = state_bytes(held) + baseline
-    step = step_bytes(chunk_length, n, modes, working_factor)
+    step_length = -(-int(chunk_length) // rounds)
+    step = step_bytes(step_length, n, modes, working_factor)
     need = step + state
     if need <= pause:
         return
-    fits = int((pause - state) // step_bytes(1, n, modes, working_factor))
+    fits = int((pause - state) // step_bytes(1, n, modes, working_factor)) * rounds
     what = (f"a {held[-2]}-row tile of a {object_shape[-2]} x {object_shape[-1]} object" if tiles and tiles > 1
             else f"a {object_shape[-2]} x {object_shape[-1]} object")
     how = (f"or a chunk_length of at most {fits} patterns" if fits >= 1 else
@@ -128,7 +131,8 @@ def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
         how += (f"; or cut the object into tiles (tiles=True) over at least {fewest} workers of this memory"
                 if not tiles else f"; or use at least {fewest} workers of this memory")
     raise ValueError(
-        f"one chunk step of {chunk_length} patterns of {n}x{n} ({modes} mode(s)) plus the state needs "
+        f"one chunk step of {step_length} patterns of {n}x{n} ({modes} mode(s))"
+        f"{f' (a chunk of {chunk_length} in {rounds} rounds)' if rounds > 1 else ''} plus the state needs "
         f"about {need / MIB:.0f} MiB per worker, but the smallest worker pauses at {pause / MIB:.0f} MiB "
         f"({limit / MIB:.0f} MiB limit); give each worker at least {need / _fraction('pause', 0.8) / MIB:.0f} MiB "
         f"(memory_limit=, fewer workers per machine) {how}")
