@@ -13,7 +13,7 @@ from .engines.initial import (object_frame, probe_diameter_from_scan, probe_from
 from .engines.positions import PositionOptions, PositionsDiverged
 from .engines.probe_model import ProbeModelDiverged, effective_weights
 from .engines.sample_options import aperture_probe
-from .execution.cluster import client_context, live_workers, wait_for_workers
+from .execution.cluster import client_context, current_client, live_workers, wait_for_workers
 from .execution.data import (auto_rounds, choose_chunk_length, gpu_steps_per_chunk, prepare_data, should_persist,
                              workers_have_gpus)
 from .execution.driver import run_epochs, with_local
@@ -414,6 +414,7 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
     callbacks = _callbacks(checkpointer, run.callback, getattr(data, "path", None),
                            _progress(run.progress, epochs, resumed, len(positions), getattr(options, "loss", eng.noise)))
 
+    embedded = client is None and (execution.n_workers is not None or current_client() is None)
     with client_context(client, n_workers=execution.n_workers) as c:
         wait_for_workers(c)  # a cluster without workers: a bounded wait and one line, not a hang
         enable_low_latency(c)
@@ -478,11 +479,16 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
             del chunked
             if publisher is not None:
                 publisher.flush()
-    result = make_result(state, checkpointer.history)
-    try:
-        check_finite_result(result.object, result.probe, state.epoch)
-    except ReconstructionDiverged as exc:
-        raise _saying_what_is_kept(exc, checkpoint, checkpointer) from None
-    if checkpoint is not None and checkpointer.written_epoch != state.epoch:
-        result.to_zarr(checkpoint, overwrite=True)
+        # (on the cluster still: a large tiled object is a dask array over the workers' tiles)
+        result = make_result(state, checkpointer.history)
+        try:
+            check_finite_result(result.object, result.probe, state.epoch)
+        except ReconstructionDiverged as exc:
+            raise _saying_what_is_kept(exc, checkpoint, checkpointer) from None
+        if checkpoint is not None and checkpointer.written_epoch != state.epoch:
+            result.to_zarr(checkpoint, overwrite=True)  # a lazy object: each worker writes its tile
+        if result.is_lazy and checkpoint is not None:
+            result = result.reading_arrays_from(checkpoint)  # the tiles can go
+        elif result.is_lazy and embedded:  # no store and the cluster closes: gathered here
+            result = result.computed()
     return result

@@ -310,6 +310,22 @@ def test_downsample_block_mean():
     assert dashboard.downsample(a[:50, :60], 128).shape == (50, 60)
 
 
+def test_a_lazy_object_is_downsampled_where_its_tiles_are():
+    """A dask array over row tiles (a large tiled object) gives the same pictures as the NumPy
+    object, computed as block means of its tiles (only the small image is gathered)."""
+    import dask.array as da
+
+    rng = np.random.default_rng(3)
+    obj = (rng.standard_normal((1000, 900)) + 1j * rng.standard_normal((1000, 900))).astype(np.complex64)
+    tiles = da.from_array(obj, chunks=((300, 350, 350), 900))
+    np.testing.assert_array_equal(dashboard.downsample(tiles, 128), dashboard.downsample(obj, 128))
+    assert dashboard.object_images(tiles, da.absolute(tiles) ** 2, 128) == dashboard.object_images(
+        obj, np.abs(obj) ** 2, 128)
+    slices = np.stack([obj, obj[::-1]])
+    assert dashboard.object_images(da.from_array(slices, chunks=(1, 500, 900)), None, 64) == \
+        dashboard.object_images(slices, None, 64)
+
+
 def test_object_images_remove_global_phase():
     obj = (np.exp(1j * 2.0) * np.ones((300, 200))).astype(np.complex64)
     obj[100:120, 50:90] *= np.exp(1j * 0.5)

@@ -266,9 +266,9 @@ def test_window_correction_removes_the_scans_rotation_and_scale(wide_scan, clien
 
     ds, nominal = wide_scan
     truth = ds.truth.positions
-    off = _run(ds, nominal, client, epochs=40, refine_positions={"window_gain": 0})
-    on = _run(ds, nominal, client, epochs=40, refine_positions={})
-    start = dict(epochs=40, probe=ds.truth.probe)   # window_scale needs a probe of the right size
+    off = _run(ds, nominal, client, epochs=24, refine_positions={"window_gain": 0})
+    on = _run(ds, nominal, client, epochs=24, refine_positions={})
+    start = dict(epochs=24, probe=ds.truth.probe)   # window_scale needs a probe of the right size
     off_p = _run(ds, nominal, client, refine_positions={"window_gain": 0}, **start)
     scaled = _run(ds, nominal, client, refine_positions={"window_scale": True}, **start)
 

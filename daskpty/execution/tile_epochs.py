@@ -15,11 +15,14 @@ import logging
 import time
 from concurrent.futures import CancelledError
 
+import numpy as np
+
 from ..io.epoch_handle import StateLost
 from .cluster import live_workers, wait_for_workers
 from .placement import run_stuck_loose_tasks
 from .rounds import ChunkedData
 from .tile_graph import TileGraph
+from .tile_results import lazy_object_bytes, lazy_state
 from .watchdog import MAX_EPOCH_RESTARTS, ReconstructionStalled, Watchdog
 
 logger = logging.getLogger(__name__)
@@ -27,13 +30,15 @@ logger = logging.getLogger(__name__)
 
 class TiledEpochState:
     """What a callback gets after a tiled epoch: the epoch counter at once, the whole state on
-    :meth:`get` (each tile's own rows, gathered and stitched); :class:`StateLost` when a tile
-    died with its worker."""
+    :meth:`get` (each tile's own rows, gathered and stitched; with ``lazy``, the object-frame
+    fields as dask arrays over the tiles, :func:`~.tile_results.lazy_state`); :class:`StateLost`
+    when a tile died with its worker."""
 
-    def __init__(self, epoch: int, graph: TileGraph, ends: list):
+    def __init__(self, epoch: int, graph: TileGraph, ends: list, lazy: bool = False):
         from distributed import Future
 
         self.epoch = int(epoch)
+        self.lazy = bool(lazy)
         self._graph = graph
         self._ends = [Future(f.key, f.client) for f in ends]
         self._state = None
@@ -45,7 +50,8 @@ class TiledEpochState:
     def get(self):
         if self._state is None:
             try:
-                self._state = self._graph.fetch(self._ends)
+                self._state = (lazy_state(self._graph, self._ends) if self.lazy
+                               else self._graph.fetch(self._ends))
             except (CancelledError, OSError):
                 raise StateLost(f"the tiles of epoch {self.epoch} were lost with a worker that held one; "
                                 "continue with --resume (API: resume=)") from None
@@ -69,8 +75,12 @@ def _release(*submitted) -> None:
 def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds: int, split_every,
                  initialise: bool = False):
     """Epochs on tiles; yields ``(TiledEpochState, scalars, seconds)`` like the driver's other
-    epoch loops (``initialise``: the adapter's first-epoch set-up first, on the tiles)."""
+    epoch loops (``initialise``: the adapter's first-epoch set-up first, on the tiles). An object
+    of at least :func:`~.tile_results.lazy_object_bytes` comes back lazily: the handles' states
+    hold dask arrays over the tiles, and a restart after a lost worker begins at the last state
+    the client holds whole (the start), not at a fetched epoch."""
     height = int(state.object.shape[-2])
+    lazy = int(np.prod(state.object.shape)) * 8 >= lazy_object_bytes()
 
     def layout():
         return TileGraph(client, data, adapter, height, rounds=rounds, split_every=split_every)
@@ -115,14 +125,14 @@ def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds:
                 pending, reaches = start(base), base_done + 1
                 continue
             if reaches > done:  # (else an epoch recomputed after a restart: already reported)
-                handle = TiledEpochState(epoch, graph, pending[0])
+                handle = TiledEpochState(epoch, graph, pending[0], lazy=lazy)
                 seconds, last_end = ended_at - last_end, ended_at
                 watchdog.observe(seconds)
                 if reaches == epochs:
                     handle.get()  # the last epoch: fetched while its tiles are held
                 yield handle, scalars, seconds
                 done = reaches
-                if handle.fetched:  # a callback fetched it (a checkpoint): restarts begin here
+                if handle.fetched and not lazy:  # a callback fetched it (a checkpoint): restarts begin here
                     base, base_done = handle.get(), done
                 # (an unfetched handle keeps its tiles until dropped: a stop checkpoint may ask)
             _release(pending)

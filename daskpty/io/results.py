@@ -1,6 +1,7 @@
 """The result of a reconstruction and its Zarr v3 store (also the checkpoint format)."""
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -23,7 +24,9 @@ RECON_VERSION = FORMAT_VERSIONS[RECON_FORMAT]
 class Reconstruction:
     """Object, probe and history of a reconstruction.
 
-    object: (H, W) complex64. probe: (M, n, n) complex64, strongest mode first.
+    object: (H, W) complex64 (K slices: (K, H, W)); a dask array when a tiled run's object is
+        large (:attr:`is_lazy`; written to a store by the workers, read back lazily from it).
+        probe: (M, n, n) complex64, strongest mode first.
     positions: (N, 2) float64 in the object frame, in the data set's pattern order.
     origin: (y, x) object-pixel coordinates of scan position (0, 0): ``positions = data_positions + origin``.
     illumination: (H, W) float32 Σ|probe|² over the scan, e.g. to mask the reconstructed area.
@@ -153,12 +156,12 @@ class Reconstruction:
             arrays.append(("probe_weights", self.probe_weights))
 
         if self.illumination is not None:
-            arrays.append(("illumination", np.asarray(self.illumination, dtype=np.float32)))
+            arrays.append(("illumination", _as_array(self.illumination).astype(np.float32, copy=False)))
         for name, arr in arrays:
-            _write_array(root, name, np.asarray(arr), config=WRITE_ALL)
+            _write_array(root, name, _as_array(arr), config=WRITE_ALL)
         state = root.create_group("engine_state")
         for name, arr in self.engine_state.items():
-            _write_array(state, name, np.asarray(arr), config=WRITE_ALL)
+            _write_array(state, name, _as_array(arr), config=WRITE_ALL)
         root.attrs.update({  # written last: every chunk (all-zero ones too) is on disk
             "daskpty": {"format": RECON_FORMAT, "version": RECON_VERSION, EVERY_CHUNK: True},
             "origin": [float(v) for v in self.origin],
@@ -166,6 +169,41 @@ class Reconstruction:
             "history": _jsonable(self.history),
             "options": _jsonable(self.options),
         })
+
+    @property
+    def is_lazy(self) -> bool:
+        """True when the object is a dask array (a large object from a tiled run: see
+        :mod:`daskpty.execution.tile_results`); ``numpy.asarray(rec.object)`` computes it."""
+        return is_lazy(self.object)
+
+    def reading_arrays_from(self, path: str) -> "Reconstruction":
+        """This reconstruction with each of its dask arrays replaced by the same array read lazily
+        from the store at ``path`` (written by :meth:`to_zarr`): it then needs no cluster."""
+        import dask.array as da
+
+        root = zarr.open_group(os.fspath(path), mode="r")
+
+        def reopened(group, name, value):
+            return da.from_zarr(group[name]) if is_lazy(value) else value
+
+        out = copy.copy(self)
+        for name in ("object", "illumination"):
+            setattr(out, name, reopened(root, name, getattr(self, name)))
+        out.engine_state = {k: reopened(root["engine_state"], k, v) for k, v in self.engine_state.items()}
+        return out
+
+    def computed(self) -> "Reconstruction":
+        """This reconstruction with its dask arrays computed (gathered into NumPy arrays)."""
+        import dask
+
+        lazy = {k: v for k, v in [("object", self.object), ("illumination", self.illumination),
+                                  *[(f"engine_state/{k}", v) for k, v in self.engine_state.items()]] if is_lazy(v)}
+        values = dict(zip(lazy, dask.compute(*lazy.values())))
+        out = copy.copy(self)
+        out.object = values.get("object", self.object)
+        out.illumination = values.get("illumination", self.illumination)
+        out.engine_state = {k: values.get(f"engine_state/{k}", v) for k, v in self.engine_state.items()}
+        return out
 
     @classmethod
     def from_zarr(cls, path: str) -> "Reconstruction":
@@ -208,11 +246,27 @@ def _discard(tmp: str, timeout: float = 2.0) -> None:
             return
 
 
+def is_lazy(arr) -> bool:
+    """True for a dask array (anything with a task graph and chunks that is not NumPy)."""
+    return hasattr(arr, "dask") and hasattr(arr, "chunks") and not isinstance(arr, np.ndarray)
+
+
+def _as_array(arr):
+    return arr if is_lazy(arr) else np.asarray(arr)
+
+
 def _write_array(group, name: str, arr: np.ndarray, **create) -> None:
     """One array of the store, written one row of chunks at a time: zarr then encodes a few
-    chunks at once instead of the whole (object-sized) array."""
+    chunks at once instead of the whole (object-sized) array. A dask array is written by its
+    own tasks (on a cluster: by the workers that hold its blocks, e.g. each its object tile),
+    rechunked to the store's chunks first so that no two tasks write one chunk."""
     chunks = _chunks_for(arr)
     a = group.create_array(name, shape=arr.shape, dtype=arr.dtype, chunks=chunks, **create)
+    if is_lazy(arr):
+        import dask.array as da
+
+        da.store(arr.rechunk(chunks), a, lock=False)
+        return
     if arr.ndim < 2 or chunks == arr.shape:
         a[...] = arr
         return
@@ -222,7 +276,7 @@ def _write_array(group, name: str, arr: np.ndarray, **create) -> None:
 
 
 def _chunks_for(arr: np.ndarray):
-    if arr.ndim >= 2 and arr.shape[-1] * arr.shape[-2] * arr.itemsize > 16 * 2**20:
+    if arr.ndim >= 2 and arr.shape[-1] * arr.shape[-2] * arr.dtype.itemsize > 16 * 2**20:
         return arr.shape[:-2] + (min(arr.shape[-2], 1024), min(arr.shape[-1], 1024))
     return arr.shape
 

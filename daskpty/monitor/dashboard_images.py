@@ -9,6 +9,7 @@ import zlib
 import numpy as np
 from scipy.spatial import cKDTree
 
+from ..io.results import is_lazy
 from ..physics import get_xp, to_numpy
 
 
@@ -22,9 +23,15 @@ def downsample(a, max_size: int) -> np.ndarray:
     H, W = a.shape
     f = max(1, -(-max(H, W) // int(max_size)))
     if f == 1:
-        return to_numpy(a).copy()
+        return np.array(to_numpy(np.asarray(a) if is_lazy(a) else a))
     fy, fx = min(f, H), min(f, W)
     h, w = H // fy, W // fx
+    if is_lazy(a):  # a dask array (a large tiled object): block means where its tiles are
+        import dask.array as da
+
+        cut = a[:h * fy, :w * fx]
+        cut = cut.rechunk((fy * max(1, cut.chunks[0][0] // fy), fx * max(1, min(w * fx, 4096) // fx)))
+        return np.asarray(da.coarsen(np.mean, cut, {0: fy, 1: fx}).compute())
     rows = max(1, (1 << 22) // max(1, fy * W))      # output rows per slab (~4 M input elements)
     out = []
     for r in range(0, h, rows):
@@ -76,9 +83,9 @@ def object_images(obj, illumination=None, size: int = 128) -> dict:
     phases), masked by the entrance slice's illumination.
     """
     if np.ndim(obj) == 3:
-        obj = np.prod(np.asarray(obj), axis=0)
+        obj = obj.prod(axis=0) if is_lazy(obj) else np.prod(np.asarray(obj), axis=0)
         if illumination is not None and np.ndim(illumination) == 3:
-            illumination = np.asarray(illumination)[0]
+            illumination = illumination[0] if is_lazy(illumination) else np.asarray(illumination)[0]
     small = downsample(obj, size).astype(np.complex64)
     mask = None
     if illumination is not None and tuple(illumination.shape) == tuple(obj.shape):

@@ -1,0 +1,102 @@
+"""A tiled epoch's state without assembling it: object-frame fields as dask arrays over the tiles.
+
+:meth:`~.tile_graph.TileGraph.fetch` gathers every tile's own rows and stitches them on the
+client, which must then hold the whole object (and its momentum). :func:`lazy_state` instead
+leaves each tile's own rows on its worker and returns the state with its object-frame arrays
+as dask arrays, one block per tile in row order, whose tasks are those futures. Writing such a
+state (:meth:`daskpty.io.results.Reconstruction.to_zarr`) runs a store task per Zarr chunk row
+on the workers, so the object goes from each worker's memory to the store tile by tile and the
+client never holds it. Everything else (probe, scalars, per-pattern state) is small and is
+gathered as usual. Fields that hold arrays in an object of their own (``crop_rows``: an
+optimiser's moments) are gathered and stitched like :meth:`~.tile_graph.TileGraph.fetch` does.
+"""
+from __future__ import annotations
+
+import copy
+
+from .tile_graph import _own_rows_on_host
+
+#: An object (complex64) at least this large comes back from a tiled run as a dask array over
+#: the tiles rather than as one NumPy array on the client (``DASKPTY_LAZY_OBJECT_BYTES``).
+LAZY_OBJECT_BYTES = 512 * 2**20
+
+
+def lazy_object_bytes() -> int:
+    """:data:`LAZY_OBJECT_BYTES`, or the environment's ``DASKPTY_LAZY_OBJECT_BYTES``."""
+    import os
+
+    text = os.environ.get("DASKPTY_LAZY_OBJECT_BYTES", "").strip()
+    if not text:
+        return LAZY_OBJECT_BYTES
+    try:
+        value = int(float(text))
+    except ValueError:
+        raise ValueError(f"DASKPTY_LAZY_OBJECT_BYTES must be a number of bytes, got {text!r}") from None
+    if value < 0:
+        raise ValueError(f"DASKPTY_LAZY_OBJECT_BYTES must be >= 0, got {value}")
+    return value
+
+
+def _field_of(result: tuple, name: str):
+    """Task on a tile's worker: one field of its own rows (an array, or None)."""
+    return getattr(result[0], name, None)
+
+
+def _spec_of(result: tuple, name: str):
+    """Task on a tile's worker: ``(shape, dtype, holder)`` of one field (None when unset)."""
+    value = getattr(result[0], name, None)
+    if value is None:
+        return None
+    if hasattr(value, "crop_rows"):
+        return None, None, True
+    return tuple(value.shape), str(value.dtype), False
+
+
+def _without(result: tuple, fields: tuple):
+    """Task on a tile's worker: its state with the object-frame fields left out (small)."""
+    state = copy.copy(result[0])
+    for name in fields:
+        setattr(state, name, None)
+    return state
+
+
+def _local_of(result: tuple) -> dict:
+    return result[1]
+
+
+def lazy_state(graph, ends: list):
+    """The state after a tiled epoch, its object-frame fields as dask arrays over the tiles
+    (see the module docstring). ``graph``: the :class:`~.tile_graph.TileGraph`; ``ends``: each
+    worker's end-of-epoch future, in worker order. The returned arrays keep their tiles' futures
+    alive; they need the cluster until computed or written."""
+    import dask.array as da
+
+    client, fields = graph.client, graph.adapter.tile_fields
+    by_rows = sorted(range(len(ends)), key=lambda w: graph.layout.tiles[w].start)
+
+    def on(w):
+        return {} if graph.workers[w] is None else {"workers": [graph.workers[w]]}
+
+    parts = [client.submit(_own_rows_on_host, ends[w], fields, graph.own(w), graph.groups[w], pure=False, **on(w))
+             for w in range(len(ends))]
+    state = client.submit(_without, parts[by_rows[0]], fields, **on(by_rows[0])).result()
+    for name in fields:
+        specs = client.gather([client.submit(_spec_of, parts[w], name, **on(w)) for w in by_rows])
+        if specs[0] is None:
+            setattr(state, name, None)
+        elif specs[0][2]:  # a holder of arrays: gathered and stitched on the client
+            holders = client.gather([client.submit(_field_of, parts[w], name, **on(w)) for w in by_rows])
+            setattr(state, name, holders[0].stitch_rows(holders))
+        else:
+            blocks = [da.from_delayed(client.submit(_field_of, parts[w], name, **on(w)), shape=shape, dtype=dtype)
+                      for w, (shape, dtype, _) in zip(by_rows, specs)]
+            setattr(state, name, da.concatenate(blocks, axis=-2))
+    if graph.adapter.local_state:
+        locals_ = client.gather([client.submit(_local_of, p) for p in parts])
+        state.chunk_local = {i: v for local in locals_ for i, v in local.items()}
+    if isinstance(getattr(state, "extra", None), dict):
+        state.extra = {k: v for k, v in state.extra.items() if k != "illumination_max"}
+    return state
+
+
+__all__ = ["LAZY_OBJECT_BYTES", "lazy_object_bytes", "lazy_state"]
