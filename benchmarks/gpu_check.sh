@@ -19,7 +19,8 @@
 # workers on the one GPU (the stand-in for 2 MIG slices); bench_comm.py with those two
 # workers (compute and exchange per round, a CuPy worker-to-worker transfer probe, the projection
 # of docs/gpu.md; COMM_SIZE, default the smallest size); bench_ablation.py --backend gpu when the
-# script exists; the bare-FFT floor of the largest size on the same worker setup; Pty-Chi on the
+# script exists; the bare-FFT floor of the largest size on the same worker setup; a profile of where a
+# round's time goes on the worker (bench_round_profile.py); Pty-Chi on the
 # GPU when a ptychi wheel is carried (and ptychi_peer.py takes --device); last the test on
 # dask-cuda worker processes (CPU equality, spilling under a small device_memory_limit, no CUDA
 # context in the client). Steps run in that order until the budget is spent (raise
@@ -140,6 +141,13 @@ fi
 if [ -n "$last" ]; then
   step "bench_fft_floor gpu ${last} x 128^2" 120 "$PY" benchmarks/bench_fft_floor.py --backend gpu --workers 1 \
       --n-patterns "$last" --probe-size 128 --repeat 5
+fi
+
+# Where a round's time goes on the GPU worker (dask's profiler in the worker; 16 rounds/epoch).
+if [ -n "$last" ]; then
+  # shellcheck disable=SC2046
+  step "bench_round_profile gpu ${SIZES%% *} x 128^2, 16 rounds" 120 "$PY" benchmarks/bench_round_profile.py \
+      --backend gpu $(data_for "${SIZES%% *}") --epochs 3 --rounds-per-epoch 16 --top 20
 fi
 
 # Pty-Chi on the same GPU: its wheel (and pydantic's) must be carried in $WHL_DIR; torch is the box's.

@@ -216,14 +216,15 @@ def _resolve_device_and_chunks(client, execution, n_patterns, n, modes, object_s
     device, length = execution.device, execution.chunk_length
     if device == "auto":
         device = "gpu" if workers_have_gpus(client) else "cpu"
-    rounds = max(1, int(execution.rounds_per_epoch))  # a step is slice round::rounds of a chunk
+    # A step is slice round::rounds of a chunk, but its object box spans the whole chunk's scan
+    # area: only on GPUs (device memory to spare, a fixed cost per step) are chunks made longer.
+    slices = gpu_steps_per_chunk(device, int(execution.rounds_per_epoch))
     if length is None:
-        slices = gpu_steps_per_chunk(device, rounds)
         length = choose_chunk_length(client, n_patterns, n, modes, thick.working_factor, steps_per_chunk=slices)
         fitting = largest_fitting_chunk(client, n, modes, object_shape, thick.working_factor, tiles)
         if fitting:
             length = min(length, fitting * slices)
-    check_step_fits(client, length, n, modes, object_shape, thick.working_factor, tiles, rounds=rounds)
+    check_step_fits(client, length, n, modes, object_shape, thick.working_factor, tiles, rounds=slices)
     return execution.replace(device=device, chunk_length=int(length))
 
 

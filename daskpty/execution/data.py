@@ -123,7 +123,10 @@ def gpu_steps_per_chunk(device: str, rounds: int) -> int:
     task): on one H200, 16,384 × 128² in 41 chunks of 400 took 0.17 s per round whether a round
     stepped through 400 or 25 patterns of each chunk, and 65,536 × 128² in 161 chunks 0.85 s
     (docs/gpu.md). Longer chunks, one slice per round, keep the step the same size and divide
-    that cost by the rounds. On CPUs the step's compute dominates: 1 (the chunks do not change)."""
+    that cost by the rounds. On CPUs the step's compute dominates: 1 (the chunks do not change);
+    there a longer chunk would also cost host memory, as a step's object box spans the whole
+    chunk's scan area (4 workers of 800 MiB on a 27 Mpx object: chunks of 480 instead of 120 at
+    R = 4 took a worker past its limit)."""
     return max(1, int(rounds)) if device == "gpu" else 1
 
 
