@@ -192,6 +192,29 @@ def test_show_with_data(stores, tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["fig.png"]  # no temporary left behind
 
 
+def test_a_large_object_is_drawn_from_a_block_mean_view(stores, tmp_path, capsys, monkeypatch):
+    """Past FULL_READ_BYTES the store's object is read lazily and drawn from block means (here:
+    every object is "large" and the view at most 16 pixels a side)."""
+    from daskpty.cli import show
+    from daskpty.monitor.dashboard_images import downsample
+
+    rec_path, data_path = stores
+    monkeypatch.setattr(show, "FULL_READ_BYTES", 0)
+    monkeypatch.setattr(show, "VIEW_SIDE", 16)
+    out = tmp_path / "view.png"
+    assert main(["show", rec_path, "--data", data_path, "-o", str(out), "--dpi", "30"]) == 0
+    printed = capsys.readouterr().out
+    assert "block means" in printed and "no FRC" in printed
+    assert float(_read_png(out)[..., :3].std()) > 0.05
+    whole = Reconstruction.from_zarr(rec_path)
+    lazy = Reconstruction.from_zarr(rec_path, lazy=True)
+    assert lazy.is_lazy and not whole.is_lazy
+    view, factor = show.view_of(lazy, 16)
+    assert factor > 1 and max(view.object.shape) <= 16
+    np.testing.assert_array_equal(view.object, downsample(whole.object, 16))
+    np.testing.assert_allclose(view.positions * factor, whole.positions)
+
+
 def test_show_without_data(stores, tmp_path):
     rec_path, _ = stores
     out = tmp_path / "plain.png"

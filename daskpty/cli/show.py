@@ -11,6 +11,10 @@ NAME = "show"
 
 #: output formats by file suffix
 FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg"}
+#: An object larger than this (bytes) is never read whole: it is drawn from a block-mean view
+#: of at most :data:`VIEW_SIDE` pixels a side, read chunk by chunk.
+FULL_READ_BYTES = 256 * 2**20
+VIEW_SIDE = 4096
 
 
 def add_parser(subparsers):
@@ -55,7 +59,7 @@ def _read_reconstruction(path: str):
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"{path} is not a daskpty reconstruction store (not a Zarr directory)")
     try:
-        return Reconstruction.from_zarr(path)
+        return Reconstruction.from_zarr(path, lazy=_object_bytes(path) > FULL_READ_BYTES)
     except ValueError as exc:
         fmt = _store_format(path)
         if fmt == "daskpty-dataset":
@@ -65,6 +69,47 @@ def _read_reconstruction(path: str):
     except Exception as exc:  # zarr's own errors for missing or damaged groups/arrays
         raise ValueError(f"{path} is not a readable daskpty reconstruction store "
                          f"({type(exc).__name__}: {exc})") from exc
+
+
+def _object_bytes(path: str) -> int:
+    """The stored object's size in bytes (0 when it cannot be told: the full read then says why)."""
+    try:
+        import zarr  # lazy: zarr stays out of the CLI's start
+
+        node = zarr.open_group(path if os.path.isdir(path) else path + ".previous", mode="r")["object"]
+        return int(node.nbytes)
+    except Exception:
+        return 0
+
+
+def view_of(rec, side: int | None = None):
+    """``(view, factor)``: ``rec`` with a lazy object and illumination replaced by their block
+    means over ``factor`` × ``factor`` pixels (at most ``side`` a side, default
+    :data:`VIEW_SIDE`), and positions and origin in that frame; ``rec`` itself and 1 when its
+    object is in memory."""
+    import copy
+
+    import numpy as np
+
+    from daskpty.monitor.dashboard_images import downsample  # lazy: see run()
+
+    if not rec.is_lazy:
+        return rec, 1
+    side = VIEW_SIDE if side is None else int(side)
+    factor = max(1, -(-max(rec.object.shape[-2:]) // int(side)))
+
+    def down(a):
+        if a is None:
+            return None
+        return np.stack([downsample(s, side) for s in a]) if a.ndim == 3 else downsample(a, side)
+
+    view = copy.copy(rec)
+    view.object = down(rec.object).astype(np.complex64)
+    view.illumination = down(rec.illumination)
+    view.positions, view.origin = rec.positions / factor, np.asarray(rec.origin) / factor
+    if rec.nominal_positions is not None:
+        view.nominal_positions = rec.nominal_positions / factor
+    return view, factor
 
 
 def _store_format(path: str):
@@ -98,6 +143,13 @@ def run(args) -> int:
     fmt = _check_output(args.output, args.overwrite)
     rec = _read_reconstruction(args.recon)  # bad inputs are reported before a missing matplotlib
     truth, px = (None, None) if args.data is None else _read_data(args.data, rec)
+    width = rec.object.shape[-1]
+    rec, factor = view_of(rec)
+    if factor > 1:
+        print(f"{args.recon}: a {width}-pixel-wide object, drawn from "
+              f"{factor} x {factor} block means" + (" (no FRC against the truth at that scale)"
+                                                   if truth is not None else ""), file=sys.stdout)
+        truth, px = None, None if px is None else px * factor
     try:
         from daskpty.monitor.plot import summary_figure  # lazy, with the optional matplotlib it needs
         import matplotlib  # noqa: F401

@@ -197,13 +197,19 @@ RECON_ARRAYS = ("object", "probe", "positions", "illumination", "nominal_positio
 NEVER_ZERO = ("object", "probe", "positions", "nominal_positions", "probe_weights")
 
 
-def read_store_arrays(root, store, *, every_chunk: bool) -> dict[str, np.ndarray]:
+def read_store_arrays(root, store, *, every_chunk: bool, lazy: tuple = ()) -> dict[str, np.ndarray]:
     """Read a reconstruction store's arrays (``engine_state/NAME`` for the engine's) with
-    :func:`read_checked`. ``every_chunk``: the writer recorded that every chunk is on disk."""
+    :func:`read_checked`. ``every_chunk``: the writer recorded that every chunk is on disk.
+    ``lazy``: names read as dask arrays instead (chunk by chunk when computed, read errors
+    naming their files; a missing chunk then reads as zeros)."""
     out = {}
     for name in RECON_ARRAYS:
         node = root.get(name)
-        if isinstance(node, zarr.Array):
+        if isinstance(node, zarr.Array) and name in lazy:
+            import dask.array as da
+
+            out[name] = da.from_array(NamedReader(node, store), chunks=node.chunks, asarray=False)
+        elif isinstance(node, zarr.Array):
             out[name] = read_checked(node, store, complete=every_chunk or name in NEVER_ZERO, label=name)
         elif name in RECON_ARRAYS[:3]:
             raise damaged(os.fspath(store), f"its '{name}' array is missing (no {name}/zarr.json): the "

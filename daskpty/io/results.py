@@ -206,8 +206,9 @@ class Reconstruction:
         return out
 
     @classmethod
-    def from_zarr(cls, path: str) -> "Reconstruction":
-        """Read a reconstruction store written by :meth:`to_zarr`."""
+    def from_zarr(cls, path: str, *, lazy: bool = False) -> "Reconstruction":
+        """Read a reconstruction store written by :meth:`to_zarr`. ``lazy``: the object and the
+        illumination as dask arrays read chunk by chunk when used (a large object)."""
         path = os.fspath(path).rstrip("/")
         if not os.path.exists(path) and os.path.exists(path + ".previous"):
             path = path + ".previous"  # a swap was interrupted between its two renames
@@ -226,7 +227,8 @@ class Reconstruction:
             raise ValueError(f"{path} has format version {meta['version']}, newer than this daskpty "
                              f"reads ({RECON_VERSION}); upgrade daskpty")
         # every chunk present and decodable, else one line naming the file (zarr reads a missing one as 0)
-        a = read_store_arrays(root, path, every_chunk=bool(meta.get(EVERY_CHUNK)))
+        a = read_store_arrays(root, path, every_chunk=bool(meta.get(EVERY_CHUNK)),
+                              lazy=("object", "illumination") if lazy else ())
         engine_state = {k.split("/", 1)[1]: v for k, v in a.items() if k.startswith("engine_state/")}
         return cls(object=a["object"], probe=a["probe"], positions=a["positions"],
                    origin=np.asarray(root.attrs["origin"], dtype=np.float64), illumination=a.get("illumination"),
