@@ -123,16 +123,48 @@ def test_what_tiles_cannot_do_yet_is_refused_in_one_line(one_worker, settings, e
     assert "\n" not in str(info.value) and "tiles=False" in str(info.value)
 
 
-def test_the_lsqml_and_ad_adapters_declare_the_tile_protocol_and_pie_is_refused(one_worker):
+def test_every_engine_adapter_declares_the_tile_protocol(one_worker):
     from daskpty.execution.ad_adapter import ADAdapter
     from daskpty.engines import ad
     from daskpty.execution.engine_protocol import RunsOnTiles
+    from daskpty.execution.pie_adapter import PIEAdapter
 
     assert isinstance(LSQMLAdapter(OPTIONS), RunsOnTiles)
     assert isinstance(ADAdapter(ad.ADOptions()), RunsOnTiles)
-    with pytest.raises(TilesUnsupported, match="engine cannot run on tiles") as info:
-        daskpty.reconstruct(make_dataset(grid=6, seed=1), "rpie", 1, client=one_worker, tiles=True, persist=True)
+    assert isinstance(PIEAdapter(), RunsOnTiles)
+    with pytest.raises(TilesUnsupported, match="position refinement") as info:
+        daskpty.reconstruct(make_dataset(grid=6, seed=1), "rpie", 1, client=one_worker, tiles=True, persist=True,
+                            refine_positions=True)
     assert "\n" not in str(info.value)
+    assert "near field" in PIEAdapter(sample=object()).tiles_unsupported()
+
+
+@pytest.mark.parametrize("modes", [1, 2])
+def test_rpie_on_three_tiles_equals_one_tile_and_the_replicas(three_workers, one_worker, modes):
+    """rPIE in minibatch rounds on tiles: the denominator's max D and the scale's mean |O| over
+    every tile. 3 tiles equal 1 tile bit for bit, and the replicas to float32 rounding."""
+    from daskpty.engines.pie import PIEOptions
+    from daskpty.execution.pie_adapter import PIEAdapter
+
+    ds = make_dataset(grid=12, seed=4)
+    probe = ds.truth.probe.copy() if modes == 1 else np.concatenate([ds.truth.probe, 0.1 * ds.truth.probe])
+
+    def run(client, tiles):
+        with client.as_current():
+            data = prepare_data(client, ds.intensities, ds.positions, chunk_length=24, persist=True, row_bands=True)
+        adapter = PIEAdapter(PIEOptions(alpha=0.2, probe_start_epoch=1))
+        start = adapter.new_state(np.ones_like(ds.truth.object), probe)
+        return run_epochs(client, data, adapter, start, epochs=4, rounds_per_epoch=3, split_every=2, tiles=tiles)
+
+    one, _ = run(one_worker, True)
+    three, hist = run(three_workers, True)
+    replicas, _ = run(three_workers, False)
+    np.testing.assert_array_equal(three.object, one.object)
+    np.testing.assert_array_equal(three.probe, one.probe)
+    np.testing.assert_allclose(three.object, replicas.object, rtol=0, atol=1e-4 * np.abs(replicas.object).max())
+    np.testing.assert_allclose(three.probe, replicas.probe, rtol=0, atol=1e-4 * np.abs(replicas.probe).max())
+    assert hist[-1]["loss"] < hist[0]["loss"]
+    assert max(h["exchanged_bytes_per_round"] for h in hist) > 0
 
 
 @pytest.mark.parametrize("workers", [2, 3, 4, 8])

@@ -120,15 +120,16 @@ def apply_in_place(state: lsqml.LSQMLState, total: Partial, options: lsqml.LSQML
 
 
 def apply(state: lsqml.LSQMLState, total: Partial | None, options: lsqml.LSQMLOptions,
-          shares: list) -> lsqml.LSQMLState:
+          shares: list, update=None) -> lsqml.LSQMLState:
     """``apply`` of the state's layout (:func:`lsqml.apply`, or :func:`multislice.apply` for a
     (K, H, W) object) on a tile, in place (after :func:`begin_epoch`), with the round's largest
     illumination over all tiles (``shares``: every tile's :func:`round_sums`); the epoch's
-    largest illumination is kept in ``state.extra`` for the normalisation's threshold."""
+    largest illumination is kept in ``state.extra`` for the normalisation's threshold.
+    ``update(state, total, options, peak)``: another engine's update (:mod:`.pie_tiles`)."""
     peak = _largest(shares, "illumination_max")
     first = state.illumination is None  # the epoch's first update (begin_epoch reset it)
     if total is not None:
-        state = apply_in_place(state, total, options, peak)
+        state = (update or apply_in_place)(state, total, options, peak)
     before = peak * 0 if first else state.extra.get("illumination_max", peak * 0)
     state.extra = {**state.extra, "illumination_max": np.maximum(before, peak)}
     return state
@@ -151,7 +152,8 @@ def end_sums(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions, own: tuple[in
     rows = slice(*own)
     xp = get_xp(state.object)
     out = {}
-    moves = options.momentum > 0 and state.epoch_start_object is not None and state.velocity is not None
+    momentum = getattr(options, "momentum", 0.0)  # (PIE keeps none: pie_tiles)
+    moves = momentum > 0 and state.epoch_start_object is not None and state.velocity is not None
     if moves:
         change = state.object[..., rows, :] - state.epoch_start_object[..., rows, :]
         out["dot"] = float(xp.vdot(state.velocity[..., rows, :], change).real)
@@ -167,7 +169,7 @@ def end_sums(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions, own: tuple[in
         threshold = np.float32(0.5) * np.float32(peak if j is None else peak[j])
         lit = pick(state.illumination) > threshold
         sums.append(_lit_sums(pick(state.object), None if velocity is None else pick(state.velocity), lit,
-                              options.momentum, moves, xp))
+                              momentum, moves, xp))
     out["lit"], out["abs_sum"], out["abs_sum_moved"] = (np.array(v) for v in zip(*sums))
     return out
 

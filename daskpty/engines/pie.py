@@ -203,22 +203,26 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     return finish_step(part, new, refined, nominal, positions, epoch, n, obj.shape)
 
 
-def _regularised(den, alpha: float):
+def _regularised(den, alpha: float, top=None):
     """(1 − α) D + α max D, the rPIE denominator (floored so that an unlit pixel divides by > 0);
-    for K slices (K, h, w) the maximum of each slice."""
+    for K slices (K, h, w) the maximum of each slice. ``top``: max D over the whole object when
+    ``den`` covers a tile of it (:mod:`.pie_tiles`)."""
     if den.ndim == 3:
-        top = den.reshape(den.shape[0], -1).max(axis=1)[:, None, None]
+        top = (den.reshape(den.shape[0], -1).max(axis=1) if top is None
+               else get_xp(den).asarray(top, dtype=np.float32))[:, None, None]
         out = (1.0 - alpha) * den + alpha * top
         return get_xp(den).maximum(out, np.float32(1e-12) * get_xp(den).maximum(top, np.float32(1e-30)))
-    top = float(den.max())
+    top = float(den.max()) if top is None else float(top)
     out = (1.0 - alpha) * den + alpha * top
     return get_xp(den).maximum(out, 1e-12 * max(top, 1e-30))
 
 
-def apply(state: LSQMLState, total: Partial, options: PIEOptions) -> LSQMLState:
+def apply(state: LSQMLState, total: Partial, options: PIEOptions, illumination_max=None) -> LSQMLState:
     """Add a round's reduced sums to the state (new arrays; the old state's stay untouched), and
     the positions' affine and window sums to the epoch's. The object is (H, W) or, from
-    :mod:`.pie_multislice`, (K, H, W) with (K, h, w) boxes (each slice its own denominator)."""
+    :mod:`.pie_multislice`, (K, H, W) with (K, h, w) boxes (each slice its own denominator).
+    ``illumination_max``: the round's largest illumination over the whole object (per slice),
+    when the state holds a tile of it."""
     accumulate_affine(state, total)
     accumulate_window(state, total)
     if "object_num" not in total.boxes:
@@ -226,7 +230,8 @@ def apply(state: LSQMLState, total: Partial, options: PIEOptions) -> LSQMLState:
     xp = get_xp(state.object)
     num, illum = total.boxes["object_num"], total.boxes["illumination"]
     obj = state.object.copy()
-    step = num.data * (np.float32(options.object_step) / _regularised(illum.data, options.alpha)).astype(np.float32)
+    step = num.data * (np.float32(options.object_step)
+                       / _regularised(illum.data, options.alpha, illumination_max)).astype(np.float32)
     BoxedArray(num.offset, step).add_into(obj)
     probe = state.probe
     if "probe_num" in total.arrays:

@@ -18,7 +18,7 @@ from functools import partial
 
 import numpy as np
 
-from ..engines import lsqml, pie, pie_multislice
+from ..engines import lsqml, pie, pie_multislice, pie_tiles
 from ..engines import sample_model as sm
 from ..engines.positions import (epoch_parameters, step_maps, PositionOptions, finish_epoch, initial_local, note_epoch_start,
                                  options_for, settle_start, start_arrays, start_from_arrays)
@@ -131,6 +131,35 @@ class PIEAdapter:
         out = {name: getattr(state, name) for name in ("affine", "affine_boost", "window_map")
                if getattr(state, name) is not None}
         return {**out, **start_arrays(state)}
+
+    # Tiles (:mod:`.tile_graph`; protocol: :class:`~.engine_protocol.RunsOnTiles`)
+    tile_fields = ("object", "illumination")
+    tile_sums_function = staticmethod(pie_forward_sums_chunk)  # the first epoch's sums (initialise)
+    tile_round_stages = 1
+
+    def tiles_unsupported(self) -> str | None:
+        """Why this adapter's parts cannot run on tiles yet (None: they can)."""
+        if self.positions is not None:
+            return "position refinement"
+        return None if self.sample is None else "PIE with object slices or the near field"
+
+    def tile_initialise(self, state, sums):
+        return lsqml.rescale_probe(state, sums)
+
+    def tile_begin_epoch(self, state):
+        return self.begin_epoch(state)  # (PIE's update copies: nothing of the last epoch is written)
+
+    def tile_round_sums(self, state, total, own):
+        return pie_tiles.round_sums(state, total, own)
+
+    def tile_apply(self, state, total, shares):
+        return pie_tiles.apply(state, total, self.options, shares)
+
+    def tile_end_sums(self, state, own):
+        return pie_tiles.end_sums(state, self.options, own)
+
+    def tile_end_epoch(self, state, shares):
+        return pie_tiles.end_epoch(state, self.options, shares)
 
     def initialise(self, client, data: ChunkedData, state, *, split_every: int):
         """First-epoch probe intensity rescale so that Σŷ = Σy."""
