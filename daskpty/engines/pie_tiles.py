@@ -5,11 +5,17 @@ Like :mod:`.lsqml_tiles`, whose reductions it shares: the update's denominator
 share over its own rows: :func:`round_sums`), and the epoch end's scale normalisation the lit
 pixels' count and Σ|O| over every tile (:func:`end_sums`). PIE keeps no momentum. Its update
 copies the object and rebinds it (:func:`.pie.apply`), so the previous epoch's end tile is
-never written and the epoch needs no arrays of its own. One object slice, far field. No dask.
+never written and the epoch needs no arrays of its own. A (K, H, W) object (K slices, or the
+near field) takes each number per slice. No dask.
 """
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
+
 from . import lsqml_tiles, pie
+from . import multislice as ms
 from .lsqml_epoch import close_epoch
 from .partials import Partial
 
@@ -29,12 +35,20 @@ def apply(state, total: Partial | None, options: pie.PIEOptions, shares: list):
 
 
 def end_epoch(state, options: pie.PIEOptions, shares: list):
-    """:func:`.pie.end_epoch` on a tile, the scale from every tile's :func:`end_sums`."""
-    scale = None
+    """:func:`.pie.end_epoch` (one slice) or :func:`.pie_multislice.end_epoch` (a (K, H, W)
+    object: K slices or the near field) on a tile, the scale(s) from every tile's
+    :func:`end_sums`, in worker order."""
+    scales = None
     if "lit" in shares[0]:
-        lit = sum(float(s["lit"][0]) for s in shares)
-        scale = sum(float(s["abs_sum"][0]) for s in shares) / lit if lit > 0 else 0.0
-    return close_epoch(state, options, scale=scale)
+        lit = sum(s["lit"] for s in shares)
+        total = sum(s["abs_sum"] for s in shares)
+        scales = np.where(lit > 0, total / np.maximum(lit, 1), 0.0)
+    if state.object.ndim == 2:
+        return close_epoch(state, options, scale=None if scales is None else float(scales[0]))
+    state = close_epoch(state, dataclasses.replace(options, normalize_every=0))
+    if scales is not None:  # (end_sums gave them: this epoch normalises)
+        ms.normalize_scale(state, scales)
+    return state
 
 
 __all__ = ["apply", "end_epoch", "end_sums", "round_sums"]

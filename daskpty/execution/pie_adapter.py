@@ -139,9 +139,7 @@ class PIEAdapter:
 
     def tiles_unsupported(self) -> str | None:
         """Why this adapter's parts cannot run on tiles yet (None: they can)."""
-        if self.positions is not None:
-            return "position refinement"
-        return None if self.sample is None else "PIE with object slices or the near field"
+        return "position refinement" if self.positions is not None else None
 
     def tile_initialise(self, state, sums):
         return lsqml.rescale_probe(state, sums)
