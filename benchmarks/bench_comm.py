@@ -3,7 +3,7 @@
 Usage (not run in CI):
 
     python benchmarks/bench_comm.py [--backend cpu|gpu] [--workers 2] [--sizes 1024x64,4096x64]
-        [--rounds 1,4] [--epochs 5] [--engine lsqml|ad] [--project] [--json]
+        [--rounds 1,4] [--epochs 5] [--engine lsqml|ad|rpie] [--project] [--json]
     python benchmarks/bench_comm.py --project-only [--compute-s S --bytes-per-round B]
 
 For every configuration (patterns x probe size, workers, rounds per epoch) a data set is simulated
@@ -70,7 +70,7 @@ def build_parser():
     ap.add_argument("--rounds", type=_ints, default=[1, 4], help="rounds per epoch, e.g. 1,4")
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--skip", type=int, default=2, help="warm-up epochs left out")
-    ap.add_argument("--engine", choices=("lsqml", "ad"), default="lsqml")
+    ap.add_argument("--engine", choices=("lsqml", "ad", "rpie"), default="lsqml")
     ap.add_argument("--layouts", type=lambda t: [x for x in t.split(",") if x], default=["replicas"],
                     metavar="L,L", help="replicas (a whole state on every worker) and/or tiles (a row tile "
                                         "each), e.g. replicas,tiles")
