@@ -78,14 +78,15 @@ def test_three_tiles_equal_one_tile_and_the_replicas(three_workers, one_worker, 
     assert nrmse(three.object, ds.truth.object) < nrmse(np.ones_like(ds.truth.object), ds.truth.object)
 
 
-def test_reconstruct_on_tiles_from_a_store_resumes_bit_identically(tmp_path, three_workers):
+@pytest.mark.parametrize("engine", ["lsqml", "rpie"])
+def test_reconstruct_on_tiles_from_a_store_resumes_bit_identically(tmp_path, three_workers, engine):
     ds = make_dataset(grid=10, seed=5)
     store = tmp_path / "data.zarr"
     daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(store, client=three_workers)
     common = dict(client=three_workers, tiles=True, rounds_per_epoch=2, chunk_length=25, persist=True)
-    whole = daskpty.reconstruct(str(store), "lsqml", 6, checkpoint=tmp_path / "a.zarr", **common)
-    daskpty.reconstruct(str(store), "lsqml", 3, checkpoint=tmp_path / "b.zarr", **common)
-    resumed = daskpty.reconstruct(str(store), "lsqml", 6, checkpoint=tmp_path / "b.zarr",
+    whole = daskpty.reconstruct(str(store), engine, 6, checkpoint=tmp_path / "a.zarr", **common)
+    daskpty.reconstruct(str(store), engine, 3, checkpoint=tmp_path / "b.zarr", **common)
+    resumed = daskpty.reconstruct(str(store), engine, 6, checkpoint=tmp_path / "b.zarr",
                                   resume=tmp_path / "b.zarr", **common)
     np.testing.assert_array_equal(resumed.object, whole.object)
     np.testing.assert_array_equal(resumed.probe, whole.probe)
