@@ -81,7 +81,7 @@ def crop_state(state, fields: tuple, start: int, stop: int):
     return out
 
 
-def _own_rows_on_host(carry: EpochCarry, fields: tuple, own: tuple, chunks) -> tuple:
+def own_rows_on_host(carry: EpochCarry, fields: tuple, own: tuple, chunks) -> tuple:
     """Task on a tile's worker: its state on the host with the object-frame fields cut to its own
     rows (what the client stitches), and its chunks' per-pattern state."""
     return to_host(crop_state(carry.state, fields, *own)), {i: carry.local[i] for i in chunks if i in carry.local}
@@ -368,7 +368,7 @@ class TileGraph:
         parts = []
         for w, future in enumerate(ends):
             kwargs = {} if self.workers[w] is None else {"workers": [self.workers[w]]}
-            part = self.client.submit(_own_rows_on_host, future, self.adapter.tile_fields, self.own(w),
+            part = self.client.submit(own_rows_on_host, future, self.adapter.tile_fields, self.own(w),
                                       self.groups[w], pure=False, **kwargs)
             parts.append(part)
         try:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import copy
 
-from .tile_graph import _own_rows_on_host
+from .tile_graph import own_rows_on_host
+from .watchdog import seconds_from_env
 
 #: An object (complex64) at least this large comes back from a tiled run as a dask array over
 #: the tiles rather than as one NumPy array on the client (``DASKPTY_LAZY_OBJECT_BYTES``).
@@ -23,18 +24,7 @@ LAZY_OBJECT_BYTES = 512 * 2**20
 
 def lazy_object_bytes() -> int:
     """:data:`LAZY_OBJECT_BYTES`, or the environment's ``DASKPTY_LAZY_OBJECT_BYTES``."""
-    import os
-
-    text = os.environ.get("DASKPTY_LAZY_OBJECT_BYTES", "").strip()
-    if not text:
-        return LAZY_OBJECT_BYTES
-    try:
-        value = int(float(text))
-    except ValueError:
-        raise ValueError(f"DASKPTY_LAZY_OBJECT_BYTES must be a number of bytes, got {text!r}") from None
-    if value < 0:
-        raise ValueError(f"DASKPTY_LAZY_OBJECT_BYTES must be >= 0, got {value}")
-    return value
+    return int(seconds_from_env("DASKPTY_LAZY_OBJECT_BYTES", LAZY_OBJECT_BYTES, zero_allowed=True, unit="bytes"))
 
 
 def _field_of(result: tuple, name: str):
@@ -42,26 +32,17 @@ def _field_of(result: tuple, name: str):
     return getattr(result[0], name, None)
 
 
-def _spec_of(result: tuple, name: str):
-    """Task on a tile's worker: ``(shape, dtype, holder)`` of one field (None when unset)."""
-    value = getattr(result[0], name, None)
-    if value is None:
-        return None
-    if hasattr(value, "crop_rows"):
-        return None, None, True
-    return tuple(value.shape), str(value.dtype), False
-
-
-def _without(result: tuple, fields: tuple):
-    """Task on a tile's worker: its state with the object-frame fields left out (small)."""
+def _summary_of(result: tuple, fields: tuple) -> tuple:
+    """Task on a tile's worker: ``({field: (shape, dtype, holder) or None}, small state, local)``,
+    the state with the object-frame fields left out."""
+    specs = {}
     state = copy.copy(result[0])
     for name in fields:
+        value = getattr(state, name, None)
+        specs[name] = (None if value is None else (None, None, True) if hasattr(value, "crop_rows")
+                       else (tuple(value.shape), str(value.dtype), False))
         setattr(state, name, None)
-    return state
-
-
-def _local_of(result: tuple) -> dict:
-    return result[1]
+    return specs, state, result[1]
 
 
 def lazy_state(graph, ends: list):
@@ -77,11 +58,12 @@ def lazy_state(graph, ends: list):
     def on(w):
         return {} if graph.workers[w] is None else {"workers": [graph.workers[w]]}
 
-    parts = [client.submit(_own_rows_on_host, ends[w], fields, graph.own(w), graph.groups[w], pure=False, **on(w))
+    parts = [client.submit(own_rows_on_host, ends[w], fields, graph.own(w), graph.groups[w], pure=False, **on(w))
              for w in range(len(ends))]
-    state = client.submit(_without, parts[by_rows[0]], fields, **on(by_rows[0])).result()
+    summaries = client.gather([client.submit(_summary_of, parts[w], fields, **on(w)) for w in by_rows])
+    state = summaries[0][1]
     for name in fields:
-        specs = client.gather([client.submit(_spec_of, parts[w], name, **on(w)) for w in by_rows])
+        specs = [s[0][name] for s in summaries]
         if specs[0] is None:
             setattr(state, name, None)
         elif specs[0][2]:  # a holder of arrays: gathered and stitched on the client
@@ -92,8 +74,7 @@ def lazy_state(graph, ends: list):
                       for w, (shape, dtype, _) in zip(by_rows, specs)]
             setattr(state, name, da.concatenate(blocks, axis=-2))
     if graph.adapter.local_state:
-        locals_ = client.gather([client.submit(_local_of, p) for p in parts])
-        state.chunk_local = {i: v for local in locals_ for i, v in local.items()}
+        state.chunk_local = {i: v for _, _, local in summaries for i, v in local.items()}
     if isinstance(getattr(state, "extra", None), dict):
         state.extra = {k: v for k, v in state.extra.items() if k != "illumination_max"}
     return state

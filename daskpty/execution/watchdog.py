@@ -55,17 +55,17 @@ def check_loss(epoch: int, scalars: dict, rounds: int) -> None:
                                      f"updates diverged; {hint}")
 
 
-def seconds_from_env(name: str, default: float, *, zero_allowed: bool = False) -> float:
-    """A number of seconds from the environment variable ``name`` (``default`` when unset or
-    empty); one-line ValueError for a value that is not a number, negative, or zero where
-    ``zero_allowed`` is False."""
-    text = os.environ.get(name)
+def seconds_from_env(name: str, default: float, *, zero_allowed: bool = False, unit: str = "seconds") -> float:
+    """A number of ``unit`` (seconds, bytes, ...) from the environment variable ``name``
+    (``default`` when unset or empty); one-line ValueError for a value that is not a number,
+    negative, or zero where ``zero_allowed`` is False."""
+    text = os.environ.get(name, "").strip()
     if not text:
         return default
     try:
         value = float(text)
     except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {text!r}") from None
+        raise ValueError(f"{name} must be a number of {unit}, got {text!r}") from None
     if not (value >= 0 if zero_allowed else value > 0):
         raise ValueError(f"{name} must be {'>= 0' if zero_allowed else 'positive'}, got {text!r}")
     return value
