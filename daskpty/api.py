@@ -24,6 +24,7 @@ from .execution.memory import (check_step_fits, clamp_chunk_length, held_shape, 
 from .execution.options import ExecutionOptions
 from .execution.parts import with_probe_model, with_sample
 from .execution.scatter import scatter_in_memory
+from .execution import tile_halo
 from .execution.tile_graph import TilesUnsupported, check_tiles_supported
 from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
 from .io.checkpoint import Checkpointer, sigterm_as_interrupt
@@ -209,7 +210,7 @@ def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, ob
 
 
 def _resolve_device_and_chunks(client, execution, n_patterns, n, modes, object_shape, thick,
-                               tiles: int | None = None) -> ExecutionOptions:
+                               tiles: int | None = None, reach: float = 0.0) -> ExecutionOptions:
     """``device="auto"``: gpu when every worker sees one; the chunk length from the probe size and
     the workers' memory (shorter on small workers rather than a refusal); a step that cannot fit
     is refused here rather than stalling a worker (``tiles``: the object in that many row tiles)."""
@@ -221,10 +222,10 @@ def _resolve_device_and_chunks(client, execution, n_patterns, n, modes, object_s
     slices = gpu_steps_per_chunk(device, int(execution.rounds_per_epoch))
     if length is None:
         length = choose_chunk_length(client, n_patterns, n, modes, thick.working_factor, steps_per_chunk=slices)
-        fitting = largest_fitting_chunk(client, n, modes, object_shape, thick.working_factor, tiles)
+        fitting = largest_fitting_chunk(client, n, modes, object_shape, thick.working_factor, tiles, reach)
         if fitting:
             length = min(length, fitting * slices)
-    check_step_fits(client, length, n, modes, object_shape, thick.working_factor, tiles, rounds=slices)
+    check_step_fits(client, length, n, modes, object_shape, thick.working_factor, tiles, rounds=slices, reach=reach)
     return execution.replace(device=device, chunk_length=int(length))
 
 
@@ -424,8 +425,9 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
         if run.check_data:
             check_values(data if hasattr(data, "path") else intensities, client=c).raise_if_bad()
         tiles_of = len(live_workers(c)) if execution.tiles else None  # a row tile per worker
+        halo_reach = tile_halo.reach(adapter, n) + tile_halo.margin(adapter)  # (refined windows move)
         execution = _resolve_persist_and_rounds(c, execution, intensities.nbytes, len(positions), n,
-                                                held_shape(obj.shape, n, tiles_of),
+                                                held_shape(obj.shape, n, tiles_of, halo_reach),
                                                 _probe_modes_hint(probe, probe_modes, resumed), thick,
                                                 per_pattern_probe=model is not None and model.per_pattern)
         if execution.tiles and not execution.persist:
@@ -451,7 +453,7 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
                                       _initial_probe(probe, data, c, intensities, probe_modes, eng.seed))
         object_shape, obj = obj.shape, None  # (the state holds it: one object-sized array less held)
         execution = _resolve_device_and_chunks(c, execution, len(positions), n, state.probe.shape[0], object_shape,
-                                               thick, tiles_of)
+                                               thick, tiles_of, halo_reach)
         run_options.update(chunk_length=execution.chunk_length)
         if hasattr(data, "intensities_in_chunks") and not execution.persist:
             intensities = data.intensities_in_chunks(execution.chunk_length)  # out of core: read sub-shards

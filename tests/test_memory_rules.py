@@ -166,3 +166,24 @@ def test_an_object_too_large_for_one_worker_names_the_tiles_that_fit(small_worke
     with pytest.raises(ValueError, match=f"at least {fewest} workers"):
         check_step_fits(small_workers, 4, n, 1, shape, tiles=fewest - 1)
     assert held_shape(shape, n, 4) == (300 + 2 * (n + 2), 1200) and held_shape(shape, n, None) == shape
+
+
+def test_refined_positions_widen_the_tiles_halo_the_memory_rule_counts(small_workers):
+    """Position refinement's windows move up to its largest displacement: the rule holds that
+    many rows more on each side, and on a tile size just at the edge that tips a fit into a
+    refusal naming more workers."""
+    from daskpty.execution.memory import held_shape
+
+    shape, n = (1200, 1200), 32
+    assert held_shape(shape, n, 4, reach=8.5) == (300 + 2 * (n + 2 + 9), 1200)
+    message = ""
+    for tiles in range(2, 40):  # the fewest tiles that fit without refinement ...
+        try:
+            check_step_fits(small_workers, 4, n, 1, shape, tiles=tiles)
+        except ValueError:
+            continue
+        with pytest.raises(ValueError) as info:  # ... do not with a wide reach
+            check_step_fits(small_workers, 4, n, 1, shape, tiles=tiles, reach=200)
+        message = str(info.value)
+        break
+    assert "workers of this memory" in message and "\n" not in message

@@ -4,7 +4,7 @@ W tiles equal 1 tile bit for bit, and the replicated graph on the same pattern o
 rounding (the scale
 normalisation's mean is summed tile by tile); a worker receives less than replicas exchange;
 a real run through ``reconstruct`` (a Zarr store, worker processes) resumes bit-identically;
-what tiles cannot do yet is refused in one line.
+what tiles cannot do yet is refused in one line (position refinement: test_tile_positions.py).
 """
 from __future__ import annotations
 
@@ -116,13 +116,14 @@ def test_slices_and_the_near_field_on_tiles(three_workers, one_worker, engine, k
     assert [h["loss"] for h in three.history][-1] < [h["loss"] for h in three.history][0]
 
 
-@pytest.mark.parametrize("settings,expected", [
-    ({"refine_positions": True}, "position refinement"),
+@pytest.mark.parametrize("engine,settings,expected", [
+    ("ad", {"optimizer": "cg"}, "the CG optimiser"),
+    ("lsqml", {"persist": False}, "kept in worker memory"),
 ])
-def test_what_tiles_cannot_do_yet_is_refused_in_one_line(one_worker, settings, expected):
+def test_what_tiles_cannot_do_yet_is_refused_in_one_line(one_worker, engine, settings, expected):
     ds = make_dataset(grid=6, seed=1)
     with pytest.raises(TilesUnsupported, match=expected) as info:
-        daskpty.reconstruct(ds, "lsqml", 1, client=one_worker, tiles=True, persist=True, **settings)
+        daskpty.reconstruct(ds, engine, 1, client=one_worker, tiles=True, **{"persist": True, **settings})
     assert "\n" not in str(info.value) and "tiles=False" in str(info.value)
 
 
@@ -135,10 +136,6 @@ def test_every_engine_adapter_declares_the_tile_protocol(one_worker):
     assert isinstance(LSQMLAdapter(OPTIONS), RunsOnTiles)
     assert isinstance(ADAdapter(ad.ADOptions()), RunsOnTiles)
     assert isinstance(PIEAdapter(), RunsOnTiles)
-    with pytest.raises(TilesUnsupported, match="position refinement") as info:
-        daskpty.reconstruct(make_dataset(grid=6, seed=1), "rpie", 1, client=one_worker, tiles=True, persist=True,
-                            refine_positions=True)
-    assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize("modes", [1, 2])

@@ -36,6 +36,7 @@ from .lsqml_epoch import (begin_epoch, close_epoch, end_epoch, normalize_scale, 
                           normalizes_now, owned_at_end)
 from .partials import BoxedArray, Partial
 from .window_deformation import WindowDeformation, squared_gradients, wants_window_sums, warp_object
+from .tile_frame import frame_of, step_positions, whole_shape
 from .positions import (
     PositionOptions,
     accumulate_affine,
@@ -113,7 +114,8 @@ class LSQMLState:
 def resample_object_state(state, matrix, offset) -> None:
     """O(x) ← O(matrix · x + offset) for the object and its momentum buffer, where the state
     lives (NumPy or CuPy): the window correction's move of the object (:func:`warp_object`)."""
-    state.object, state.velocity = (warp_object(a, matrix, offset) for a in (state.object, state.velocity))
+    frame = frame_of(state)  # (on a tile: rows placed in the whole object)
+    state.object, state.velocity = (warp_object(a, matrix, offset, frame) for a in (state.object, state.velocity))
 
 
 def _trimmed_mean(x, xp, trim: float = 0.1) -> float:
@@ -346,7 +348,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
 
 def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, options: LSQMLOptions,
                         positions: PositionOptions, epoch: int, affine=None, update_probe: bool = True,
-                        valid=None, variable=None, step=None) -> Partial:
+                        valid=None, variable=None, step=None, frame=None) -> Partial:
     """:func:`chunk_step` at the refined positions ``local["positions"]`` of these patterns,
     moving them (from epoch ``positions.start_epoch`` on).
 
@@ -359,17 +361,20 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     field; see :mod:`daskpty.engines.sample_model`).
     """
     n = probe.shape[-1]
-    refined = positions_for_step(local, nominal, affine, positions, epoch, n, obj.shape)
+    shape = whole_shape(obj, frame)       # (a tile's frame: the whole object's)
+    refined = positions_for_step(local, nominal, affine, positions, epoch, n, shape)
     active = positions.active(epoch)
-    part = (step or chunk_step)(obj, probe, intensities, refined, options=options, update_probe=update_probe,
+    part = (step or chunk_step)(obj, probe, intensities, step_positions(refined, frame, n, obj), options=options, update_probe=update_probe,
                                 valid=valid, position_terms=active, variable=variable,
                                 window_sums=wants_window_sums(positions, epoch))
+    if frame is not None:
+        frame.sums_to_object(part)
     if not active or not part.scalars:
         part.local = {}
         return part
     shift = positions.gain * lsqml_shift(*part.local.pop("shift_terms"), positions.regularization)
     new, _ = step_with_momentum({**local, "positions": refined}, shift, positions)
-    return finish_step(part, new, refined, nominal, positions, epoch, n, obj.shape)
+    return finish_step(part, new, refined, nominal, positions, epoch, n, shape)
 
 
 def apply(state: LSQMLState, total: Partial, options: LSQMLOptions,

@@ -79,7 +79,7 @@ def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: in
 
 def variable_chunk_step(obj, probe, intensities, nominal, local: dict | None, *, options, model: ProbeModelOptions,
                         eigen, transform, background, epoch: int, update_probe: bool, valid=None,
-                        positions=None, affine=None, step=None):
+                        positions=None, affine=None, step=None, frame=None):
     """One LSQML chunk step with the varying probe (and refined positions when ``positions``);
     ``step`` the sample's chunk step (default: :func:`daskpty.engines.lsqml.chunk_step`)."""
     model = model.for_engine("lsqml")
@@ -89,7 +89,8 @@ def variable_chunk_step(obj, probe, intensities, nominal, local: dict | None, *,
     if positions is not None:
         part = lsqml.refining_chunk_step(obj, probe, intensities, nominal, local, options=options,
                                          positions=positions, epoch=epoch, affine=affine,
-                                         update_probe=update_probe, valid=valid, variable=variable, step=step)
+                                         update_probe=update_probe, valid=valid, variable=variable, step=step,
+                                         frame=frame)
     else:
         part = (step or lsqml.chunk_step)(obj, probe, intensities, nominal, options=options,
                                           update_probe=update_probe, valid=valid, variable=variable)

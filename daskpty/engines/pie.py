@@ -39,6 +39,7 @@ from ..physics.patches import PatchIndex
 from ..physics.shifts import shift_ramps, split_positions
 from .lsqml import LSQMLState, close_epoch
 from .partials import BoxedArray, Partial
+from .tile_frame import step_positions, whole_shape
 from .positions import (PositionOptions, accumulate_affine, accumulate_window, central_gradients, finish_step,
                         lsqml_shift, positions_for_step, step_with_momentum)
 from .window_deformation import WindowDeformation, squared_gradients, wants_window_sums
@@ -183,7 +184,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: PIEOptions, updat
 
 def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, options: PIEOptions,
                         positions: PositionOptions, epoch: int, affine=None, update_probe: bool = True,
-                        valid=None, step=None) -> Partial:
+                        valid=None, step=None, frame=None) -> Partial:
     """:func:`chunk_step` (or ``step``, the sample's: :mod:`.pie_multislice`) at the refined
     positions ``local["positions"]`` of these patterns, moving them by LSQML's shift with
     momentum from epoch ``positions.start_epoch`` on, exactly as
@@ -191,16 +192,19 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     the last epoch's affine map and window correction, ``max_step``, kept inside the object,
     divergence check, the affine normal equations in the partial, ``local`` the new state)."""
     n = probe.shape[-1]
-    refined = positions_for_step(local, nominal, affine, positions, epoch, n, obj.shape)
+    shape = whole_shape(obj, frame)       # (a tile's frame: the whole object's)
+    refined = positions_for_step(local, nominal, affine, positions, epoch, n, shape)
     active = positions.active(epoch)
-    part = (step or chunk_step)(obj, probe, intensities, refined, options=options, update_probe=update_probe,
+    part = (step or chunk_step)(obj, probe, intensities, step_positions(refined, frame, n, obj), options=options, update_probe=update_probe,
                                 valid=valid, position_terms=active, window_sums=wants_window_sums(positions, epoch))
+    if frame is not None:
+        frame.sums_to_object(part)
     if not active or not part.scalars:
         part.local = {}
         return part
     shift = positions.gain * lsqml_shift(*part.local.pop("shift_terms"), positions.regularization)
     new, _ = step_with_momentum({**local, "positions": refined}, shift, positions)
-    return finish_step(part, new, refined, nominal, positions, epoch, n, obj.shape)
+    return finish_step(part, new, refined, nominal, positions, epoch, n, shape)
 
 
 def _regularised(den, alpha: float, top=None):

@@ -12,6 +12,7 @@ import functools
 
 import numpy as np
 
+from .tile_frame import whole_shape
 from ..physics.backend import get_xp, to_numpy
 from .positions import central_gradients
 
@@ -150,24 +151,28 @@ class WindowDeformation:
                 "window_positions": np.r_[pos.sum(axis=0), len(pos)]}
 
 
-def warp_object(a, matrix, offset):
+def warp_object(a, matrix, offset, frame=None):
     """``a(matrix · x + offset)`` for an object-frame array (complex or real; None passes),
     where it lives (NumPy or CuPy), in its own dtype. The move is a fraction of a pixel (the
     window correction of one epoch), so it is the first-order step a + δ_y ∂_y a + δ_x ∂_x a
     with δ(x) = (matrix − I) x + offset (central differences; a few array passes, where a cubic
     resampling took a quarter of an epoch); a move of more than half a pixel anywhere is
-    resampled (linear) instead."""
+    resampled (linear) instead. ``frame`` (:class:`~.tile_frame.TileFrame`): ``a`` is a tile of
+    the object, whose own rows come out as the same rows of the whole object's warp (its
+    edge rows are then wrong by the stencil's reach: the tile's owner sends them)."""
     if a is None:
         return None
     xp = get_xp(a)
     if a.ndim == 3:                    # the slices of a multislice object move together
-        return xp.stack([warp_object(s, matrix, offset) for s in a])
+        return xp.stack([warp_object(s, matrix, offset, frame) for s in a])
     m, o = np.asarray(matrix, np.float64), np.asarray(offset, np.float64)
     h, w = a.shape[-2:]
-    corners = np.array([[0, 0], [0, w - 1], [h - 1, 0], [h - 1, w - 1]], np.float64)
+    origin = 0 if frame is None else int(frame.origin)
+    whole_h, _ = whole_shape(a, frame)
+    corners = np.array([[0, 0], [0, w - 1], [whole_h - 1, 0], [whole_h - 1, w - 1]], np.float64)
     largest = float(np.abs(corners @ (m - np.eye(2)).T + o).max())
     if largest <= 0.5:
-        yy = xp.arange(h, dtype=np.float32)[:, None]
+        yy = xp.arange(origin, origin + h, dtype=np.float32)[:, None]   # (whole-object rows: exact)
         xx = xp.arange(w, dtype=np.float32)[None, :]
         dy = np.float32(m[0, 0] - 1) * yy + np.float32(m[0, 1]) * xx + np.float32(o[0])
         dx = np.float32(m[1, 0]) * yy + np.float32(m[1, 1] - 1) * xx + np.float32(o[1])
@@ -177,7 +182,7 @@ def warp_object(a, matrix, offset):
         from scipy.ndimage import affine_transform
     else:  # pragma: no cover - GPU only
         from cupyx.scipy.ndimage import affine_transform
-    mm, oo = xp.asarray(m), xp.asarray(o)
+    mm, oo = xp.asarray(m), xp.asarray(o + (m - np.eye(2)) @ np.array([origin, 0.0]))  # (in the tile's frame)
     def part(v):
         return affine_transform(v.astype(np.float32), mm, oo, order=1, mode="nearest")
 

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..engines import ad, lsqml_opr
 from ..engines import sample_model as sm
+from ..engines.tile_frame import TileFrame, frame_of
 from ..engines.ad import opr as ad_opr
 from ..engines.ad import tiles as ad_tiles
 from ..engines.window_deformation import warp_object
@@ -45,6 +46,7 @@ class ADPayload:
     eigen: np.ndarray | None = None
     transform: np.ndarray | None = None
     background: np.ndarray | None = None
+    frame: TileFrame | None = None             # a tile's place in the object (None: the whole object)
 
 
 def ad_gradient_chunk(intensities, positions, payload: ADPayload, local=None):
@@ -56,13 +58,14 @@ def ad_gradient_chunk(intensities, positions, payload: ADPayload, local=None):
             payload.object, payload.probe, intensities, positions, local, options=payload.options,
             model=payload.model, eigen=payload.eigen, transform=payload.transform, background=payload.background,
             epoch=payload.epoch, valid=payload.valid, want_object=payload.want_object,
-            want_probe=payload.want_probe, positions=payload.positions, affine=payload.affine, gradient=gradient)
+            want_probe=payload.want_probe, positions=payload.positions, affine=payload.affine, gradient=gradient,
+            frame=payload.frame)
     if local is not None:
         return ad.refining_chunk_gradient(payload.object, payload.probe, intensities, positions, local,
                                           options=payload.options, positions=payload.positions,
                                           epoch=payload.epoch, affine=payload.affine, valid=payload.valid,
                                           want_object=payload.want_object, want_probe=payload.want_probe,
-                                          gradient=gradient)
+                                          gradient=gradient, frame=payload.frame)
     return gradient(payload.object, payload.probe, intensities, positions, options=payload.options,
                     valid=payload.valid, want_object=payload.want_object, want_probe=payload.want_probe)
 
@@ -129,7 +132,8 @@ class ADAdapter:
         return ADPayload(state.object if object is None else object,
                          state.probe if probe is None else probe, self.options,
                          state.active("object", self.options), state.active("probe", self.options),
-                         self.valid, options_for(self.positions, state), state.epoch, affine, self.sample, **model)
+                         self.valid, options_for(self.positions, state), state.epoch, affine, self.sample, **model,
+                         frame=frame_of(state))
 
     @staticmethod
     def copy_state(state):
@@ -172,6 +176,7 @@ class ADAdapter:
 
     # Tiles (:mod:`.tile_graph`; protocol: :class:`~.engine_protocol.RunsOnTiles`)
     tile_fields = ("object", "illumination", "optimizer")  # (the optimiser's memory cuts its object rows)
+    tile_warped_fields = ("object", "optimizer")  # what the window correction resamples
     tile_sums_function = staticmethod(forward_sums_chunk)
 
     @property
@@ -180,9 +185,11 @@ class ADAdapter:
 
     def tiles_unsupported(self) -> str | None:
         """Why this adapter's parts cannot run on tiles yet (None: they can)."""
-        if self.positions is not None:
-            return "position refinement"
         return "the CG optimiser (optimizer='cg')" if self.options.optimizer == "cg" else None
+
+    def tile_finish_positions(self, state) -> None:
+        """The refinement's epoch end on a tile (window fit and resampling, affine fit), in place."""
+        finish_epoch(state, self.positions, warp_object_state)
 
     def tile_initialise(self, state, sums):
         before = state.probe
@@ -205,9 +212,13 @@ class ADAdapter:
         return ad_tiles.end_sums(state, self.options, own)
 
     def tile_end_epoch(self, state, shares):
+        """``end_epoch`` on a tile, after :meth:`tile_finish_positions` when refining."""
         if self.probe_model is not None:
             lsqml_opr.end_epoch(state, self.probe_model.model)
-        return ad_tiles.end_epoch(state, self.options, shares)
+        state = ad_tiles.end_epoch(state, self.options, shares)
+        if self.positions is not None:
+            settle_start(state, self.positions)
+        return state
 
     def initialise(self, client, data: ChunkedData, state, *, split_every: int):
         """First-epoch probe intensity rescale so that Σŷ = Σy (the eigen-probes follow)."""
@@ -255,8 +266,9 @@ def warp_object_state(state: ad.ADState, matrix, offset) -> None:
     object optimiser's memory that is a field like it (SGD's momentum, CG's directions). Adam's
     moments stay: its step is their ratio, which a sub-pixel move hardly changes, and moving
     the second moment where it is near zero (outside the lit region) made that ratio blow up."""
-    state.object = warp_object(state.object, matrix, offset)
+    frame = frame_of(state)  # (on a tile: rows placed in the whole object)
+    state.object = warp_object(state.object, matrix, offset, frame)
     for key, value in list(state.optimizer.arrays.items()):
         slot, name = key.split("/", 1)
         if name == "object" and slot not in ADAM_SLOTS:
-            state.optimizer.arrays[key] = warp_object(value, matrix, offset)
+            state.optimizer.arrays[key] = warp_object(value, matrix, offset, frame)

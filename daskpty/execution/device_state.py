@@ -51,7 +51,7 @@ def _moved(value, convert):
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         out = copy.copy(value)
         for f in dataclasses.fields(value):
-            setattr(out, f.name, _moved(getattr(value, f.name), convert))
+            object.__setattr__(out, f.name, _moved(getattr(value, f.name), convert))  # (frozen ones too)
         return out
     return value
 

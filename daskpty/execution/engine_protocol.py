@@ -101,6 +101,8 @@ class RunsOnTiles(Protocol):
     tile_fields: tuple  # state attributes in the object's frame (..., H, W), cut by rows
     tile_sums_function: Callable  # chunk function of the first epoch's sums, on a tile's payload
     tile_round_stages: int  # rounds of shares an update needs (2: a second needs the first's sums)
+    tile_warped_fields: tuple  # tile_fields the window correction resamples (their halos refreshed)
+    positions: object  # position refinement's options (None: fixed; windows then reach no farther)
 
     def tile_initialise(self, state, sums):
         """``initialise`` from ``tile_sums_function``'s sums over all chunks (reduced)."""
@@ -119,6 +121,11 @@ class RunsOnTiles(Protocol):
     def tile_apply(self, state, total, shares):
         """``apply`` on a tile, in place (a round's state is used by nothing after its next
         round's update); ``shares``: every tile's ``tile_round_sums``."""
+
+    def tile_finish_positions(self, state) -> None:
+        """With ``positions``: the refinement's epoch end on a tile (window fit, the object's
+        resampling, affine fit), in place, before ``tile_end_sums`` (the state's ``extra``
+        holds the tile's :class:`~daskpty.engines.tile_frame.TileFrame`)."""
 
     def tile_end_sums(self, state, own) -> dict:
         """This tile's share of the whole-object numbers ``tile_end_epoch`` needs."""

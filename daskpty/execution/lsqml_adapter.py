@@ -17,6 +17,7 @@ import numpy as np
 
 from ..engines import lsqml, lsqml_opr, lsqml_tiles
 from ..engines import sample_model as sm
+from ..engines.tile_frame import TileFrame, frame_of
 from ..engines.positions import (epoch_parameters, step_maps, PositionOptions, finish_epoch, initial_local, note_epoch_start,
                                  options_for, settle_start, start_arrays, start_from_arrays)
 from ..engines.probe_model import ProbeModelOptions
@@ -39,6 +40,7 @@ class LSQMLPayload:
     eigen: np.ndarray | None = None
     transform: np.ndarray | None = None
     background: np.ndarray | None = None
+    frame: TileFrame | None = None             # a tile's place in the object (None: the whole object)
 
 
 def lsqml_chunk(intensities, positions, payload: LSQMLPayload, local=None):
@@ -50,12 +52,13 @@ def lsqml_chunk(intensities, positions, payload: LSQMLPayload, local=None):
             payload.object, payload.probe, intensities, positions, local, options=payload.options,
             model=payload.model, eigen=payload.eigen, transform=payload.transform, background=payload.background,
             epoch=payload.epoch, update_probe=payload.update_probe, valid=payload.valid,
-            positions=payload.positions, affine=payload.affine, step=step)
+            positions=payload.positions, affine=payload.affine, step=step, frame=payload.frame)
     if local is not None:
         return lsqml.refining_chunk_step(payload.object, payload.probe, intensities, positions, local,
                                          options=payload.options, positions=payload.positions,
                                          epoch=payload.epoch, affine=payload.affine,
-                                         update_probe=payload.update_probe, valid=payload.valid, step=step)
+                                         update_probe=payload.update_probe, valid=payload.valid, step=step,
+                                         frame=payload.frame)
     return step(payload.object, payload.probe, intensities, positions, options=payload.options,
                 update_probe=payload.update_probe, valid=payload.valid)
 
@@ -105,7 +108,8 @@ class LSQMLAdapter:
         affine = step_maps(state)
         model = {} if self.probe_model is None else self.probe_model.payload_fields(state)
         return LSQMLPayload(state.object, state.probe, self.options, state.update_probe(self.options), self.valid,
-                            options_for(self.positions, state), state.epoch, affine, self.sample, **model)
+                            options_for(self.positions, state), state.epoch, affine, self.sample, **model,
+                            frame=frame_of(state))
 
     def epoch_scalars(self, state) -> dict:
         """The fitted affine map's, the windows' and the probe model's parameters, for the history."""
@@ -181,10 +185,15 @@ class LSQMLAdapter:
     tile_fields = ("object", "velocity", "epoch_start_object", "illumination")
     tile_sums_function = staticmethod(forward_sums_chunk)  # the first epoch's sums (initialise)
     tile_round_stages = 1
+    tile_warped_fields = ("object", "velocity")  # what the window correction resamples
 
     def tiles_unsupported(self) -> str | None:
         """Why this adapter's parts cannot run on tiles yet (None: they can)."""
-        return "position refinement" if self.positions is not None else None
+        return None
+
+    def tile_finish_positions(self, state) -> None:
+        """The refinement's epoch end on a tile (window fit and resampling, affine fit), in place."""
+        finish_epoch(state, self.positions, lsqml.resample_object_state)
 
     def tile_initialise(self, state, sums):
         """The first-epoch probe rescale from ``tile_sums_function``'s reduced sums."""
@@ -208,9 +217,13 @@ class LSQMLAdapter:
         return lsqml_tiles.end_sums(state, self.options, own)
 
     def tile_end_epoch(self, state, shares):
+        """``end_epoch`` on a tile, after :meth:`tile_finish_positions` when refining."""
         if self.probe_model is not None:
             lsqml_opr.end_epoch(state, self.probe_model.model)
-        return lsqml_tiles.end_epoch(state, self.options, shares)
+        state = lsqml_tiles.end_epoch(state, self.options, shares)
+        if self.positions is not None:
+            settle_start(state, self.positions)
+        return state
 
     def initialise(self, client, data: ChunkedData, state, *, split_every: int):
         """First-epoch probe intensity rescale so that Σŷ = Σy (the eigen-probes follow)."""

@@ -79,31 +79,34 @@ def state_bytes(object_shape) -> int:
     return int(math.prod(object_shape)) * STATE_BYTES_PER_PIXEL
 
 
-def held_shape(object_shape, n: int, tiles: int | None = None) -> tuple:
+def held_shape(object_shape, n: int, tiles: int | None = None, reach: float = 0.0) -> tuple:
     """The part of the object a worker holds: all of it (``tiles`` None), or with the object in
     ``tiles`` row tiles (:mod:`.tile_graph`) its strip and a halo of a window (n + 2 rows) on
-    each side, for spatially ordered chunks spread evenly over the workers."""
+    each side, for spatially ordered chunks spread evenly over the workers; ``reach``: rows more
+    on each side (position refinement's largest displacement, :func:`.tile_halo.reach`)."""
     shape = tuple(int(s) for s in object_shape)
     if not tiles or tiles <= 1:
         return shape
-    rows = min(shape[-2], math.ceil(shape[-2] / tiles) + 2 * (n + 2))
+    rows = min(shape[-2], math.ceil(shape[-2] / tiles) + 2 * (n + 2 + math.ceil(reach)))
     return shape[:-2] + (rows, shape[-1])
 
 
-def fewest_tiles(limit: int, baseline: int, step: int, object_shape, n: int, most: int = 4096) -> int | None:
+def fewest_tiles(limit: int, baseline: int, step: int, object_shape, n: int, most: int = 4096,
+                 reach: float = 0.0) -> int | None:
     """The fewest row tiles whose held part, one step and the worker process fit under the pause
     threshold of a worker of ``limit`` bytes (None: no number of tiles does)."""
     pause = _fraction("pause", 0.8) * limit
     for tiles in range(1, most + 1):
-        if state_bytes(held_shape(object_shape, n, tiles)) + baseline + step <= pause:
+        if state_bytes(held_shape(object_shape, n, tiles, reach)) + baseline + step <= pause:
             return tiles
-        if held_shape(object_shape, n, tiles)[-2] <= 2 * (n + 3):  # only the halo is left
+        if held_shape(object_shape, n, tiles, reach)[-2] <= 2 * (n + 3 + math.ceil(reach)):  # only the halo is left
             return None
     return None
 
 
 def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
-                    working_factor: float = 1.0, tiles: int | None = None, rounds: int = 1) -> None:
+                    working_factor: float = 1.0, tiles: int | None = None, rounds: int = 1,
+                    reach: float = 0.0) -> None:
     """Raise ValueError (one line, with what would fit) when one chunk step plus the state (of
     the whole object, or with ``tiles`` of one row tile and its halo) exceed the pause threshold
     of the smallest worker. A step holds slice ``r::rounds`` of a chunk. No-op when workers have
@@ -114,7 +117,7 @@ def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
     rounds = max(1, int(rounds))
     pause = _fraction("pause", 0.8) * limit
     baseline = _baseline(client)
-    held = held_shape(object_shape, n, tiles)
+    held = held_shape(object_shape, n, tiles, reach)
     state = state_bytes(held) + baseline
     step_length = -(-int(chunk_length) // rounds)
     step = step_bytes(step_length, n, modes, working_factor)
@@ -126,7 +129,7 @@ def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
             else f"a {object_shape[-2]} x {object_shape[-1]} object")
     how = (f"or a chunk_length of at most {fits} patterns" if fits >= 1 else
            f"(the state of {what} and the worker process, {state / MIB:.0f} MiB, do not fit alone)")
-    fewest = fewest_tiles(limit, baseline, step, object_shape, n)
+    fewest = fewest_tiles(limit, baseline, step, object_shape, n, reach=reach)
     if fewest is not None and fewest > max(1, tiles or 1):
         how += (f"; or cut the object into tiles (tiles=True) over at least {fewest} workers of this memory"
                 if not tiles else f"; or use at least {fewest} workers of this memory")
@@ -139,13 +142,13 @@ def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
 
 
 def largest_fitting_chunk(client, n: int, modes: int, object_shape, working_factor: float = 1.0,
-                          tiles: int | None = None) -> int | None:
+                          tiles: int | None = None, reach: float = 0.0) -> int | None:
     """The most patterns per chunk whose step plus the state (``tiles``: of one row tile) fit under
     the smallest worker's pause threshold (None: no memory limit; 0: not even one pattern fits)."""
     limit = smallest_worker_memory(client)
     if not limit:
         return None
-    room = _fraction("pause", 0.8) * limit - state_bytes(held_shape(object_shape, n, tiles)) - _baseline(client)
+    room = _fraction("pause", 0.8) * limit - state_bytes(held_shape(object_shape, n, tiles, reach)) - _baseline(client)
     return max(0, int(room // step_bytes(1, n, modes, working_factor)))
 
 

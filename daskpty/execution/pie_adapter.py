@@ -20,6 +20,7 @@ import numpy as np
 
 from ..engines import lsqml, pie, pie_multislice, pie_tiles
 from ..engines import sample_model as sm
+from ..engines.tile_frame import TileFrame, frame_of
 from ..engines.positions import (epoch_parameters, step_maps, PositionOptions, finish_epoch, initial_local, note_epoch_start,
                                  options_for, settle_start, start_arrays, start_from_arrays)
 from .rounds import ChunkedData, map_reduce
@@ -36,6 +37,7 @@ class PIEPayload:
     epoch: int = 0
     affine: tuple | None = None
     sample: sm.SampleModel | None = None      # None: one slice, far field
+    frame: TileFrame | None = None             # a tile's place in the object (None: the whole object)
 
 
 def _step(sample: sm.SampleModel | None):
@@ -53,7 +55,7 @@ def pie_chunk(intensities, positions, payload: PIEPayload, local=None):
         return pie.refining_chunk_step(payload.object, payload.probe, intensities, positions, local,
                                        options=payload.options, positions=payload.positions, epoch=payload.epoch,
                                        affine=payload.affine, update_probe=payload.update_probe,
-                                       valid=payload.valid, step=step)
+                                       valid=payload.valid, step=step, frame=payload.frame)
     return step(payload.object, payload.probe, intensities, positions, options=payload.options,
                 update_probe=payload.update_probe, valid=payload.valid)
 
@@ -87,7 +89,7 @@ class PIEAdapter:
     def payload(self, state) -> PIEPayload:
         affine = step_maps(state)
         return PIEPayload(state.object, state.probe, self.options, pie.updates_probe(state, self.options),
-                          self.valid, options_for(self.positions, state), state.epoch, affine, self.sample)
+                          self.valid, options_for(self.positions, state), state.epoch, affine, self.sample, frame_of(state))
 
     def epoch_scalars(self, state) -> dict:
         """The fitted affine map's and the windows' parameters, for the history."""
@@ -136,10 +138,15 @@ class PIEAdapter:
     tile_fields = ("object", "illumination")
     tile_sums_function = staticmethod(pie_forward_sums_chunk)  # the first epoch's sums (initialise)
     tile_round_stages = 1
+    tile_warped_fields = ("object",)  # what the window correction resamples
 
     def tiles_unsupported(self) -> str | None:
         """Why this adapter's parts cannot run on tiles yet (None: they can)."""
-        return "position refinement" if self.positions is not None else None
+        return None
+
+    def tile_finish_positions(self, state) -> None:
+        """The refinement's epoch end on a tile (window fit and resampling, affine fit), in place."""
+        finish_epoch(state, self.positions, lsqml.resample_object_state)
 
     def tile_initialise(self, state, sums):
         return lsqml.rescale_probe(state, sums)
@@ -157,7 +164,11 @@ class PIEAdapter:
         return pie_tiles.end_sums(state, self.options, own)
 
     def tile_end_epoch(self, state, shares):
-        return pie_tiles.end_epoch(state, self.options, shares)
+        """``end_epoch`` on a tile, after :meth:`tile_finish_positions` when refining."""
+        state = pie_tiles.end_epoch(state, self.options, shares)
+        if self.positions is not None:
+            settle_start(state, self.positions)
+        return state
 
     def initialise(self, client, data: ChunkedData, state, *, split_every: int):
         """First-epoch probe intensity rescale so that Σŷ = Σy."""

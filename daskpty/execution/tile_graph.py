@@ -38,11 +38,13 @@ import uuid
 import numpy as np
 
 from ..engines.partials import BoxedArray, Partial
+from ..engines.tile_frame import TileFrame, with_frame
 from .device_state import follow_partials, has_device_arrays, resident, to_host
 from .engine_protocol import RunsOnTiles
 from .epoch_graph import EpochCarry
 from .placement import GraphInputs
 from .rounds import ChunkedData, FixedTree, default_split_every, run_chunk
+from . import tile_halo
 from .tiles import TileLayout
 
 
@@ -101,6 +103,7 @@ def stitch_states(parts: list, fields: tuple):
             setattr(out, name, np.concatenate(values, axis=-2))
     if isinstance(getattr(out, "extra", None), dict):
         out.extra = {k: v for k, v in out.extra.items() if k != "illumination_max"}
+        with_frame(out, None)
     return out
 
 
@@ -131,7 +134,8 @@ def _tile_chunks(carry: EpochCarry, adapter, layout: TileLayout, w: int, round_i
     tile = layout.tiles[w]
     state = resident(carry.state, adapter, blocks)
     payload = adapter.payload(state)
-    shift = np.array([tile.held_start, 0.0])
+    # refined positions stay in the object's frame (the payload's tile frame moves the windows)
+    shift = np.array([0.0 if getattr(adapter, "positions", None) is not None else tile.held_start, 0.0])
     parts, local = {}, {}
     for i, b, p in zip(indices, blocks, positions):
         own = None
@@ -250,7 +254,8 @@ class TileGraph:
         self.block_keys, self.workers, self.groups = placed.block_keys, placed.workers, placed.groups
         self.adapter_key, self.position_keys, self.inputs = placed.adapter_key, placed.position_keys, placed.inputs
         n = int(data.intensities.shape[-1])
-        self.layout = TileLayout.from_chunks(placed.chunk_positions, placed.worker_of, n, object_height)
+        self.layout = TileLayout.from_chunks(placed.chunk_positions, placed.worker_of, n, object_height,
+                                             reach=tile_halo.reach(adapter, n), margin=tile_halo.margin(adapter))
         self.count = 0
 
     def _on(self, w: int) -> dict:
@@ -268,8 +273,9 @@ class TileGraph:
         state = copy.copy(state)
         state.chunk_local = None  # each tile carries its own chunks' per-pattern state
         for w, t in enumerate(self.layout.tiles):
-            tile = EpochCarry(crop_state(state, self.adapter.tile_fields, t.held_start, t.held_stop),
-                              local={i: every[i] for i in self.groups[w] if i in every})
+            cropped = crop_state(state, self.adapter.tile_fields, t.held_start, t.held_stop)
+            with_frame(cropped, TileFrame(t.held_start, tuple(state.object.shape[-2:])))
+            tile = EpochCarry(cropped, local={i: every[i] for i in self.groups[w] if i in every})
             kwargs = {} if self.workers[w] is None else {"workers": [self.workers[w]]}
             futures.append(self.client.scatter(tile, hash=False, **kwargs))
         return futures
@@ -318,6 +324,8 @@ class TileGraph:
                 tasks[v][key] = (_tile_apply, carries[v], self.adapter_key, r == 0, summed[v], locals_[v], *shares)
                 new.append(key)
             carries = new
+        if getattr(self.adapter, "positions", None) is not None:
+            carries = self._finish_positions(tasks, carries, tag)
         end_shares, ends = [], []
         for v in range(copies):
             end_shares.append((f"daskpty-tile-end-share-{tag}", v))
@@ -334,6 +342,26 @@ class TileGraph:
         graph = HighLevelGraph(layers, {name: set() for name in layers})
         futures = self.client.get(graph, [*ends, summary], sync=False)
         return futures[:copies], futures[copies]
+
+    def _finish_positions(self, tasks: list, carries: list, tag: str) -> list:
+        """The refinement's epoch end on every tile, then each halo's rows from their owners
+        (:mod:`.tile_halo`); returns the new carry keys."""
+        copies, fields = len(carries), self.adapter.tile_warped_fields
+        finished = []
+        for v in range(copies):
+            finished.append((f"daskpty-tile-positions-end-{tag}", v))
+            tasks[v][finished[v]] = (tile_halo.finish_positions, carries[v], self.adapter_key)
+        sources = tile_halo.halo_sources(self.layout)
+        halos = {}
+        for (u, v), rows in sources.items():
+            halos[u, v] = (f"daskpty-tile-halo-{u}-{tag}", v)
+            tasks[u][halos[u, v]] = (tile_halo.halo_rows, finished[u], fields, self.layout.tiles[u].held_start, rows)
+        out = []
+        for v in range(copies):
+            out.append((f"daskpty-tile-refreshed-{tag}", v))
+            tasks[v][out[v]] = (tile_halo.refreshed, finished[v], self.layout.tiles[v].held_start,
+                                *[halos[u, v] for u in range(copies) if (u, v) in halos])
+        return out
 
     def _graph(self, tasks: list, inputs: dict):
         from dask.highlevelgraph import HighLevelGraph, MaterializedLayer

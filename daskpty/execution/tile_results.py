@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 
+from ..engines.tile_frame import with_frame
 from .tile_graph import own_rows_on_host
 from .watchdog import seconds_from_env
 
@@ -77,6 +78,7 @@ def lazy_state(graph, ends: list):
         state.chunk_local = {i: v for _, _, local in summaries for i, v in local.items()}
     if isinstance(getattr(state, "extra", None), dict):
         state.extra = {k: v for k, v in state.extra.items() if k != "illumination_max"}
+        with_frame(state, None)
     return state
 
 

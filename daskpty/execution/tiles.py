@@ -1,5 +1,5 @@
 """Tiles of the object: which worker owns which rows, what it holds around them, and what a
-round's partial sums send where (issue 34; the epoch graph does not use tiles yet).
+round's partial sums send where (issue 34; :mod:`.tile_graph` runs epochs on them).
 
 The chunks are spatially ordered and each worker holds a contiguous run of them
 (:func:`~.placement.balanced_worker`), so the patterns of worker w cover a band of the object's
@@ -64,9 +64,12 @@ class TileLayout:
     tiles: tuple
 
     @classmethod
-    def from_chunks(cls, chunk_positions, workers_of_chunks, n: int, height: int, reach: float = 0.0):
+    def from_chunks(cls, chunk_positions, workers_of_chunks, n: int, height: int, reach: float = 0.0,
+                    margin: int = 0):
         """The layout for chunks (each an (B_c, 2) array of positions) held by workers
-        ``workers_of_chunks`` (one index per chunk, 0 … W−1, every worker holding one or more)."""
+        ``workers_of_chunks`` (one index per chunk, 0 … W−1, every worker holding one or more);
+        ``reach``: the largest position displacement, ``margin``: rows held beyond a worker's own
+        in any case (inside the object)."""
         owner = np.asarray(workers_of_chunks, dtype=np.int64)
         w = int(owner.max()) + 1
         if sorted(set(owner.tolist())) != list(range(w)):
@@ -84,7 +87,8 @@ class TileLayout:
         tiles = [None] * w
         for i, k in enumerate(order):
             start, stop = cuts[i], cuts[i + 1]
-            tiles[k] = Tile(int(k), start, stop, int(min(start, need[k, 0])), int(max(stop, need[k, 1])))
+            tiles[k] = Tile(int(k), start, stop, int(min(start, need[k, 0], max(start - margin, 0))),
+                            int(max(stop, need[k, 1], min(stop + margin, height))))
         return cls(int(height), tuple(tiles))
 
     @property

@@ -10,6 +10,7 @@ from ...physics.shifts import outer_ramps, shift_ramp_factors
 from ..lsqml import _fft_in_place
 from ...physics import kernels
 from ..partials import BoxedArray, Partial
+from ..tile_frame import step_positions, whole_shape
 from ..positions import central_gradients, finish_step, positions_for_step, step_with_optimizer
 from ..window_deformation import WindowDeformation, wants_window_sums
 from .losses import _far_field_loss
@@ -298,7 +299,7 @@ def chunk_loss(obj, probe, intensities, positions, *, options: "ADOptions | None
 
 def refining_chunk_gradient(obj, probe, intensities, nominal, local: dict, *, options, positions,
                             epoch: int, affine=None, valid=None, want_object: bool = True,
-                            want_probe: bool = True, variable=None, gradient=None) -> Partial:
+                            want_probe: bool = True, variable=None, gradient=None, frame=None) -> Partial:
     """:func:`chunk_gradient` at the refined positions ``local["positions"]``, then (from epoch
     ``positions.start_epoch`` on) one step of the positions' own optimiser against ∂L/∂(y, x)
     (see :func:`daskpty.engines.positions.step_with_optimizer`); the partial carries the new
@@ -306,15 +307,18 @@ def refining_chunk_gradient(obj, probe, intensities, nominal, local: dict, *, op
     chunk gradient of the sample's forward model (default :func:`chunk_gradient`; see
     :mod:`daskpty.engines.sample_model`)."""
     n = probe.shape[-1]
-    used = positions_for_step(local, nominal, affine, positions, epoch, n, obj.shape)
+    shape = whole_shape(obj, frame)       # (a tile's frame: the whole object's)
+    used = positions_for_step(local, nominal, affine, positions, epoch, n, shape)
     active = positions.active(epoch)
-    part = (gradient or chunk_gradient)(obj, probe, intensities, used, options=options, valid=valid,
+    part = (gradient or chunk_gradient)(obj, probe, intensities, step_positions(used, frame, n, obj), options=options, valid=valid,
                                         want_object=want_object, want_probe=want_probe, want_positions=active,
                                         variable=variable, window_sums=wants_window_sums(positions, epoch))
+    if frame is not None:
+        frame.sums_to_object(part)
     if not active or not part.scalars:
         part.local = {}
         return part
     grad = part.arrays.pop("position_grad")
     new, _ = step_with_optimizer({**local, "positions": used}, grad, positions,
                                  t=epoch - positions.start_epoch + 1)
-    return finish_step(part, new, used, nominal, positions, epoch, n, obj.shape)
+    return finish_step(part, new, used, nominal, positions, epoch, n, shape)

@@ -52,6 +52,13 @@ class OptimizerState:
         return OptimizerState({k: np.concatenate([p.arrays[k] for p in parts], axis=-2) if k.endswith("/object")
                                else v for k, v in first.arrays.items()}, dict(first.scalars))
 
+    def paste_rows(self, start: int, part: "OptimizerState") -> None:
+        """Write ``part``'s object rows (a :meth:`crop_rows` of another tile) into this memory's,
+        from row ``start`` on, in place."""
+        for k, v in part.arrays.items():
+            if k.endswith("/object"):
+                self.arrays[k][..., start:start + v.shape[-2], :] = v
+
     def drop(self, slot: str) -> None:
         for k in [k for k in self.arrays if k.startswith(slot + "/")]:
             del self.arrays[k]
