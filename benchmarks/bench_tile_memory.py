@@ -11,9 +11,10 @@ each worker for its RSS and the sizes of the values in its data store, grouped b
 part before the token). For each worker it keeps the sample at its highest RSS. It prints that
 sample per worker, the client's own peak RSS, and whether any worker paused or restarted.
 
-RSS minus the data store is what a worker holds outside dask's keys: the round and epoch-end
-states that the tile graph keeps in module dictionaries between tasks (``epoch_graph._ROUND_STATES``
-/ ``_ENDED``), the process (~100 MiB) and the allocator's free lists. ``--lazy-bytes 0`` returns
+The tile graph's states and partial sums are dask keys, but dask's ``sizeof`` counts such an
+object as its header (they are "unmanaged" memory to dask, never spilled); they are counted here
+by their arrays (``epoch_graph.held_bytes``, each array once). RSS minus that is the process
+(~100 MiB), the running tasks' temporaries and the allocator's free lists. ``--lazy-bytes 0`` returns
 even a small object lazily (``DASKPTY_LAZY_OBJECT_BYTES``), so the end phase is the tile-by-tile
 write (``_field_of`` keys: the workers' own rows; ``concatenate``: the store chunks that straddle a
 tile border).
@@ -37,12 +38,20 @@ def held(dask_worker):
     import psutil
     from dask.sizeof import sizeof
 
-    by = collections.Counter()
+    from daskpty.execution.epoch_graph import held_bytes
+
+    by, seen = collections.Counter(), set()
     for key, value in list(dask_worker.data.items()):
         name = key[0] if isinstance(key, tuple) else key
         parts = str(name).split("-")
         kept = [p for p in parts if not (p.isdigit() or (len(p) >= 16 and all(c in "0123456789abcdef" for c in p)))]
-        by["-".join(kept)] += sizeof(value)
+        # (dask's sizeof counts a tile state or partial sum as its object header: count their arrays,
+        # each array once however many keys share it)
+        by["-".join(kept)] += held_bytes(value, seen) if hasattr(value, "__dict__") or isinstance(value, dict) \
+            else sizeof(value)
+    running = sorted({"-".join(p for p in str(ts.key[0] if isinstance(ts.key, tuple) else ts.key).split("-")
+                               if not (p.isdigit() or len(p) >= 16)) for ts in dask_worker.state.executing})
+    by["(running: " + ", ".join(running) + ")"] += 0
     return psutil.Process().memory_info().rss, dict(by)
 
 
@@ -88,22 +97,27 @@ def main(argv=None):
 
         thread = threading.Thread(target=sample, daemon=True)
         thread.start()
+        rec, failure = None, None
         with WorkerMemory(client) as memory:
-            rec = daskpty.reconstruct(data, args.engine, args.epochs, client=client, tiles=True, persist=True,
-                                      rounds_per_epoch=args.rounds_per_epoch, chunk_length=args.chunk_length,
-                                      checkpoint=args.checkpoint, progress=False)
+            try:
+                rec = daskpty.reconstruct(data, args.engine, args.epochs, client=client, tiles=True, persist=True,
+                                          rounds_per_epoch=args.rounds_per_epoch, chunk_length=args.chunk_length,
+                                          checkpoint=args.checkpoint, progress=False)
+            except Exception as exc:  # (a run that fails still shows where its memory was)
+                failure = f"{type(exc).__name__}: {exc}"
         stop.set()
         thread.join()
         figures = memory.figures()
-    print(f"cluster: {what}")
+    print(f"cluster: {what}" + (f"; FAILED: {failure}" if failure else ""))
     for address, (rss, by) in sorted(peaks.items()):
         total = sum(by.values())
-        top = ", ".join(f"{k} {v / MiB:.0f}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:6])
+        top = ", ".join(f"{k} {v / MiB:.0f}" if v else k for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:8])
         print(f"{address}: peak RSS {rss / MiB:.0f} MiB, of which data store {total / MiB:.0f} MiB ({top})")
-    print(f"client peak RSS {client_peak[0] / MiB:.0f} MiB; result lazy: {rec.is_lazy}; "
+    print(f"client peak RSS {client_peak[0] / MiB:.0f} MiB; result lazy: {rec is not None and rec.is_lazy}; "
           f"paused workers {figures['paused_workers']}, restarted {figures['restarted_workers']}")
     print(json.dumps({"client_peak_rss": client_peak[0], "workers_peak_rss": {a: p[0] for a, p in peaks.items()},
-                      **figures, "lazy": rec.is_lazy, "chunk_length": rec.options.get("chunk_length")}))
+                      **figures, "lazy": rec is not None and rec.is_lazy,
+                      "chunk_length": None if rec is None else rec.options.get("chunk_length"), "failure": failure}))
 
 
 if __name__ == "__main__":

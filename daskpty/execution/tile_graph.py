@@ -31,6 +31,7 @@ epoch loop is :mod:`.tile_epochs`.
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 import time
 import uuid
@@ -46,6 +47,7 @@ from .placement import GraphInputs
 from .rounds import ChunkedData, FixedTree, default_split_every, run_chunk
 from . import tile_halo
 from .tiles import TileLayout
+from .tuning import release_memory
 
 
 class TilesUnsupported(ValueError):
@@ -70,23 +72,30 @@ def check_tiles_supported(adapter, data: ChunkedData | None = None) -> None:
 # -- the state cut into tiles and stitched back ------------------------------------------------
 
 
-def crop_state(state, fields: tuple, start: int, stop: int):
+def crop_state(state, fields: tuple, start: int, stop: int, views: bool = False):
     """A copy of ``state`` with its object-frame ``fields`` cut to rows [start, stop): arrays
     (..., H, W), or holders of such arrays that cut themselves (``crop_rows`` / ``stitch_rows``,
-    e.g. an optimiser's memory)."""
+    e.g. an optimiser's memory). ``views``: the arrays' rows as views, not copies (for a state
+    nothing writes into any more)."""
     out = copy.copy(state)
     for name in fields:
         value = getattr(state, name, None)
         if value is not None:
-            setattr(out, name, value.crop_rows(start, stop) if hasattr(value, "crop_rows")
-                    else value[..., start:stop, :].copy())
+            rows = None if hasattr(value, "crop_rows") else value[..., start:stop, :]
+            setattr(out, name, value.crop_rows(start, stop) if rows is None else rows if views else rows.copy())
     return out
 
 
 def own_rows_on_host(carry: EpochCarry, fields: tuple, own: tuple, chunks) -> tuple:
     """Task on a tile's worker: its state on the host with the object-frame fields cut to its own
-    rows (what the client stitches), and its chunks' per-pattern state."""
-    return to_host(crop_state(carry.state, fields, *own)), {i: carry.local[i] for i in chunks if i in carry.local}
+    rows (what the client stitches), and its chunks' per-pattern state.
+
+    On the host the rows are views of the epoch's end: nothing writes into an epoch's end (the
+    next epoch's update and end work on arrays of their own, :func:`_tile_apply`), and copies
+    held while a checkpoint is written took another 20 B per pixel of the tile on every worker."""
+    state = carry.state
+    return (to_host(crop_state(state, fields, *own, views=not has_device_arrays(state))),
+            {i: carry.local[i] for i in chunks if i in carry.local})
 
 
 def stitch_states(parts: list, fields: tuple):
@@ -108,6 +117,20 @@ def stitch_states(parts: list, fields: tuple):
 
 
 # -- the tasks of one round --------------------------------------------------------------------
+
+
+def _trims(task):
+    """``task``, then the freed heap handed back to the system (:func:`.tuning.release_memory`,
+    when the worker is past half its memory limit). The chunk steps do it after each step; the
+    sums, updates and epoch ends free a tile's worth of temporaries, which otherwise stay in
+    the allocator until the next chunk step and count against the worker's pause threshold."""
+    @functools.wraps(task)
+    def run(*args):
+        out = task(*args)
+        release_memory()
+        return out
+    return run
+
 
 
 def _piece(part: Partial | None, origin: int, tile, detach: bool = False) -> Partial | None:
@@ -157,6 +180,7 @@ def _tile_chunks(carry: EpochCarry, adapter, layout: TileLayout, w: int, round_i
     return out
 
 
+@_trims
 def _tile_total(tree: FixedTree, w: int, *pieces) -> tuple:
     """Worker ``w``'s round total from every worker's pieces for it (in worker order), and the
     bytes it received from the others."""
@@ -168,6 +192,7 @@ def _tile_total(tree: FixedTree, w: int, *pieces) -> tuple:
     return tree.reduce(nodes)[tree.root], received
 
 
+@_trims
 def _tile_round_share(summed: tuple, adapter, carry: EpochCarry, own: tuple, copies: int, *earlier) -> dict:
     """A tile's share of the round's whole-object numbers, and its received bytes (small).
     ``earlier``: every tile's shares of the earlier stages (``copies`` per stage, stage by stage),
@@ -185,6 +210,7 @@ def _merged_shares(shares: tuple, copies: int) -> list:
     return merged
 
 
+@_trims
 def _tile_apply(carry: EpochCarry, adapter, first: bool, summed: tuple, local: dict, *shares) -> EpochCarry:
     """The round's update on a tile (``tile_begin_epoch`` first in the epoch's first round);
     ``local``: this worker's chunks' updated per-pattern state.
@@ -212,10 +238,12 @@ def _stages(adapter) -> int:
     return int(getattr(adapter, "tile_round_stages", 1))
 
 
+@_trims
 def _tile_end_share(carry: EpochCarry, adapter, own: tuple) -> dict:
     return adapter.tile_end_sums(carry.state, own)
 
 
+@_trims
 def _tile_end(carry: EpochCarry, adapter, *shares) -> EpochCarry:
     state = adapter.tile_end_epoch(adapter.copy_state(carry.state), list(shares))
     return EpochCarry(state, {**carry.scalars, **adapter.epoch_scalars(state)}, time.time(), carry.local)
