@@ -120,6 +120,49 @@ def _sum_boxes(boxes: list) -> BoxedArray:
     return BoxedArray((y0, x0), out)
 
 
+def covers(acc: Partial, parts) -> bool:
+    """Whether ``acc``'s boxes hold every box of ``parts`` (same keys, each box inside)."""
+    for part in parts:
+        for key, box in part.boxes.items():
+            own = acc.boxes.get(key)
+            if own is None or box.offset[0] < own.offset[0] or box.offset[1] < own.offset[1] \
+                    or box.stop[0] > own.stop[0] or box.stop[1] > own.stop[1]:
+                return False
+    return True
+
+
+def sum_partials_into(parts: list, at: int) -> Partial:
+    """:func:`sum_partials` of ``parts`` written into the boxes of ``parts[at]``, whose boxes must
+    hold every other's (:func:`covers`), without a new object-sized array; ``parts[at]`` is
+    changed. Per pixel the same additions in the same order, so the same values (a float sum of
+    two terms does not depend on their order: the parts before ``at`` are summed first, as
+    :func:`sum_partials` would, then added to it; the sign of a zero may differ)."""
+    parts = [p for p in parts]
+    acc, before, after = parts[at], [p for p in parts[:at] if p is not None], [p for p in parts[at + 1:] if p is not None]
+    prefix = sum_partials(*before) if before else None
+    for key, box in acc.boxes.items():
+        (y0, x0) = box.offset
+        for part in ([prefix] if prefix is not None else []) + after:
+            other = part.boxes.get(key)
+            if other is not None:
+                box.data[..., other.offset[0] - y0:other.stop[0] - y0, other.offset[1] - x0:other.stop[1] - x0] \
+                    += other.data
+    present = [p for p in parts if p is not None]
+    arrays = {}
+    for key in dict.fromkeys(k for p in present for k in p.arrays):
+        values = [p.arrays[key] for p in present if key in p.arrays]
+        total = values[0]
+        for v in values[1:]:
+            total = total + v
+        arrays[key] = total
+    scalars, local = {}, {}
+    for p in present:
+        for k, v in p.scalars.items():
+            scalars[k] = scalars.get(k, 0.0) + v
+        local.update(p.local)
+    return Partial(dict(acc.boxes), arrays, scalars, local)
+
+
 def sum_partials(*parts: Partial) -> Partial:
     """Sum of partials, left to right (the fixed order keeps results worker-count independent).
 

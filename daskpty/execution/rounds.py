@@ -139,14 +139,15 @@ class FixedTree:
     def root(self) -> tuple:
         return (len(self.counts) - 1, 0)
 
-    def reduce(self, nodes: dict, combine_fn=None, root_fn=None) -> dict:
+    def reduce(self, nodes: dict, combine_fn=None, root_fn=None, consume: bool = False) -> dict:
         """Replace complete groups of children in ``nodes`` (``{(level, index): partial}``) by
         their parent, bottom up; returns the nodes left (the root alone once all are there).
 
         ``combine_fn`` sums children (default :func:`combine`; a ``dask.delayed`` one builds the
-        tree as tasks), ``root_fn`` the root's children (default ``combine_fn``)."""
+        tree as tasks), ``root_fn`` the root's children (default ``combine_fn``). ``consume``:
+        work in ``nodes`` itself, so a child summed is let go at once (not a copy of the dict)."""
         combine_fn = combine if combine_fn is None else combine_fn
-        nodes = dict(nodes)
+        nodes = nodes if consume else dict(nodes)
         s = self.split_every
         for level in range(1, len(self.counts)):
             below = self.counts[level - 1]

@@ -32,19 +32,20 @@ from __future__ import annotations
 
 import copy
 import functools
+import weakref
 import operator
 import time
 import uuid
 
 import numpy as np
 
-from ..engines.partials import BoxedArray, Partial
+from ..engines.partials import BoxedArray, Partial, covers, sum_partials_into
 from ..engines.tile_frame import TileFrame, with_frame
 from .device_state import follow_partials, has_device_arrays, resident, to_host
 from .engine_protocol import RunsOnTiles
 from .epoch_graph import EpochCarry
 from .placement import GraphInputs
-from .rounds import ChunkedData, FixedTree, default_split_every, run_chunk
+from .rounds import ChunkedData, FixedTree, combine, default_split_every, run_chunk
 from . import tile_halo
 from .tiles import TileLayout
 from .tuning import release_memory
@@ -180,16 +181,59 @@ def _tile_chunks(carry: EpochCarry, adapter, layout: TileLayout, w: int, round_i
     return out
 
 
+class _Owned:
+    """The partials a task may change (made or taken over by it), held weakly: by identity."""
+
+    def __init__(self):
+        self._refs = {}
+
+    def add(self, part) -> None:
+        self._refs[id(part)] = weakref.ref(part)
+
+    def __contains__(self, part) -> bool:
+        ref = self._refs.get(id(part))
+        return ref is not None and ref() is part
+
+
+def _summing_in_place(owned: _Owned):
+    """The tree's combine for :func:`_tile_total`: children summed into one that holds them all
+    when that one is this task's own (``owned``), instead of into a new object-sized array; the
+    same values either way."""
+    def combine_fn(*kids):
+        at = next((i for i, k in enumerate(kids) if k is not None and k in owned
+                   and covers(k, [c for c in kids if c is not None])), None)
+        if at is None:
+            out = combine(*kids)
+        else:
+            out = sum_partials_into(list(kids), at)
+            if len(kids) > 1:  # (the bytes a new sum would have made, as combine counts them)
+                out.scalars["reduced_bytes"] = out.scalars.get("reduced_bytes", 0.0) + float(out.nbytes)
+        if out is not None:
+            owned.add(out)
+        return out
+    return combine_fn
+
+
 @_trims
 def _tile_total(tree: FixedTree, w: int, *pieces) -> tuple:
     """Worker ``w``'s round total from every worker's pieces for it (in worker order), and the
-    bytes it received from the others."""
+    bytes it received from the others. ``pieces[w]`` is this worker's chunk task's result: its
+    own pieces are taken out of it (nothing else reads them), so the tree sums into them where
+    they hold their siblings and frees them once summed — a tile's sums are not held twice."""
     nodes, received = {}, 0
+    owned = _Owned()
     for u, group in enumerate(pieces):
-        nodes.update(group)
-        if u != w:
+        if u == w:
+            group = group.pop(w)
+            for p in group.values():
+                if p is not None:
+                    owned.add(p)
+        else:
             received += sum(p.nbytes for p in group.values() if p is not None)
-    return tree.reduce(nodes)[tree.root], received
+        nodes.update(group)
+        group = None
+    pieces = None  # (the reduce pops each node it sums: the last reference to an own piece)
+    return tree.reduce(nodes, _summing_in_place(owned), consume=True)[tree.root], received
 
 
 @_trims
@@ -330,6 +374,9 @@ class TileGraph:
             pieces, locals_ = {}, []
             for w in range(copies):  # each piece a key of its own: only it travels
                 for v in range(copies):
+                    if v == w:  # (its own: the total takes them out of the chunk task's result)
+                        pieces[w, v] = chunk_keys[w]
+                        continue
                     pieces[w, v] = (f"daskpty-tile-piece-{r}-{w}-{tag}", v)
                     tasks[w][pieces[w, v]] = (operator.getitem, chunk_keys[w], v)
                 # (and the per-pattern state too: the chunk task's result, all of its pieces, is
