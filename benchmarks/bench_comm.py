@@ -75,6 +75,9 @@ def build_parser():
                     metavar="L,L", help="replicas (a whole state on every worker) and/or tiles (a row tile "
                                         "each), e.g. replicas,tiles")
     ap.add_argument("--chunk-length", type=int, default=None, help="passed to reconstruct")
+    ap.add_argument("--refine-positions", type=int, default=None, metavar="EPOCH",
+                    help="refine positions from this epoch on (window correction included; on tiles the "
+                         "halos widen by max_displacement and are refreshed after each resampling)")
     ap.add_argument("--threads-per-worker", type=int, default=1)
     ap.add_argument("--memory-limit", default="auto")
     ap.add_argument("--tmpdir", default=None)
@@ -253,12 +256,21 @@ class WorkerMemory:
                 "restarted_workers": len(self.start_workers - self.end_workers)}
 
 
+def _refinement(args):
+    """``--refine-positions EPOCH``: the options for reconstruct (False: fixed positions)."""
+    if getattr(args, "refine_positions", None) is None:
+        return False
+    from daskpty.engines.positions import PositionOptions
+
+    return PositionOptions(start_epoch=args.refine_positions)
+
+
 def measure(args, data, n_patterns, n, workers, rounds, layout: str = "replicas") -> dict:
     import daskpty
     from distributed import get_task_stream
 
     row = {"backend": args.backend, "patterns": n_patterns, "n": n, "workers": workers, "rounds": rounds,
-           "engine": args.engine, "layout": layout}
+           "engine": args.engine, "layout": layout, "refine_positions": getattr(args, "refine_positions", None)}
     with bench_cluster(args.backend, workers, args.threads_per_worker, args.memory_limit) as (client, what):
         row["cluster"] = what
         row["workers"] = len(client.scheduler_info(n_workers=-1)["workers"])
@@ -268,7 +280,8 @@ def measure(args, data, n_patterns, n, workers, rounds, layout: str = "replicas"
         with get_task_stream(client) as ts, WorkerMemory(client) as memory:
             rec = daskpty.reconstruct(data, engine=args.engine, epochs=args.epochs, client=client,
                                       rounds_per_epoch=rounds, persist=True, device=args.backend,
-                                      seed=args.seed, tiles=layout == "tiles", chunk_length=args.chunk_length)
+                                      seed=args.seed, tiles=layout == "tiles", chunk_length=args.chunk_length,
+                                      refine_positions=_refinement(args))
         row["reconstruct_s"] = time.perf_counter() - t0
         row.update(memory.figures())
         logs = client.run(_incoming_logs)

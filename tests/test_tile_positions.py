@@ -108,3 +108,22 @@ def test_refinement_on_tiles_resumes_bit_identically(tmp_path, three_workers):
     np.testing.assert_array_equal(resumed.probe, whole.probe)
     np.testing.assert_array_equal(resumed.positions, whole.positions)
     assert np.abs(whole.positions - whole.nominal_positions).max() > 0.05
+
+
+@pytest.mark.parametrize("engine,kind", [("lsqml", "slices"), ("lsqml", "near field"), ("ad", "slices")])
+def test_the_electron_recipe_on_three_tiles_equals_one_tile(three_workers, one_worker, engine, kind):
+    """Position refinement with K slices (or the near field) and the varying probe (OPR,
+    intensity factors, background) on tiles — every part at once: 3 tiles equal 1 tile bit for
+    bit, and the refined positions moved."""
+    from test_compose_runs import SPACING, VARYING, _electron, _near_field
+
+    data = _electron(2, grid=6)[1] if kind == "slices" else _near_field()[2]
+    extra = dict(slices=2, slice_spacing_m=SPACING) if kind == "slices" else {}
+    kw = dict(engine=engine, epochs=5, rounds_per_epoch=2, chunk_length=6, persist=True, check_data=False,
+              refine_positions=PositionOptions(start_epoch=1), **extra, **VARYING)
+    one = daskpty.reconstruct(data, client=one_worker, tiles=True, **kw)
+    three = daskpty.reconstruct(data, client=three_workers, tiles=True, **kw)
+    np.testing.assert_array_equal(three.object, one.object)
+    np.testing.assert_array_equal(three.probe, one.probe)
+    np.testing.assert_array_equal(three.positions, one.positions)
+    assert np.abs(three.positions - three.nominal_positions).max() > 0.01

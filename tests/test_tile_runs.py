@@ -4,7 +4,7 @@ W tiles equal 1 tile bit for bit, and the replicated graph on the same pattern o
 rounding (the scale
 normalisation's mean is summed tile by tile); a worker receives less than replicas exchange;
 a real run through ``reconstruct`` (a Zarr store, worker processes) resumes bit-identically;
-what tiles cannot do yet is refused in one line (position refinement: test_tile_positions.py).
+what tiles cannot do yet is refused in one line (position refinement on tiles: test_tile_positions.py).
 """
 from __future__ import annotations
 
