@@ -210,7 +210,7 @@ def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, ob
 
 
 def _resolve_device_and_chunks(client, execution, n_patterns, n, modes, object_shape, thick,
-                               tiles: int | None = None, reach: float = 0.0) -> ExecutionOptions:
+                               tiles: int | None = None, reach: float = 0.0, data_bytes: int = 0) -> ExecutionOptions:
     """``device="auto"``: gpu when every worker sees one; the chunk length from the probe size and
     the workers' memory (shorter on small workers rather than a refusal); a step that cannot fit
     is refused here rather than stalling a worker (``tiles``: the object in that many row tiles)."""
@@ -222,10 +222,12 @@ def _resolve_device_and_chunks(client, execution, n_patterns, n, modes, object_s
     slices = gpu_steps_per_chunk(device, int(execution.rounds_per_epoch))
     if length is None:
         length = choose_chunk_length(client, n_patterns, n, modes, thick.working_factor, steps_per_chunk=slices)
-        fitting = largest_fitting_chunk(client, n, modes, object_shape, thick.working_factor, tiles, reach)
+        fitting = largest_fitting_chunk(client, n, modes, object_shape, thick.working_factor, tiles, reach,
+                                        data_bytes)
         if fitting:
             length = min(length, fitting * slices)
-    check_step_fits(client, length, n, modes, object_shape, thick.working_factor, tiles, rounds=slices, reach=reach)
+    check_step_fits(client, length, n, modes, object_shape, thick.working_factor, tiles, rounds=slices, reach=reach,
+                    data_bytes=data_bytes)
     return execution.replace(device=device, chunk_length=int(length))
 
 
@@ -453,7 +455,8 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
                                       _initial_probe(probe, data, c, intensities, probe_modes, eng.seed))
         object_shape, obj = obj.shape, None  # (the state holds it: one object-sized array less held)
         execution = _resolve_device_and_chunks(c, execution, len(positions), n, state.probe.shape[0], object_shape,
-                                               thick, tiles_of, halo_reach)
+                                               thick, tiles_of, halo_reach,
+                                               intensities.nbytes if execution.persist and tiles_of else 0)
         run_options.update(chunk_length=execution.chunk_length)
         if hasattr(data, "intensities_in_chunks") and not execution.persist:
             intensities = data.intensities_in_chunks(execution.chunk_length)  # out of core: read sub-shards

@@ -187,3 +187,27 @@ def test_refined_positions_widen_the_tiles_halo_the_memory_rule_counts(small_wor
         message = str(info.value)
         break
     assert "workers of this memory" in message and "\n" not in message
+
+
+def test_a_tiled_worker_counts_its_chunks_of_the_data(small_workers):
+    """Tiles keep the data in worker memory beside the tile: the rule counts a worker's share,
+    so the fewest tiles that fit alone are refused with 30 MiB of chunks each, naming more
+    workers (each with a smaller share and a smaller tile), which do fit."""
+    shape, n = (1200, 1200), 32
+    tiles = next(t for t in range(2, 40) if _fits(small_workers, shape, n, t, 0))
+    data = 30 * 2**20 * tiles
+    with pytest.raises(ValueError) as info:
+        check_step_fits(small_workers, 4, n, 1, shape, tiles=tiles, data_bytes=data)
+    message = str(info.value)
+    assert "\n" not in message and "workers of this memory" in message
+    more = int(message.split("at least ")[-1].split()[0])
+    assert more > tiles and _fits(small_workers, shape, n, more, data)
+    assert not _fits(small_workers, shape, n, more - 1, data)
+
+
+def _fits(client, shape, n, tiles, data) -> bool:
+    try:
+        check_step_fits(client, 4, n, 1, shape, tiles=tiles, data_bytes=data)
+    except ValueError:
+        return False
+    return True

@@ -76,3 +76,29 @@ def test_the_in_place_epoch_end_equals_the_engines_and_leaves_the_previous_epoch
         np.testing.assert_array_equal(getattr(state, name), getattr(expected, name), err_msg=name)
         np.testing.assert_array_equal(getattr(previous, name), getattr(kept, name), err_msg=name)
     assert state.epoch == expected.epoch and state.epoch_start_object is None
+
+
+def test_the_epoch_ends_sums_by_blocks_of_rows_equal_the_whole(monkeypatch):
+    """lsqml_tiles.end_sums goes block by block of rows (its temporaries were a spike at each
+    epoch's end): the same count and, to rounding, the same sums as in one block."""
+    from daskpty.engines import lsqml, lsqml_tiles
+
+    rng = np.random.default_rng(0)
+    shape = (50, 40)
+
+    def field():
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(np.complex64)
+
+    state = lsqml.LSQMLState(field(), np.ones((1, 8, 8), np.complex64), epoch=1, velocity=field(),
+                             epoch_start_object=field(), illumination=rng.random(shape).astype(np.float32),
+                             extra={"illumination_max": 1.0})
+    options = lsqml.LSQMLOptions(momentum=0.5, normalize_every=2)
+    monkeypatch.setattr(lsqml_tiles, "END_BLOCK_ROWS", 10**6)
+    whole = lsqml_tiles.end_sums(state, options, (3, 47))
+    monkeypatch.setattr(lsqml_tiles, "END_BLOCK_ROWS", 7)
+    blocks = lsqml_tiles.end_sums(state, options, (3, 47))
+    assert set(whole) == {"dot", "lit", "abs_sum", "abs_sum_moved"} and whole["lit"][0] > 0
+    np.testing.assert_array_equal(blocks["lit"], whole["lit"])
+    for key in ("abs_sum", "abs_sum_moved"):  # (float64 sums)
+        np.testing.assert_allclose(blocks[key], whole[key], rtol=1e-12)
+    np.testing.assert_allclose(blocks["dot"], whole["dot"], rtol=1e-5)  # (complex64 vdot; only its sign is used)

@@ -63,6 +63,8 @@ def _largest(shares: list, key: str):
 #: Rows of the object updated at a time: the update's temporaries stay a few MB however large
 #: the tile.
 BLOCK_ROWS = 64
+#: Rows at a time of the epoch end's sums (:func:`end_sums`).
+END_BLOCK_ROWS = 256
 
 
 def begin_epoch(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions) -> lsqml.LSQMLState:
@@ -149,27 +151,34 @@ def end_sums(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions, own: tuple[in
     test's dot product, and for the normalisation the lit pixels' count and Σ|O| (per slice for a
     (K, H, W) object) — for the object as it is and as momentum would move it (the test's
     outcome is not known yet)."""
-    rows = slice(*own)
     xp = get_xp(state.object)
     out = {}
     momentum = getattr(options, "momentum", 0.0)  # (PIE keeps none: pie_tiles)
     moves = momentum > 0 and state.epoch_start_object is not None and state.velocity is not None
+    # block by block of rows: whole, the momentum's moved copy and its temporaries took ~30 B per
+    # pixel of the tile at once (a spike that restarted 800 MiB workers at each epoch's end)
+    blocks = [slice(a, min(a + END_BLOCK_ROWS, own[1])) for a in range(own[0], own[1], END_BLOCK_ROWS)]
     if moves:
-        change = state.object[..., rows, :] - state.epoch_start_object[..., rows, :]
-        out["dot"] = float(xp.vdot(state.velocity[..., rows, :], change).real)
+        dot = 0.0
+        for rows in blocks:
+            change = state.object[..., rows, :] - state.epoch_start_object[..., rows, :]
+            dot += float(xp.vdot(state.velocity[..., rows, :], change).real)
+        out["dot"] = dot
     if not (lsqml.normalizes_now(state, options) and state.illumination is not None):
         return out
     peak = state.extra.get("illumination_max", 0.0)
-    velocity = None if state.velocity is None else state.velocity[..., rows, :]
     k = _slices(state)
-    layers = [None] if k is None else range(k)
     sums = []
-    for j in layers:
-        pick = (lambda a: a[..., rows, :]) if j is None else (lambda a, j=j: a[j, rows, :])
+    for j in ([None] if k is None else range(k)):
         threshold = np.float32(0.5) * np.float32(peak if j is None else peak[j])
-        lit = pick(state.illumination) > threshold
-        sums.append(_lit_sums(pick(state.object), None if velocity is None else pick(state.velocity), lit,
-                              momentum, moves, xp))
+        total = (0, 0.0, 0.0)
+        for rows in blocks:
+            pick = (lambda a, rows=rows: a[..., rows, :]) if j is None else (lambda a, j=j, rows=rows: a[j, rows, :])
+            lit = pick(state.illumination) > threshold
+            part = _lit_sums(pick(state.object), None if state.velocity is None else pick(state.velocity), lit,
+                             momentum, moves, xp)
+            total = tuple(t + v for t, v in zip(total, part))
+        sums.append(total)
     out["lit"], out["abs_sum"], out["abs_sum_moved"] = (np.array(v) for v in zip(*sums))
     return out
 

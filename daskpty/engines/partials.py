@@ -163,6 +163,39 @@ def sum_partials_into(parts: list, at: int) -> Partial:
     return Partial(dict(acc.boxes), arrays, scalars, local)
 
 
+def sum_partials_releasing(parts: list, release=None) -> Partial:
+    """:func:`sum_partials` of the list ``parts``, letting each part go once added (its entry set
+    to None; ``release()`` is then called, e.g. to hand freed memory back): the union boxes fill
+    as the parts empty. Per pixel the same additions in the same order."""
+    present = [i for i, p in enumerate(parts) if p is not None]
+    if len(present) <= 1:
+        return parts[present[0]] if present else None
+    unions = {}
+    for key in dict.fromkeys(k for i in present for k in parts[i].boxes):
+        boxes = [parts[i].boxes[key] for i in present if key in parts[i].boxes]
+        y0, x0 = min(b.offset[0] for b in boxes), min(b.offset[1] for b in boxes)
+        y1, x1 = max(b.stop[0] for b in boxes), max(b.stop[1] for b in boxes)
+        like = boxes[0].data
+        # (zeros: pages the system hands out as they are first written, while the parts go)
+        unions[key] = BoxedArray((y0, x0), get_xp(like).zeros(like.shape[:-2] + (y1 - y0, x1 - x0), like.dtype))
+    arrays, scalars, local = {}, {}, {}
+    for i in present:
+        part = parts[i]
+        for key, box in part.boxes.items():
+            out = unions[key]
+            out.data[..., box.offset[0] - out.offset[0]:box.stop[0] - out.offset[0],
+                     box.offset[1] - out.offset[1]:box.stop[1] - out.offset[1]] += box.data
+        for key, v in part.arrays.items():
+            arrays[key] = arrays[key] + v if key in arrays else v
+        for k, v in part.scalars.items():
+            scalars[k] = scalars.get(k, 0.0) + v
+        local.update(part.local)
+        parts[i] = part = box = None
+        if release is not None:
+            release()
+    return Partial(unions, arrays, scalars, local)
+
+
 def sum_partials(*parts: Partial) -> Partial:
     """Sum of partials, left to right (the fixed order keeps results worker-count independent).
 

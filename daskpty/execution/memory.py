@@ -22,6 +22,9 @@ WORKING_BYTES_PER_PIXEL = 80
 #: Bytes per object pixel of one state copy and its apply: ~8 complex64 object-sized arrays.
 STATE_BYTES_PER_PIXEL = 64
 MIB = 2**20
+#: The step (patterns) a refusal's "use at least N workers" assumes: short enough to leave the
+#: memory to the state, long enough to keep the FFTs batched.
+SHORT_STEP = 16
 #: Memory of a worker process besides the data and the step's arrays: 84 MiB with Python, NumPy,
 #: SciPy, dask and daskpty imported, but dask reported 117–151 MiB of unmanaged memory on workers
 #: running chunk steps (FFT plans and scratch, the allocator's arenas; issue 32's 180–220 MiB
@@ -92,12 +95,14 @@ def held_shape(object_shape, n: int, tiles: int | None = None, reach: float = 0.
 
 
 def fewest_tiles(limit: int, baseline: int, step: int, object_shape, n: int, most: int = 4096,
-                 reach: float = 0.0) -> int | None:
-    """The fewest row tiles whose held part, one step and the worker process fit under the pause
+                 reach: float = 0.0, data_bytes: int = 0) -> int | None:
+    """The fewest row tiles whose held part, one step, the worker process and a worker's share of
+    ``data_bytes`` (the data kept in worker memory, one tile per worker) fit under the pause
     threshold of a worker of ``limit`` bytes (None: no number of tiles does)."""
     pause = _fraction("pause", 0.8) * limit
     for tiles in range(1, most + 1):
-        if state_bytes(held_shape(object_shape, n, tiles, reach)) + baseline + step <= pause:
+        share = data_bytes / tiles
+        if state_bytes(held_shape(object_shape, n, tiles, reach)) + baseline + step + share <= pause:
             return tiles
         if held_shape(object_shape, n, tiles, reach)[-2] <= 2 * (n + 3 + math.ceil(reach)):  # only the halo is left
             return None
@@ -106,11 +111,12 @@ def fewest_tiles(limit: int, baseline: int, step: int, object_shape, n: int, mos
 
 def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
                     working_factor: float = 1.0, tiles: int | None = None, rounds: int = 1,
-                    reach: float = 0.0) -> None:
+                    reach: float = 0.0, data_bytes: int = 0) -> None:
     """Raise ValueError (one line, with what would fit) when one chunk step plus the state (of
     the whole object, or with ``tiles`` of one row tile and its halo) exceed the pause threshold
-    of the smallest worker. A step holds slice ``r::rounds`` of a chunk. No-op when workers have
-    no memory limit."""
+    of the smallest worker. A step holds slice ``r::rounds`` of a chunk. ``data_bytes``: data
+    kept in worker memory beside a tile (its worker's share counted: ``data_bytes / tiles``).
+    No-op when workers have no memory limit."""
     limit = smallest_worker_memory(client)
     if not limit:
         return
@@ -118,7 +124,8 @@ def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
     pause = _fraction("pause", 0.8) * limit
     baseline = _baseline(client)
     held = held_shape(object_shape, n, tiles, reach)
-    state = state_bytes(held) + baseline
+    share = data_bytes / max(int(tiles or 1), 1)  # (a worker's chunks, kept beside its tile)
+    state = state_bytes(held) + baseline + share
     step_length = -(-int(chunk_length) // rounds)
     step = step_bytes(step_length, n, modes, working_factor)
     need = step + state
@@ -128,8 +135,11 @@ def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
     what = (f"a {held[-2]}-row tile of a {object_shape[-2]} x {object_shape[-1]} object" if tiles and tiles > 1
             else f"a {object_shape[-2]} x {object_shape[-1]} object")
     how = (f"or a chunk_length of at most {fits} patterns" if fits >= 1 else
-           f"(the state of {what} and the worker process, {state / MIB:.0f} MiB, do not fit alone)")
-    fewest = fewest_tiles(limit, baseline, step, object_shape, n, reach=reach)
+           f"(the state of {what}{', its chunks of the data' if share else ''} and the worker process, "
+           f"{state / MIB:.0f} MiB, do not fit alone)")
+    # (with steps of at most SHORT_STEP patterns: chosen chunks shrink to fit, see largest_fitting_chunk)
+    short = step_bytes(min(step_length, SHORT_STEP), n, modes, working_factor)
+    fewest = fewest_tiles(limit, baseline, short, object_shape, n, reach=reach, data_bytes=data_bytes)
     if fewest is not None and fewest > max(1, tiles or 1):
         how += (f"; or cut the object into tiles (tiles=True) over at least {fewest} workers of this memory"
                 if not tiles else f"; or use at least {fewest} workers of this memory")
@@ -142,13 +152,14 @@ def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
 
 
 def largest_fitting_chunk(client, n: int, modes: int, object_shape, working_factor: float = 1.0,
-                          tiles: int | None = None, reach: float = 0.0) -> int | None:
+                          tiles: int | None = None, reach: float = 0.0, data_bytes: int = 0) -> int | None:
     """The most patterns per chunk whose step plus the state (``tiles``: of one row tile) fit under
     the smallest worker's pause threshold (None: no memory limit; 0: not even one pattern fits)."""
     limit = smallest_worker_memory(client)
     if not limit:
         return None
-    room = _fraction("pause", 0.8) * limit - state_bytes(held_shape(object_shape, n, tiles, reach)) - _baseline(client)
+    room = (_fraction("pause", 0.8) * limit - state_bytes(held_shape(object_shape, n, tiles, reach)) - _baseline(client)
+            - data_bytes / max(int(tiles or 1), 1))
     return max(0, int(room // step_bytes(1, n, modes, working_factor)))
 
 

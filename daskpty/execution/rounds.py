@@ -139,13 +139,15 @@ class FixedTree:
     def root(self) -> tuple:
         return (len(self.counts) - 1, 0)
 
-    def reduce(self, nodes: dict, combine_fn=None, root_fn=None, consume: bool = False) -> dict:
+    def reduce(self, nodes: dict, combine_fn=None, root_fn=None, consume: bool = False,
+               takes_list: bool = False) -> dict:
         """Replace complete groups of children in ``nodes`` (``{(level, index): partial}``) by
         their parent, bottom up; returns the nodes left (the root alone once all are there).
 
         ``combine_fn`` sums children (default :func:`combine`; a ``dask.delayed`` one builds the
         tree as tasks), ``root_fn`` the root's children (default ``combine_fn``). ``consume``:
-        work in ``nodes`` itself, so a child summed is let go at once (not a copy of the dict)."""
+        work in ``nodes`` itself, so a child summed is let go at once (not a copy of the dict);
+        ``takes_list``: the functions get the children as one list, theirs to empty."""
         combine_fn = combine if combine_fn is None else combine_fn
         nodes = nodes if consume else dict(nodes)
         s = self.split_every
@@ -155,7 +157,9 @@ class FixedTree:
             for j in range(self.counts[level]):
                 kids = [(level - 1, k) for k in range(j * s, min((j + 1) * s, below))]
                 if all(k in nodes for k in kids):
-                    nodes[(level, j)] = fn(*[nodes.pop(k) for k in kids])
+                    taken = [nodes.pop(k) for k in kids]
+                    nodes[(level, j)] = fn(taken) if takes_list else fn(*taken)
+                    taken = None
         return nodes
 
 

@@ -39,13 +39,13 @@ import uuid
 
 import numpy as np
 
-from ..engines.partials import BoxedArray, Partial, covers, sum_partials_into
+from ..engines.partials import BoxedArray, Partial, covers, sum_partials_into, sum_partials_releasing
 from ..engines.tile_frame import TileFrame, with_frame
 from .device_state import follow_partials, has_device_arrays, resident, to_host
 from .engine_protocol import RunsOnTiles
 from .epoch_graph import EpochCarry
 from .placement import GraphInputs
-from .rounds import ChunkedData, FixedTree, combine, default_split_every, run_chunk
+from .rounds import ChunkedData, FixedTree, default_split_every, run_chunk
 from . import tile_halo
 from .tiles import TileLayout
 from .tuning import release_memory
@@ -199,15 +199,17 @@ def _summing_in_place(owned: _Owned):
     """The tree's combine for :func:`_tile_total`: children summed into one that holds them all
     when that one is this task's own (``owned``), instead of into a new object-sized array; the
     same values either way."""
-    def combine_fn(*kids):
+    def combine_fn(kids: list):
+        count = len(kids)
         at = next((i for i, k in enumerate(kids) if k is not None and k in owned
                    and covers(k, [c for c in kids if c is not None])), None)
-        if at is None:
-            out = combine(*kids)
+        if at is None:  # a new sum, which fills as each child is added and let go
+            out = sum_partials_releasing(kids, release_memory)
         else:
-            out = sum_partials_into(list(kids), at)
-            if len(kids) > 1:  # (the bytes a new sum would have made, as combine counts them)
-                out.scalars["reduced_bytes"] = out.scalars.get("reduced_bytes", 0.0) + float(out.nbytes)
+            out = sum_partials_into(kids, at)
+        kids.clear()
+        if out is not None and count > 1:  # (the bytes of a new sum, as rounds.combine counts them)
+            out.scalars["reduced_bytes"] = out.scalars.get("reduced_bytes", 0.0) + float(out.nbytes)
         if out is not None:
             owned.add(out)
         return out
@@ -233,7 +235,7 @@ def _tile_total(tree: FixedTree, w: int, *pieces) -> tuple:
         nodes.update(group)
         group = None
     pieces = None  # (the reduce pops each node it sums: the last reference to an own piece)
-    return tree.reduce(nodes, _summing_in_place(owned), consume=True)[tree.root], received
+    return tree.reduce(nodes, _summing_in_place(owned), consume=True, takes_list=True)[tree.root], received
 
 
 @_trims
