@@ -41,7 +41,10 @@ def held(dask_worker):
     from daskpty.execution.epoch_graph import held_bytes
 
     by, seen = collections.Counter(), set()
-    for key, value in list(dask_worker.data.items()):
+    # only the keys in memory: iterating the whole store (a zict buffer) would read the spilled
+    # ones back from disk, a spike of this sampler's own that restarted workers at their limit
+    store = getattr(dask_worker.data, "fast", dask_worker.data)
+    for key, value in list(store.items()):
         name = key[0] if isinstance(key, tuple) else key
         parts = str(name).split("-")
         kept = [p for p in parts if not (p.isdigit() or (len(p) >= 16 and all(c in "0123456789abcdef" for c in p)))]
