@@ -141,7 +141,7 @@ def _run_options(engine, epochs, seed, execution, options, positions, model, sam
     that depend on the cluster are filled in once they are resolved."""
     run = dict(engine=engine, epochs=epochs, rounds_per_epoch=execution.rounds_per_epoch, seed=seed,
                chunk_length=execution.chunk_length, split_every=execution.split_every, sort=execution.sort,
-               **dataclasses.asdict(options))
+               tiles=bool(execution.tiles), **dataclasses.asdict(options))
     if positions is not None:
         run["refine_positions"] = dataclasses.asdict(positions)
     if model is not None:

@@ -91,6 +91,7 @@ def test_reconstruct_on_tiles_from_a_store_resumes_bit_identically(tmp_path, thr
     np.testing.assert_array_equal(resumed.object, whole.object)
     np.testing.assert_array_equal(resumed.probe, whole.probe)
     assert [h["epoch"] for h in resumed.history] == list(range(1, 7))
+    assert whole.options["tiles"] is True and daskpty.Reconstruction.from_zarr(tmp_path / "a.zarr").options["tiles"]
 
 
 @pytest.mark.parametrize("engine,kind", [("lsqml", "slices"), ("lsqml", "near field"), ("ad", "slices"),
