@@ -109,15 +109,37 @@ def _sum_boxes(boxes: list) -> BoxedArray:
     """Sum of boxed arrays into one union box allocated once, added left to right."""
     if len(boxes) == 1:
         return BoxedArray(boxes[0].offset, boxes[0].data.copy())
-    y0 = min(b.offset[0] for b in boxes)
-    x0 = min(b.offset[1] for b in boxes)
-    y1 = max(b.stop[0] for b in boxes)
-    x1 = max(b.stop[1] for b in boxes)
-    first = boxes[0].data
-    out = get_xp(first).zeros(first.shape[:-2] + (y1 - y0, x1 - x0), dtype=first.dtype)
+    out = _zeros_union(boxes)
     for b in boxes:
-        out[..., b.offset[0] - y0:b.stop[0] - y0, b.offset[1] - x0:b.stop[1] - x0] += b.data
-    return BoxedArray((y0, x0), out)
+        _add_box(out, b)
+    return out
+
+
+def _zeros_union(boxes: list) -> BoxedArray:
+    """Zeros over the union of ``boxes`` (their dtype and leading shape)."""
+    y0, x0 = min(b.offset[0] for b in boxes), min(b.offset[1] for b in boxes)
+    y1, x1 = max(b.stop[0] for b in boxes), max(b.stop[1] for b in boxes)
+    like = boxes[0].data
+    return BoxedArray((y0, x0), get_xp(like).zeros(like.shape[:-2] + (y1 - y0, x1 - x0), dtype=like.dtype))
+
+
+def _add_box(out: BoxedArray, box: BoxedArray) -> None:
+    """``out`` += ``box`` over ``box``'s rows and columns (in place; ``out`` holds it)."""
+    (y0, x0) = out.offset
+    out.data[..., box.offset[0] - y0:box.stop[0] - y0, box.offset[1] - x0:box.stop[1] - x0] += box.data
+
+
+def _small_sums(parts: list) -> tuple:
+    """The probe-frame arrays and scalars of ``parts`` (no None) summed left to right, and their
+    per-pattern states merged: ``(arrays, scalars, local)``."""
+    arrays, scalars, local = {}, {}, {}
+    for p in parts:
+        for k, v in p.arrays.items():
+            arrays[k] = arrays[k] + v if k in arrays else v
+        for k, v in p.scalars.items():
+            scalars[k] = scalars.get(k, 0.0) + v
+        local.update(p.local)
+    return arrays, scalars, local
 
 
 def covers(acc: Partial, parts) -> bool:
@@ -137,30 +159,14 @@ def sum_partials_into(parts: list, at: int) -> Partial:
     changed. Per pixel the same additions in the same order, so the same values (a float sum of
     two terms does not depend on their order: the parts before ``at`` are summed first, as
     :func:`sum_partials` would, then added to it; the sign of a zero may differ)."""
-    parts = [p for p in parts]
-    acc, before, after = parts[at], [p for p in parts[:at] if p is not None], [p for p in parts[at + 1:] if p is not None]
+    acc = parts[at]
+    before = [p for p in parts[:at] if p is not None]
     prefix = sum_partials(*before) if before else None
     for key, box in acc.boxes.items():
-        (y0, x0) = box.offset
-        for part in ([prefix] if prefix is not None else []) + after:
-            other = part.boxes.get(key)
-            if other is not None:
-                box.data[..., other.offset[0] - y0:other.stop[0] - y0, other.offset[1] - x0:other.stop[1] - x0] \
-                    += other.data
-    present = [p for p in parts if p is not None]
-    arrays = {}
-    for key in dict.fromkeys(k for p in present for k in p.arrays):
-        values = [p.arrays[key] for p in present if key in p.arrays]
-        total = values[0]
-        for v in values[1:]:
-            total = total + v
-        arrays[key] = total
-    scalars, local = {}, {}
-    for p in present:
-        for k, v in p.scalars.items():
-            scalars[k] = scalars.get(k, 0.0) + v
-        local.update(p.local)
-    return Partial(dict(acc.boxes), arrays, scalars, local)
+        for part in ([prefix] if prefix is not None else []) + [p for p in parts[at + 1:] if p is not None]:
+            if key in part.boxes:
+                _add_box(box, part.boxes[key])
+    return Partial(dict(acc.boxes), *_small_sums([p for p in parts if p is not None]))
 
 
 def sum_partials_releasing(parts: list, release=None) -> Partial:
@@ -170,30 +176,17 @@ def sum_partials_releasing(parts: list, release=None) -> Partial:
     present = [i for i, p in enumerate(parts) if p is not None]
     if len(present) <= 1:
         return parts[present[0]] if present else None
-    unions = {}
-    for key in dict.fromkeys(k for i in present for k in parts[i].boxes):
-        boxes = [parts[i].boxes[key] for i in present if key in parts[i].boxes]
-        y0, x0 = min(b.offset[0] for b in boxes), min(b.offset[1] for b in boxes)
-        y1, x1 = max(b.stop[0] for b in boxes), max(b.stop[1] for b in boxes)
-        like = boxes[0].data
-        # (zeros: pages the system hands out as they are first written, while the parts go)
-        unions[key] = BoxedArray((y0, x0), get_xp(like).zeros(like.shape[:-2] + (y1 - y0, x1 - x0), like.dtype))
-    arrays, scalars, local = {}, {}, {}
+    small = _small_sums([parts[i] for i in present])
+    # (zeros: pages the system hands out as they are first written, while the parts go)
+    unions = {key: _zeros_union([parts[i].boxes[key] for i in present if key in parts[i].boxes])
+              for key in dict.fromkeys(k for i in present for k in parts[i].boxes)}
     for i in present:
-        part = parts[i]
-        for key, box in part.boxes.items():
-            out = unions[key]
-            out.data[..., box.offset[0] - out.offset[0]:box.stop[0] - out.offset[0],
-                     box.offset[1] - out.offset[1]:box.stop[1] - out.offset[1]] += box.data
-        for key, v in part.arrays.items():
-            arrays[key] = arrays[key] + v if key in arrays else v
-        for k, v in part.scalars.items():
-            scalars[k] = scalars.get(k, 0.0) + v
-        local.update(part.local)
-        parts[i] = part = box = None
+        for key, box in parts[i].boxes.items():
+            _add_box(unions[key], box)
+        parts[i] = box = None
         if release is not None:
             release()
-    return Partial(unions, arrays, scalars, local)
+    return Partial(unions, *small)
 
 
 def sum_partials(*parts: Partial) -> Partial:
@@ -209,17 +202,4 @@ def sum_partials(*parts: Partial) -> Partial:
     boxes = {}
     for key in dict.fromkeys(k for p in parts for k in p.boxes):
         boxes[key] = _sum_boxes([p.boxes[key] for p in parts if key in p.boxes])
-    arrays = {}
-    for key in dict.fromkeys(k for p in parts for k in p.arrays):
-        values = [p.arrays[key] for p in parts if key in p.arrays]
-        total = values[0]
-        for v in values[1:]:
-            total = total + v
-        arrays[key] = total
-    scalars = {}
-    local = {}
-    for p in parts:
-        for k, v in p.scalars.items():
-            scalars[k] = scalars.get(k, 0.0) + v
-        local.update(p.local)
-    return Partial(boxes, arrays, scalars, local)
+    return Partial(boxes, *_small_sums(parts))

@@ -45,8 +45,8 @@ class TileFrame:
             far = int(max(-rows.min(), rows.max() + n - held_rows))
             raise PositionsLeftTile(
                 f"position refinement moved {int(outside.sum())} window(s) up to {far} rows beyond the "
-                f"halo of their worker's tile (rows {self.origin}..{self.origin + held_rows}); lower "
-                "max_displacement or window_gain, or run with tiles=False")
+                f"halo of their worker's tile (rows {self.origin}..{self.origin + held_rows}); raise "
+                "max_displacement (it widens the halo), lower window_gain, or run with tiles=False")
         return moved
 
     def sums_to_object(self, part) -> None:

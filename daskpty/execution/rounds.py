@@ -89,9 +89,15 @@ def run_chunk(block, positions, payload, func, round_index, rounds, local=None, 
 def combine(*parts):
     """Sum of partials in the given order; counts the bytes it produced in ``reduced_bytes``."""
     total = sum_partials(*parts)
-    if total is not None and len(parts) > 1:
-        total.scalars["reduced_bytes"] = total.scalars.get("reduced_bytes", 0.0) + float(total.nbytes)
+    if total is not None:
+        count_reduced(total, len(parts))
     return total
+
+
+def count_reduced(total, children: int) -> None:
+    """Add a sum's bytes to its ``reduced_bytes`` scalar when it summed more than one child."""
+    if children > 1:
+        total.scalars["reduced_bytes"] = total.scalars.get("reduced_bytes", 0.0) + float(total.nbytes)
 
 
 def default_split_every(n_chunks: int) -> int:

@@ -45,7 +45,7 @@ from .device_state import follow_partials, has_device_arrays, resident, to_host
 from .engine_protocol import RunsOnTiles
 from .epoch_graph import EpochCarry
 from .placement import GraphInputs
-from .rounds import ChunkedData, FixedTree, default_split_every, run_chunk
+from .rounds import ChunkedData, FixedTree, count_reduced, default_split_every, run_chunk
 from . import tile_halo
 from .tiles import TileLayout
 from .tuning import release_memory
@@ -133,7 +133,6 @@ def _trims(task):
     return run
 
 
-
 def _piece(part: Partial | None, origin: int, tile, detach: bool = False) -> Partial | None:
     """``part`` (boxes in the frame of a tile that starts at row ``origin``) as the piece ``tile``
     receives: its boxes cut to the rows it holds, in its frame; probe-frame sums and scalars whole."""
@@ -159,7 +158,7 @@ def _tile_chunks(carry: EpochCarry, adapter, layout: TileLayout, w: int, round_i
     state = resident(carry.state, adapter, blocks)
     payload = adapter.payload(state)
     # refined positions stay in the object's frame (the payload's tile frame moves the windows)
-    shift = np.array([0.0 if getattr(adapter, "positions", None) is not None else tile.held_start, 0.0])
+    shift = np.array([0.0 if tile_halo.refines_positions(adapter) else tile.held_start, 0.0])
     parts, local = {}, {}
     for i, b, p in zip(indices, blocks, positions):
         own = None
@@ -208,9 +207,8 @@ def _summing_in_place(owned: _Owned):
         else:
             out = sum_partials_into(kids, at)
         kids.clear()
-        if out is not None and count > 1:  # (the bytes of a new sum, as rounds.combine counts them)
-            out.scalars["reduced_bytes"] = out.scalars.get("reduced_bytes", 0.0) + float(out.nbytes)
         if out is not None:
+            count_reduced(out, count)
             owned.add(out)
         return out
     return combine_fn
@@ -401,7 +399,7 @@ class TileGraph:
                 tasks[v][key] = (_tile_apply, carries[v], self.adapter_key, r == 0, summed[v], locals_[v], *shares)
                 new.append(key)
             carries = new
-        if getattr(self.adapter, "positions", None) is not None:
+        if tile_halo.refines_positions(self.adapter):
             carries = self._finish_positions(tasks, carries, tag)
         end_shares, ends = [], []
         for v in range(copies):

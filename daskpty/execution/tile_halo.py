@@ -24,16 +24,20 @@ from .epoch_graph import EpochCarry
 WARP_MARGIN = 2
 
 
+def refines_positions(adapter) -> bool:
+    """Whether ``adapter`` refines positions (``RunsOnTiles.positions`` set)."""
+    return getattr(adapter, "positions", None) is not None
+
+
 def reach(adapter, n: int) -> float:
     """Rows beyond its chunks' nominal windows that a tile must hold for ``adapter``: the largest
     displacement position refinement allows (0 without refinement)."""
-    positions = getattr(adapter, "positions", None)
-    return 0.0 if positions is None else float(positions.displacement_limit(n))
+    return float(adapter.positions.displacement_limit(n)) if refines_positions(adapter) else 0.0
 
 
 def margin(adapter) -> int:
     """Rows a tile holds beyond its own on each inner side (:data:`WARP_MARGIN` when refining)."""
-    return WARP_MARGIN if getattr(adapter, "positions", None) is not None else 0
+    return WARP_MARGIN if refines_positions(adapter) else 0
 
 
 def finish_positions(carry: EpochCarry, adapter) -> EpochCarry:
@@ -56,7 +60,7 @@ def _rows(value, start: int, stop: int):
 def _paste(value, start: int, rows):
     """``value`` with ``rows`` written from row ``start`` on (a copy: the old arrays may be shared)."""
     if hasattr(value, "paste_rows"):
-        out = value.crop_rows(0, 10**12)  # (a copy of the whole memory)
+        out = copy.deepcopy(value)
         out.paste_rows(start, rows)
         return out
     out = value.copy()
@@ -110,4 +114,5 @@ def halo_sources(layout) -> dict:
     return out
 
 
-__all__ = ["WARP_MARGIN", "finish_positions", "halo_rows", "halo_sources", "margin", "reach", "refreshed"]
+__all__ = ["WARP_MARGIN", "finish_positions", "halo_rows", "halo_sources", "margin", "reach", "refines_positions",
+           "refreshed"]
