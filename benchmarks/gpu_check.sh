@@ -18,10 +18,10 @@
 # CuPy pool, cuFFT plan cache hits/misses read in the worker's task thread); the same with two
 # workers on the one GPU (the stand-in for 2 MIG slices); bench_comm.py with those two
 # workers (compute and exchange per round, a CuPy worker-to-worker transfer probe, the projection
-# of docs/gpu.md; COMM_SIZE, default the smallest size); bench_ablation.py --backend gpu when the
+# of docs/gpu.md; COMM_SIZE, default the smallest size); Pty-Chi's LSQML on the smallest store when a
+# ptychi wheel is carried (benchmarks/gpu_peer.py); bench_ablation.py --backend gpu when the
 # script exists; the bare-FFT floor of the largest size on the same worker setup; a profile of where a
-# round's time goes on the worker (bench_round_profile.py); Pty-Chi on the
-# GPU when a ptychi wheel is carried (and ptychi_peer.py takes --device); last the test on
+# round's time goes on the worker (bench_round_profile.py); last the test on
 # dask-cuda worker processes (CPU equality, spilling under a small device_memory_limit, no CUDA
 # context in the client). Steps run in that order until the budget is spent (raise
 # GPU_CHECK_BUDGET_S, up to ~560 within one 600 s device command, to reach the last ones).
@@ -80,7 +80,7 @@ except Exception as exc:
     print("cupy device query failed:", exc)
 EOF
 
-step "pytest -m gpu tests/test_gpu.py tests/test_kernels.py (in-process)" 200 "$PY" -m pytest -q -m gpu \
+step "pytest -m gpu tests/test_gpu.py tests/test_kernels.py (in-process)" 260 "$PY" -m pytest -q -m gpu \
     tests/test_gpu.py tests/test_kernels.py -k "not dask_cuda" -p no:cacheprovider
 
 # How far one CuPy chunk step is from the NumPy one, part by part (the GPU test's tolerance).
@@ -130,6 +130,19 @@ comm_data="--sizes ${COMM_SIZE}x128 --tmpdir /tmp"
 step "bench_comm gpu ${COMM_SIZE} x 128^2, 2 workers on one GPU, replicas and tiles" 300 "$PY" benchmarks/bench_comm.py --backend gpu \
     --workers 2 $comm_data --rounds 1,4 --epochs 4 --layouts replicas,tiles --probe-bytes 64e6,256e6 --project --json
 
+# Pty-Chi on the same GPU, on the first size's store, scored like bench_epoch scores daskpty
+# (s/epoch, NRMSE after EPOCHS): its wheel (and pydantic's) must be carried in $WHL_DIR; torch is the box's.
+if ! ls "$WHL_DIR"/ptychi-*.whl >/dev/null 2>&1; then
+  echo "=== Pty-Chi: not carried (no ptychi wheel in $WHL_DIR/)"
+elif ! "$PY" -c "import torch, ptychi, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "=== Pty-Chi: not run (ptychi or a CUDA torch does not import here)"
+elif [ ! -f "/tmp/gpu_check_${SIZES%% *}.zarr.ok" ]; then
+  echo "=== Pty-Chi: not run (no simulated store of ${SIZES%% *} patterns)"
+else
+  step "Pty-Chi LSQML on the GPU, ${SIZES%% *} x 128^2" 150 "$PY" benchmarks/gpu_peer.py \
+      "/tmp/gpu_check_${SIZES%% *}.zarr" --epochs "$EPOCHS" --device cuda
+fi
+
 if [ -f benchmarks/bench_ablation.py ]; then
   # Cumulative only, on a mid-size set: "all off" builds a cuFFT plan for every single-pattern call.
   step "bench_ablation gpu 4096 x 128^2 (cumulative)" 240 "$PY" benchmarks/bench_ablation.py --backend gpu \
@@ -148,20 +161,6 @@ if [ -n "$last" ]; then
   # shellcheck disable=SC2046
   step "bench_round_profile gpu ${SIZES%% *} x 128^2, 16 rounds" 120 "$PY" benchmarks/bench_round_profile.py \
       --backend gpu $(data_for "${SIZES%% *}") --epochs 3 --rounds-per-epoch 16 --top 20
-fi
-
-# Pty-Chi on the same GPU: its wheel (and pydantic's) must be carried in $WHL_DIR; torch is the box's.
-if ! ls "$WHL_DIR"/ptychi-*.whl >/dev/null 2>&1; then
-  echo "=== Pty-Chi: not carried (no ptychi wheel in $WHL_DIR/)"
-elif ! "$PY" -c "import torch, ptychi, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  echo "=== Pty-Chi: not carried (ptychi or a CUDA torch does not import here)"
-elif ! grep -q -- "--device" benchmarks/ptychi_peer.py; then
-  echo "=== Pty-Chi: skipped (benchmarks/ptychi_peer.py has no --device option: it runs on the CPU)"
-else
-  step "Pty-Chi LSQML on the GPU (bench576 test case)" 150 bash -c "'$PY' benchmarks/ptychi_peer.py \
-      /tmp/ptychi_in.npz --make-test-case bench576 && '$PY' benchmarks/ptychi_peer.py /tmp/ptychi_in.npz \
-      /tmp/ptychi_out.npz --engine lsqml --epochs-list 10 --device cuda && '$PY' -c \
-      \"import numpy as np; z = np.load('/tmp/ptychi_out.npz'); print('Pty-Chi s/epoch', float(z['seconds_per_epoch']))\""
 fi
 
 # Last, as it starts dask-cuda worker processes three times (a test in a subprocess, ~1-2 min).

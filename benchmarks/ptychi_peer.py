@@ -181,7 +181,7 @@ def to_ptychi_arrays(intensities, positions, probe, obj):
     )
 
 
-def build_task(engine, arrays, *, epochs, batch_size, noise, lr, probe_lr, seed,
+def build_task(engine, arrays, *, epochs, batch_size, noise, lr, probe_lr, seed, device="cpu",
                rescale_probe_first_epoch, ambiguity_removal, positions=None, multislice=None,
                opr=None):
     import torch
@@ -217,7 +217,7 @@ def build_task(engine, arrays, *, epochs, batch_size, noise, lr, probe_lr, seed,
     ro = options.reconstructor_options
     ro.num_epochs = max(1, epochs)
     ro.batch_size = batch_size
-    ro.default_device = api.Devices.CPU
+    ro.default_device = api.Devices.GPU if device == "cuda" else api.Devices.CPU
     ro.default_dtype = api.Dtypes.FLOAT32
     ro.random_seed = seed
 
@@ -359,6 +359,8 @@ def main(argv=None):
     ap.add_argument("--batch-size", type=int, default=100, help="Pty-Chi's own default is 100")
     ap.add_argument("--noise", choices=("gaussian", "poisson"), default="gaussian")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="where Pty-Chi computes (cuda: the first visible GPU)")
     ap.add_argument("--lr", type=float, default=0.01, help="Adam step size (AD engine only)")
     ap.add_argument("--probe-lr", type=float, default=None,
                     help="Adam step size for the probe (AD; default: --lr). Note the probe is "
@@ -475,8 +477,9 @@ def main(argv=None):
                       noise=args.noise, lr=args.lr, probe_lr=probe_lr, seed=args.seed,
                       rescale_probe_first_epoch=args.rescale_probe_first_epoch,
                       ambiguity_removal=args.ambiguity_removal, positions=pos_settings,
-                      multislice=multislice, opr=opr_settings)
+                      multislice=multislice, opr=opr_settings, device=args.device)
     setup = time.perf_counter() - t0
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     results = {}
     segments = []
@@ -485,6 +488,7 @@ def main(argv=None):
     for e in epochs_list:
         t1 = time.perf_counter()
         task.run(n_epochs=e - done)
+        sync()
         dt = time.perf_counter() - t1
         run_time += dt
         segments.append(dt)
@@ -518,6 +522,7 @@ def main(argv=None):
         noise=np.str_(args.noise),
         batch_size=np.int64(args.batch_size),
         threads=np.int64(torch.get_num_threads()),
+        device=np.str_(args.device),
         lr=np.float64(args.lr if args.engine == "ad" else np.nan),
         torchvision_stub=np.bool_(stubbed),
         refine_positions=np.bool_(args.refine_positions),

@@ -173,3 +173,55 @@ def test_device_resident_state_matches_host_state_and_cpu(engine):
         assert type(rec.object) is np.ndarray
         assert np.linalg.norm(rec.object - cpu.object) / np.linalg.norm(cpu.object) < 1e-3
     assert np.linalg.norm(resident.object - host.object) / np.linalg.norm(host.object) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["lsqml", "ad", "rpie"])
+def test_tiles_with_refined_positions_on_the_gpu_match_the_cpu(engine):
+    """On a real GPU: 2 tiled workers with position refinement (halo refresh after the window
+    correction's resampling, tile sums summed into their owners' pieces) give the object and
+    positions of the same run on the CPU; so do the replicas."""
+    _cupy()
+    import daskpty
+    from daskpty.engines.positions import PositionOptions
+    from distributed import Client, LocalCluster
+
+    from synthetic import make_dataset
+
+    ds = make_dataset(grid=12, seed=3)
+    nominal = ds.positions + np.random.default_rng(1).normal(0, 0.5, ds.positions.shape)
+    kw = dict(engine=engine, epochs=5, object=np.ones_like(ds.truth.object), chunk_length=24,
+              rounds_per_epoch=3, persist=True, check_data=False,
+              refine_positions=PositionOptions(start_epoch=1, max_displacement=3.0, window_every=1))
+    data = daskpty.from_arrays(ds.intensities, nominal)
+    with LocalCluster(n_workers=2, processes=False, dashboard_address="127.0.0.1:0") as cl, Client(cl) as c:
+        runs = {(device, tiles): daskpty.reconstruct(data, client=c, device=device, tiles=tiles, **kw)
+                for device in ("cpu", "gpu") for tiles in (True, False)}
+    for tiles in (True, False):  # (tiles and replicas order the patterns differently: each against its own)
+        gpu, cpu = runs["gpu", tiles], runs["cpu", tiles]
+        assert type(gpu.object) is np.ndarray
+        assert np.linalg.norm(gpu.object - cpu.object) / np.linalg.norm(cpu.object) < 1e-2, tiles
+        assert np.abs(gpu.positions - cpu.positions).max() < 0.1, tiles
+    assert np.abs(runs["gpu", True].positions - nominal).max() > 0.01
+
+
+@pytest.mark.gpu
+def test_the_electron_recipe_on_gpu_tiles_matches_the_cpu():
+    """Multislice + refined positions + OPR / intensity factors / background, tiled on 2 GPU
+    workers, against the same run on the CPU."""
+    _cupy()
+    import daskpty
+    from daskpty.engines.positions import PositionOptions
+    from distributed import Client, LocalCluster
+
+    from test_compose_runs import SPACING, VARYING, _electron
+
+    data = _electron(2, grid=6)[1]
+    kw = dict(engine="lsqml", epochs=5, rounds_per_epoch=2, chunk_length=6, persist=True, check_data=False,
+              refine_positions=PositionOptions(start_epoch=1), slices=2, slice_spacing_m=SPACING, tiles=True,
+              **VARYING)
+    with LocalCluster(n_workers=2, processes=False, dashboard_address="127.0.0.1:0") as cl, Client(cl) as c:
+        cpu = daskpty.reconstruct(data, client=c, device="cpu", **kw)
+        gpu = daskpty.reconstruct(data, client=c, device="gpu", **kw)
+    assert np.linalg.norm(gpu.object - cpu.object) / np.linalg.norm(cpu.object) < 1e-2
+    assert np.abs(gpu.positions - cpu.positions).max() < 0.05
