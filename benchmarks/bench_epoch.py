@@ -107,6 +107,8 @@ def measure(args, data, store_path=None, log=print) -> dict:
     spe = median_after_warmup(seconds, args.skip)
     rounds = rec.options.get("rounds_per_epoch") if rec is not None else args.rounds_per_epoch
     persisted = rec.options.get("persist") if rec is not None else persist
+    if rec is not None and rec.options.get("chunk_length"):  # what the run used (on GPUs: R slices per chunk)
+        plan = chunk_plan(n_patterns, n, modes, rec.options["chunk_length"])
     log(f"chunks: {plan['n_chunks']} of {plan['chunk_length']} patterns (last {plan['last_chunk']}), "
         f"{fmt_bytes(plan['chunk_length'] * n * n * data.intensities.dtype.itemsize)} per chunk; "
         f"rounds/epoch {rounds}; persisted {persisted}; {n_workers} worker(s)")

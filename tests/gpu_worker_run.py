@@ -22,9 +22,15 @@ def compute_pids() -> set[int]:
 
 
 def _held_array_kinds(dask_worker) -> list[str]:
-    """Top-level modules of the values a worker holds ("cupy" for device chunks)."""
+    """Top-level modules of the values a worker holds in memory ("cupy" for device chunks).
+
+    Only the in-memory part of a spilling store is read (dask-cuda's ``device_buffer``, zict's
+    ``fast``): walking the whole store would read spilled keys back."""
+    held = dask_worker.data
+    for layer in ("device_buffer", "fast"):  # DeviceHostFile -> its device Buffer -> that one's dict
+        held = getattr(held, layer, held)
     try:
-        return sorted({type(v).__module__.split(".")[0] for v in dask_worker.data.values()})
+        return sorted({type(v).__module__.split(".")[0] for v in list(held.values())})
     except Exception as exc:  # a spilling store may refuse to be walked: say so, do not fail
         return [f"unknown ({type(exc).__name__})"]
 
@@ -51,8 +57,14 @@ def main():
             extra = {} if limit is None else {"device_memory_limit": limit}
             with cuda_cluster(**extra) as cl, Client(cl) as c:
                 stages[f"{name}: cluster started"] = compute_pids()
-                rec = daskpty.reconstruct(data, client=c, device="auto", **kwargs)
-                kinds = c.run(_held_array_kinds)
+                kinds = {}
+
+                def during_the_run(epoch, state, metrics, c=c, kinds=kinds):
+                    # the data chunks are released when the run ends: look while they are held
+                    for worker, held in c.run(_held_array_kinds).items():
+                        kinds.setdefault(worker, set()).update(held)
+
+                rec = daskpty.reconstruct(data, client=c, device="auto", callback=during_the_run, **kwargs)
                 stages[f"{name}: reconstructed"] = compute_pids()
                 pids |= stages[f"{name}: reconstructed"]
             results[name] = {
