@@ -219,7 +219,7 @@ def chunk_plan(n_patterns: int, n: int, modes: int, chunk_length=None) -> dict:
 
 
 def round_slices(lengths, rounds: int):
-    """Patterns per chunk in each round (slice ``r::rounds`` of every chunk), as daskpty cuts them."""
+    """Patterns per chunk in each round (subset r of every chunk, ``round_rows``: as many as ``r::rounds``)."""
     return [[len(range(r, L, rounds)) for L in lengths] for r in range(rounds)]
 
 

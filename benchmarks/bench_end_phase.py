@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -46,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--workers", type=int, default=None, help="passed to reconstruct (default: the CLI's)")
     p.add_argument("--rounds-per-epoch", default=None, help="passed to reconstruct (default: the CLI's auto)")
     p.add_argument("--keep", action="store_true", help="keep the reconstruction store")
+    p.add_argument("--reconstruct-args", default="",
+                   help="more options for daskpty reconstruct, one string, e.g. '--tiles --persist no'")
     return p.parse_args(argv)
 
 
@@ -114,8 +117,8 @@ class RssSampler:
         self._thread.join()
 
 
-def reconstruct(data, out, epochs, workers, rounds=None):
-    cmd = daskpty_cmd() + ["reconstruct", data, "-o", out, "--epochs", str(epochs), "--overwrite"]
+def reconstruct(data, out, epochs, workers, rounds=None, extra=()):
+    cmd = daskpty_cmd() + ["reconstruct", data, "-o", out, "--epochs", str(epochs), "--overwrite", *extra]
     if workers:
         cmd += ["--workers", str(workers)]
     if rounds:
@@ -155,6 +158,18 @@ def reconstruct(data, out, epochs, workers, rounds=None):
             "summary": "".join(stdout).strip()}
 
 
+def run_history(out) -> list:
+    """The per-epoch history the run stored with its result (seconds, bytes per round), or []."""
+    try:
+        from daskpty.io.results import Reconstruction
+
+        return [{k: v for k, v in h.items() if isinstance(v, (int, float, str))}
+                for h in Reconstruction.from_zarr(out, lazy=True).history]
+    except Exception as exc:  # a failed run wrote no result: say so, keep the other figures
+        print(f"(no history: {type(exc).__name__}: {exc})")
+        return []
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.dir, exist_ok=True)
@@ -162,14 +177,19 @@ def main(argv=None):
     data = os.path.join(args.dir, f"{name}.zarr")
     out = os.path.join(args.dir, f"{name}-recon.zarr")
     sim_s = simulate(data, args.preset, args.grid, args.step)
-    result = reconstruct(data, out, args.epochs, args.workers, args.rounds_per_epoch)
+    result = reconstruct(data, out, args.epochs, args.workers, args.rounds_per_epoch,
+                         shlex.split(args.reconstruct_args))
+    result["history"] = run_history(out)
     if not args.keep:
         shutil.rmtree(out, ignore_errors=True)
     result.update(preset=args.preset, grid=args.grid, step=args.step, rounds_per_epoch=args.rounds_per_epoch,
-                  epochs=args.epochs, simulate_s=sim_s)
+                  epochs=args.epochs, simulate_s=sim_s, reconstruct_args=args.reconstruct_args)
     print(f"\n{result['summary']}")
     print(f"exit code {result['rc']}; epochs {result['epochs_s'] or float('nan'):.1f} s, "
           f"end phase {result['end_phase_s'] or float('nan'):.1f} s")
+    for h in result["history"]:
+        print(f"epoch {h.get('epoch')}: {h.get('seconds', float('nan')):.1f} s, "
+              f"{h.get('exchanged_bytes_per_round', 0) / MiB:.2f} MiB received per round by the busiest worker")
     print(f"client peak RSS {result['client_peak_rss_mib']:.0f} MiB "
           f"(end phase {result['end_phase_peak_rss_mib']:.0f} MiB); "
           f"workers' peak RSS {result['workers_peak_rss_mib']:.0f} MiB each at most")

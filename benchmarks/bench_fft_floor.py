@@ -7,7 +7,7 @@ Usage (not run in CI):
         [--rounds-per-epoch auto|R] [--chunk-length L] [--repeat 5] [--compare [--epochs 6 ...]]
 
 For N patterns of n×n and M probe modes, cut into chunks exactly as daskpty cuts them
-(``default_chunk_length``, or --chunk-length; rounds take slice ``r::R`` of every chunk), this
+(``default_chunk_length``, or --chunk-length; rounds take subset r of every chunk, as many as ``r::R``), this
 times on the same backend (SciPy's pocketfft through daskpty.physics.backend, or cuFFT through
 CuPy), on a cluster of the same shape (W worker processes x T threads, chunks dealt round-robin
 to the workers, each worker running its share on T threads):

@@ -67,6 +67,8 @@ def main(argv=None):
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--rounds-per-epoch", type=int, default=4)
     ap.add_argument("--chunk-length", type=int, default=None)
+    ap.add_argument("--persist", choices=("yes", "no"), default="yes",
+                    help="keep the data in worker memory (yes) or read each chunk from the store in its round (no)")
     ap.add_argument("--checkpoint", default=None, help="reconstruction store to write (replaced if there)")
     ap.add_argument("--lazy-bytes", type=int, default=None, help="DASKPTY_LAZY_OBJECT_BYTES for this run")
     args = ap.parse_args(argv)
@@ -103,7 +105,8 @@ def main(argv=None):
         rec, failure = None, None
         with WorkerMemory(client) as memory:
             try:
-                rec = daskpty.reconstruct(data, args.engine, args.epochs, client=client, tiles=True, persist=True,
+                rec = daskpty.reconstruct(data, args.engine, args.epochs, client=client, tiles=True,
+                                          persist=args.persist == "yes",
                                           rounds_per_epoch=args.rounds_per_epoch, chunk_length=args.chunk_length,
                                           checkpoint=args.checkpoint, progress=False)
             except Exception as exc:  # (a run that fails still shows where its memory was)

@@ -25,7 +25,7 @@ from .execution.options import ExecutionOptions
 from .execution.parts import with_probe_model, with_sample
 from .execution.scatter import scatter_in_memory
 from .execution import tile_halo
-from .execution.tile_graph import TilesUnsupported, check_tiles_supported
+from .execution.tile_graph import check_tiles_supported
 from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
 from .io.checkpoint import Checkpointer, sigterm_as_interrupt
 from .io.epoch_handle import StateLost
@@ -313,7 +313,7 @@ def reconstruct(data, engine="lsqml", epochs: int = DEFAULT_EPOCHS, *, probe=Non
         embedded cluster; default one per core); ``chunk_length`` (patterns per chunk; default
         from the probe size and a memory budget, independent of the number of workers, so
         results are too); ``rounds_per_epoch`` (1 = compact LSQML, one update per epoch from
-        all patterns; R > 1 = minibatches, round r using slice r::R of every chunk; "auto",
+        all patterns; R > 1 = minibatches, round r using the r-th of R fixed interleaved subsets of every chunk; "auto",
         :func:`daskpty.execution.data.auto_rounds`: when the data are persisted about 150
         patterns per update (N // 150, like Pty-Chi's default batches) but at most one round per
         6 Mi pattern-pixels (at least 3), clipped to 1…16; a small data set (under 450 patterns)
@@ -432,10 +432,6 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
                                                 held_shape(obj.shape, n, tiles_of, halo_reach),
                                                 _probe_modes_hint(probe, probe_modes, resumed), thick,
                                                 per_pattern_probe=model is not None and model.per_pattern)
-        if execution.tiles and not execution.persist:
-            raise TilesUnsupported("tiles need the data kept in worker memory (persist=True or 'auto'), but "
-                                   "persist is False (or 'auto' found the data over half the cluster's "
-                                   "memory); add workers or memory, or use tiles=False")
         run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist)
         publisher = None
         if run.dashboard:

@@ -119,7 +119,6 @@ def test_slices_and_the_near_field_on_tiles(three_workers, one_worker, engine, k
 
 @pytest.mark.parametrize("engine,settings,expected", [
     ("ad", {"optimizer": "cg"}, "the CG optimiser"),
-    ("lsqml", {"persist": False}, "kept in worker memory"),
 ])
 def test_what_tiles_cannot_do_yet_is_refused_in_one_line(one_worker, engine, settings, expected):
     ds = make_dataset(grid=6, seed=1)

@@ -107,8 +107,8 @@ def add_parser(subparsers):
                    help="fan-in of the tree reduction (default: 4 for up to 16 chunks, else 8)")
     g.add_argument("--tiles", action="store_true",
                    help="cut the object into row tiles, one per worker, instead of a whole copy on every "
-                        "worker (only tile borders travel; every engine and feature but AD's CG optimiser; the "
-                        "data kept in worker memory)")
+                        "worker (only tile borders travel; every engine and feature but AD's CG optimiser; "
+                        "in memory or out of core)")
 
     g = p.add_argument_group(title["run"])
     g.add_argument("-o", "--output", required=True, metavar="RECON",

@@ -2,7 +2,7 @@
 
 Same protocol as ``LSQMLAdapter``: ``chunk_function`` (module-level, picklable), ``payload``,
 ``apply``, ``begin_epoch``, ``end_epoch``, ``initialise``, ``new_state``, ``engine_state``. Every round is one optimiser step on the
-gradient of that round's patterns (slice ``round_index::rounds`` of every chunk — minibatches).
+gradient of that round's patterns (subset ``round_index`` of every chunk, :func:`~.rounds.round_rows` — minibatches).
 
 The CG optimiser's line search needs extra loss-only map-reduces on the same slice. For that the
 adapter offers :meth:`ADAdapter.run_round`, which does the gradient map-reduce, the line-search

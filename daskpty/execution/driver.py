@@ -375,7 +375,7 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
     if adapter.local_state and getattr(state, "chunk_local", None) is None:
         state = with_local(state, initial_locals(adapter, data.positions_host, data.chunk_lengths))
     if tiles:
-        check_tiles_supported(adapter, data)
+        check_tiles_supported(adapter)
     if initialise and state.epoch == 0 and not (tiles and epochs > 0):
         state = adapter.initialise(client, data, state, split_every=split_every)
     if epochs <= 0:

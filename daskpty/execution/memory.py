@@ -114,7 +114,7 @@ def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
                     reach: float = 0.0, data_bytes: int = 0) -> None:
     """Raise ValueError (one line, with what would fit) when one chunk step plus the state (of
     the whole object, or with ``tiles`` of one row tile and its halo) exceed the pause threshold
-    of the smallest worker. A step holds slice ``r::rounds`` of a chunk. ``data_bytes``: data
+    of the smallest worker. A step holds one of the ``rounds`` subsets of a chunk. ``data_bytes``: data
     kept in worker memory beside a tile (its worker's share counted: ``data_bytes / tiles``).
     No-op when workers have no memory limit."""
     limit = smallest_worker_memory(client)

@@ -1,7 +1,7 @@
 """Binds the PIE family (:mod:`daskpty.engines.pie`: rPIE, ePIE) to the round loop, with the
 forward model's parts composed as :class:`~.lsqml_adapter.LSQMLAdapter` composes them.
 
-Every round is one rPIE step on that round's patterns (slice ``round_index::rounds`` of every
+Every round is one rPIE step on that round's patterns (the ``round_index``-th subset of every
 chunk): more rounds per epoch, smaller minibatches, closer to the sequential PIE of the papers.
 The adapter holds the parts: ``sample`` (:class:`~daskpty.engines.sample_model.SampleModel`:
 K slices and/or a near-field detector, the 3PIE step of :mod:`daskpty.engines.pie_multislice`;

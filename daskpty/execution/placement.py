@@ -1,5 +1,9 @@
 """Where persisted chunks live and where the tasks that read them run.
 
+Data read from their store every round (``persist=False``) have no home; the tiled epochs
+(:mod:`.tile_graph`) still give each worker a contiguous run of chunks (the same rule) and hand
+its tasks a :class:`StoredChunk` per chunk, which the task reads when it steps through it.
+
 Chunk i of n lives on worker ⌊i·W/n⌋ of the W workers sorted by address (contiguous runs: each
 worker's chunks are neighbours in the scan, so its partial sums cover a compact region and sum
 into few subtrees of the fixed reduction tree). :func:`~.data.persist_balanced` places them so;
@@ -58,13 +62,51 @@ def run_stuck_loose_tasks(client) -> int:
     return client.run_on_scheduler(_run_stuck_loose_tasks)
 
 
+class StoredChunk:
+    """One chunk of data that are not persisted: the chunk's own (culled) graph — read from the
+    store, shifted, moved to the device as :func:`~.data.prepare_data` built it — computed by the
+    task that steps through it, when it gets there (:func:`read_chunk`), so a worker holds one
+    chunk at a time. A few kB pickled."""
+
+    def __init__(self, block):
+        import dask
+
+        (culled,) = dask.optimize(block)
+        self.key = culled.key
+        self.graph = dict(culled.__dask_graph__())
+
+    def read(self):
+        from dask.local import get_sync
+
+        return get_sync(self.graph, self.key)
+
+
+def read_chunk(block):
+    """``block`` itself (a persisted chunk, handed to the task by dask), or a
+    :class:`StoredChunk` read now."""
+    return block.read() if isinstance(block, StoredChunk) else block
+
+
+def _unpersisted_annotations(client, n_chunks: int) -> list:
+    """The workers' contiguous runs of chunks (:func:`balanced_worker`) for data that live
+    nowhere yet: the annotation for each chunk, or empty ones when no worker is connected."""
+    from .cluster import live_workers
+
+    workers = sorted(live_workers(client))
+    if not workers:
+        return [{}] * n_chunks
+    return [{"workers": [workers[balanced_worker(i, n_chunks, len(workers))]], "allow_other_workers": True}
+            for i in range(n_chunks)]
+
+
 class GraphInputs:
-    """What every epoch graph on persisted data reads, set up once: the chunks' keys, which
+    """What every epoch graph reads, set up once: the chunks (``block_keys``: the persisted
+    chunks' keys, or a :class:`StoredChunk` each for data read from their store), which
     worker holds which chunks (``workers``: sorted addresses, ``[None]`` when unpinned;
-    ``groups[w]``: the chunk indices worker w holds), the chunks' positions (``chunk_positions``)
-    and the adapter and each chunk's positions as tasks computed once next to their chunk
-    (unlike scattered data, dask can recompute them after a lost worker); ``inputs``: the
-    futures a graph built on them must carry."""
+    ``groups[w]``: the chunk indices worker w holds or reads), the chunks' positions
+    (``chunk_positions``) and the adapter and each chunk's positions as tasks computed once next
+    to their chunk (unlike scattered data, dask can recompute them after a lost worker);
+    ``inputs``: the futures a graph built on them must carry."""
 
     def __init__(self, client, data, adapter, token: str, prefix: str = "daskpty"):
         import dask
@@ -72,9 +114,13 @@ class GraphInputs:
         from distributed import futures_of
 
         blocks = list(data.intensities.to_delayed().ravel())
-        self.block_keys = [b.key for b in blocks]
-        pinned = chunk_annotations(client, data.intensities, blocks)
-        annotations = [pinned.get(k, {}) for k in self.block_keys]
+        if data.persisted:
+            self.block_keys = [b.key for b in blocks]
+            pinned = chunk_annotations(client, data.intensities, blocks)
+            annotations = [pinned.get(k, {}) for k in self.block_keys]
+        else:
+            self.block_keys = [StoredChunk(b) for b in blocks]
+            annotations = _unpersisted_annotations(client, len(blocks))
         self.workers = sorted({a["workers"][0] for a in annotations if a}) or [None]
         self.worker_of = [self.workers.index(a["workers"][0]) if a else 0 for a in annotations]
         self.groups = [[i for i, r in enumerate(self.worker_of) if r == w] for w in range(len(self.workers))]

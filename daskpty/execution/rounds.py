@@ -54,9 +54,25 @@ class ChunkedData:
         return self.intensities.chunks[0]
 
 
+def round_rows(length: int, round_index: int, rounds: int) -> np.ndarray:
+    """The rows of a ``length``-pattern chunk that round ``round_index`` of ``rounds`` steps
+    through, in the chunk's order: the ``round_index``-th of ``rounds`` interleaved subsets of a
+    fixed pseudo-random permutation of the chunk (seeded by its length, so every worker and every
+    epoch cut it alike; the subsets' sizes are those of ``round_index::rounds``).
+
+    Not the plain stride ``round_index::rounds``: on a raster whose row holds a multiple of
+    ``rounds`` positions, and a chunk length that is one too, a stride takes the same columns of
+    every row in a round — minibatches of separate stripes. Measured (4,096 × 64², 16 rounds,
+    LSQML, 5 epochs, NRMSE): chunks of 512 0.156 with the stride and 0.094 with these subsets;
+    chunks of 100 0.091 and 0.092 (the stride's phase then drifts from chunk to chunk)."""
+    order = np.random.default_rng(int(length)).permutation(int(length))
+    return np.sort(order[round_index::rounds])
+
+
 def run_chunk(block, positions, payload, func, round_index, rounds, local=None, chunk_index=None):
-    """The chunk task: ``func(intensities, positions, payload) -> Partial`` on slice
-    ``round_index::rounds`` of one chunk, with the worker's allocator tuned around it.
+    """The chunk task: ``func(intensities, positions, payload) -> Partial`` on the rows
+    :func:`round_rows` gives round ``round_index`` of one chunk, with the worker's allocator
+    tuned around it.
 
     ``local``: the chunk's per-pattern state (``{name: (B, ...) array}`` over the whole chunk, see
     :mod:`.local_state`), or None when the engine keeps none. It is sliced like the data and passed
@@ -66,11 +82,13 @@ def run_chunk(block, positions, payload, func, round_index, rounds, local=None, 
     """
     tune_allocator()
     sliced = local
+    rows = slice(None)
     if rounds > 1:
-        block = block[round_index::rounds]
-        positions = positions[round_index::rounds]
+        rows = round_rows(len(positions), round_index, rounds)
+        block = block[rows]
+        positions = positions[rows]
         if local is not None:
-            sliced = {k: v[round_index::rounds] for k, v in local.items()}
+            sliced = {k: v[rows] for k, v in local.items()}
     try:
         part = func(block, positions, payload) if local is None else func(block, positions, payload,
                                                                           local=sliced)
@@ -81,7 +99,7 @@ def run_chunk(block, positions, payload, func, round_index, rounds, local=None, 
         if part.local:
             updated = {k: v.copy() for k, v in local.items()}
             for k, v in part.local.items():
-                updated[k][round_index::rounds] = v
+                updated[k][rows] = v
             part.local = {chunk_index: updated}
     return part  # the block of an object-dtype array: dask passes it through untouched
 
@@ -194,7 +212,7 @@ def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0
                split_every: int | None = None, local: dict | None = None,
                timeout: float | None = None) -> Partial:
     """Run ``func(intensities_chunk, positions_chunk, payload) -> Partial`` on every chunk
-    (or on slice ``round_index::rounds`` of every chunk) and return the tree-reduced sum.
+    (or on subset ``round_index`` of every chunk, :func:`round_rows`) and return the tree-reduced sum.
 
     ``payload`` is broadcast once to every worker for this round. ``local``: the per-pattern
     state of every chunk (``{chunk: {name: array}}``, see :func:`run_chunk`); the chunks' updates

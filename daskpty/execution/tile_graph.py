@@ -44,7 +44,7 @@ from ..engines.tile_frame import TileFrame, with_frame
 from .device_state import follow_partials, has_device_arrays, resident, to_host
 from .engine_protocol import RunsOnTiles
 from .epoch_graph import EpochCarry
-from .placement import GraphInputs
+from .placement import GraphInputs, read_chunk
 from .rounds import ChunkedData, FixedTree, count_reduced, default_split_every, run_chunk
 from . import tile_halo
 from .tiles import TileLayout
@@ -55,9 +55,9 @@ class TilesUnsupported(ValueError):
     """What was asked cannot run on tiles (yet); the message says what to change."""
 
 
-def check_tiles_supported(adapter, data: ChunkedData | None = None) -> None:
-    """Raise :class:`TilesUnsupported` naming what stands in the way of tiles for this run
-    (``data`` None: the adapter's parts only, before any data moved)."""
+def check_tiles_supported(adapter) -> None:
+    """Raise :class:`TilesUnsupported` naming what stands in the way of tiles for this run's
+    engine and parts."""
     if not isinstance(adapter, RunsOnTiles):
         raise TilesUnsupported(f"the {adapter.name} engine cannot run on tiles yet; use tiles=False "
                                "(every worker then holds the whole object)")
@@ -65,9 +65,6 @@ def check_tiles_supported(adapter, data: ChunkedData | None = None) -> None:
     if reason is not None:
         raise TilesUnsupported(f"tiles do not support {reason} yet; use tiles=False (every worker then "
                                "holds the whole object) or leave that part off")
-    if data is not None and not data.persisted:
-        raise TilesUnsupported("tiles need the data kept in worker memory (persist=True or 'auto' on "
-                               "enough memory); with persist=False use tiles=False")
 
 
 # -- the state cut into tiles and stitched back ------------------------------------------------
@@ -155,12 +152,14 @@ def _tile_chunks(carry: EpochCarry, adapter, layout: TileLayout, w: int, round_i
     the pieces of its subtree sums for every worker ``v``, and under ``"local"`` its chunks'
     updated per-pattern state (it stays on this worker)."""
     tile = layout.tiles[w]
-    state = resident(carry.state, adapter, blocks)
-    payload = adapter.payload(state)
+    payload = None
     # refined positions stay in the object's frame (the payload's tile frame moves the windows)
     shift = np.array([0.0 if tile_halo.refines_positions(adapter) else tile.held_start, 0.0])
     parts, local = {}, {}
     for i, b, p in zip(indices, blocks, positions):
+        b = read_chunk(b)  # (data not persisted: read now, one chunk held at a time)
+        if payload is None:
+            payload = adapter.payload(resident(carry.state, adapter, [b]))
         own = None
         if adapter.local_state:
             own = carry.local.get(i)
@@ -298,11 +297,16 @@ def _tile_sums(carry: EpochCarry, adapter, layout: TileLayout, w: int, tree: Fix
     """The first epoch's sums (``adapter.tile_sums_function``, e.g. Σ measured and Σ model
     intensity) of worker ``w``'s chunks on its tile, summed over its complete subtrees."""
     tile = layout.tiles[w]
-    payload = adapter.payload(resident(carry.state, adapter, blocks))
+    payload = None
     shift = np.array([tile.held_start, 0.0])
-    parts = {(0, i): adapter.tile_sums_function(b, np.asarray(p, np.float64) - shift, payload)
-             for i, b, p in zip(indices, blocks, positions)}
-    return tree.reduce(parts)
+    parts = {}
+    for i, b, p in zip(indices, blocks, positions):
+        b = read_chunk(b)
+        if payload is None:
+            payload = adapter.payload(resident(carry.state, adapter, [b]))
+        parts[(0, i)] = adapter.tile_sums_function(b, np.asarray(p, np.float64) - shift, payload)
+        parts = tree.reduce(parts)
+    return parts
 
 
 def _summary(carry: EpochCarry) -> tuple:
