@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -104,6 +105,7 @@ def main(argv=None):
         thread.start()
         rec, failure = None, None
         with WorkerMemory(client) as memory:
+            started = time.perf_counter()
             try:
                 rec = daskpty.reconstruct(data, args.engine, args.epochs, client=client, tiles=True,
                                           persist=args.persist == "yes",
@@ -111,6 +113,7 @@ def main(argv=None):
                                           checkpoint=args.checkpoint, progress=False)
             except Exception as exc:  # (a run that fails still shows where its memory was)
                 failure = f"{type(exc).__name__}: {exc}"
+            wall = time.perf_counter() - started
         stop.set()
         thread.join()
         figures = memory.figures()
@@ -119,10 +122,13 @@ def main(argv=None):
         total = sum(by.values())
         top = ", ".join(f"{k} {v / MiB:.0f}" if v else k for k, v in sorted(by.items(), key=lambda kv: -kv[1])[:8])
         print(f"{address}: peak RSS {rss / MiB:.0f} MiB, of which data store {total / MiB:.0f} MiB ({top})")
+    seconds = [round(h["seconds"], 1) for h in rec.history] if rec is not None else []
+    print(f"s/epoch {seconds}; whole reconstruct call {wall:.1f} s")
     print(f"client peak RSS {client_peak[0] / MiB:.0f} MiB; result lazy: {rec is not None and rec.is_lazy}; "
           f"paused workers {figures['paused_workers']}, restarted {figures['restarted_workers']}")
     print(json.dumps({"client_peak_rss": client_peak[0], "workers_peak_rss": {a: p[0] for a, p in peaks.items()},
-                      **figures, "lazy": rec is not None and rec.is_lazy,
+                      **figures, "lazy": rec is not None and rec.is_lazy, "seconds_per_epoch": seconds,
+                      "reconstruct_s": wall,
                       "chunk_length": None if rec is None else rec.options.get("chunk_length"), "failure": failure}))
 
 

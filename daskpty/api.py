@@ -313,7 +313,7 @@ def reconstruct(data, engine="lsqml", epochs: int = DEFAULT_EPOCHS, *, probe=Non
         embedded cluster; default one per core); ``chunk_length`` (patterns per chunk; default
         from the probe size and a memory budget, independent of the number of workers, so
         results are too); ``rounds_per_epoch`` (1 = compact LSQML, one update per epoch from
-        all patterns; R > 1 = minibatches, round r using the r-th of R fixed interleaved subsets of every chunk; "auto",
+        all patterns; R > 1 = minibatches, round r using every R-th pattern of each chunk along a Hilbert curve through its positions; "auto",
         :func:`daskpty.execution.data.auto_rounds`: when the data are persisted about 150
         patterns per update (N // 150, like Pty-Chi's default batches) but at most one round per
         6 Mi pattern-pixels (at least 3), clipped to 1…16; a small data set (under 450 patterns)

@@ -200,9 +200,10 @@ def test_a_tiled_worker_counts_its_chunks_of_the_data(small_workers):
         check_step_fits(small_workers, 4, n, 1, shape, tiles=tiles, data_bytes=data)
     message = str(info.value)
     assert "\n" not in message and "workers of this memory" in message
-    more = int(message.split("at least ")[-1].split()[0])
+    more = int(message.split("workers of this memory")[0].split("at least ")[-1].split()[0])
     assert more > tiles and _fits(small_workers, shape, n, more, data)
     assert not _fits(small_workers, shape, n, more - 1, data)
+    assert "persist=False" in message and _fits(small_workers, shape, n, tiles, 0)  # out of core fits
 
 
 def _fits(client, shape, n, tiles, data) -> bool:
