@@ -225,3 +225,25 @@ def test_the_electron_recipe_on_gpu_tiles_matches_the_cpu():
         gpu = daskpty.reconstruct(data, client=c, device="gpu", **kw)
     assert np.linalg.norm(gpu.object - cpu.object) / np.linalg.norm(cpu.object) < 1e-2
     assert np.abs(gpu.positions - cpu.positions).max() < 0.05
+
+
+@pytest.mark.gpu
+def test_tiles_out_of_core_on_the_gpu_match_persisted_tiles(tmp_path):
+    """On a real GPU: tiles on data read from a Zarr store in each round (CuPy chunks made in
+    the round task) give the persisted run's object."""
+    _cupy()
+    import daskpty
+    from distributed import Client, LocalCluster
+
+    from synthetic import make_dataset
+
+    ds = make_dataset(grid=12, seed=3)
+    path = tmp_path / "scan.zarr"
+    kw = dict(engine="lsqml", epochs=4, object=np.ones_like(ds.truth.object), chunk_length=24, rounds_per_epoch=3,
+              tiles=True, check_data=False, device="gpu")
+    with LocalCluster(n_workers=2, processes=False, dashboard_address="127.0.0.1:0") as cl, Client(cl) as c:
+        daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(path, client=c)
+        stored = daskpty.reconstruct(str(path), client=c, persist=False, **kw)
+        kept = daskpty.reconstruct(str(path), client=c, persist=True, **kw)
+    assert stored.options["persist"] is False and type(stored.object) is np.ndarray
+    assert np.linalg.norm(stored.object - kept.object) / np.linalg.norm(kept.object) < 1e-4
