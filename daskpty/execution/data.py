@@ -6,7 +6,7 @@ import math
 import dask.array as da
 import numpy as np
 
-from .ordering import compact_order, row_band_order
+from .ordering import chunk_band_order, compact_order, patterns_of_chunks, row_band_order
 from .memory import WORKING_BYTES_PER_PIXEL, persist_fits, smallest_worker_memory  # noqa: F401 (re-exported)
 from .placement import balanced_worker
 from .rounds import ChunkedData
@@ -197,7 +197,8 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
     shift: move the zero frequency to index 0 (far field); False keeps the patterns as recorded
     (near-field holograms are images: no shift).
     row_bands: order for tiles (:func:`~.ordering.row_band_order`): each worker's chunks a band
-    of rows.
+    of rows; for data not persisted whole stored chunks by row (:func:`~.ordering.chunk_band_order`:
+    each chunk one contiguous read, and the chunks may differ in length).
     """
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
@@ -207,13 +208,23 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
     n_patterns, n = intensities.shape[0], intensities.shape[-1]
     if chunk_length is None:
         chunk_length = choose_chunk_length(client, n_patterns, n, modes)
+    if persist == "auto":
+        persist = should_persist(client, intensities.nbytes)
     order = None
-    if sort:  # compact chunks; for tiles also row bands per worker
-        order = (row_band_order if row_bands else compact_order)(positions, chunk_length, n)
-    if order is not None:
-        intensities = intensities[order]
-        positions = positions[order]
-    intensities = intensities.rechunk((chunk_length, -1, -1))
+    if sort and row_bands and not persist:  # tiles read from the store: whole stored chunks by row
+        intensities = intensities.rechunk((chunk_length, -1, -1))
+        chunks = chunk_band_order(positions, chunk_length)
+        if chunks is not None:
+            intensities = da.concatenate([intensities.blocks[int(j)] for j in chunks])
+            order = patterns_of_chunks(chunks, chunk_length, n_patterns)
+            positions = positions[order]
+    else:
+        if sort:  # compact chunks; for tiles also row bands per worker
+            order = (row_band_order if row_bands else compact_order)(positions, chunk_length, n)
+        if order is not None:
+            intensities = intensities[order]
+            positions = positions[order]
+        intensities = intensities.rechunk((chunk_length, -1, -1))
     if device == "gpu":
         # The blocks are CuPy on the workers; the graph's meta stays NumPy, as a CuPy meta would
         # create a CUDA context (and its device memory) in the client process.
@@ -223,8 +234,6 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
         intensities = intensities.map_blocks(_ifftshift_patterns, dtype=intensities.dtype,
                                              meta=intensities._meta)
     pos = da.from_array(positions, chunks=(intensities.chunks[0], 2))
-    if persist == "auto":
-        persist = should_persist(client, intensities.nbytes)
     if persist:
         from distributed import futures_of, wait
 

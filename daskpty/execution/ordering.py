@@ -54,3 +54,29 @@ def row_band_order(positions: np.ndarray, chunk_len: int, n: int) -> np.ndarray 
     if len(p) <= chunk_len:
         return None
     return np.lexsort((p[:, 1], p[:, 0]))
+
+
+def chunk_band_order(positions: np.ndarray, chunk_len: int) -> np.ndarray | None:
+    """The chunks' order for tiles on data read from their store every round: whole chunks of
+    ``chunk_len`` patterns in the stored order, taken by their mean row (stable), so a
+    contiguous run of chunks is a band of rows and each chunk is still one contiguous read.
+
+    :func:`row_band_order` sorts single patterns by row; read from a store every round, a chunk
+    of that order gathers its patterns from dozens of stored chunks (a 65,536-pattern raster in
+    chunks of 120: ~60 stored chunks, 0.3–0.4 s per chunk read instead of ~5 ms). Here each
+    chunk keeps its stored patterns, so a band is as compact as the store's chunks are: rows of a
+    raster, cells of a Morton-ordered scan. Returns the chunks' permutation (stored chunk
+    indices), or None when the stored order already is the band order or there is one chunk.
+    """
+    p = np.asarray(positions, dtype=np.float64)
+    if len(p) <= chunk_len:
+        return None
+    starts = np.arange(0, len(p), chunk_len)
+    rows = np.array([p[s:s + chunk_len, 0].mean() for s in starts])
+    chunks = np.argsort(rows, kind="stable")
+    return None if np.array_equal(chunks, np.arange(len(chunks))) else chunks
+
+
+def patterns_of_chunks(chunks: np.ndarray, chunk_len: int, n_patterns: int) -> np.ndarray:
+    """The pattern permutation that takes whole ``chunk_len``-pattern chunks in the order ``chunks``."""
+    return np.concatenate([np.arange(j * chunk_len, min((j + 1) * chunk_len, n_patterns)) for j in chunks])
