@@ -1,10 +1,10 @@
 """Tiles on data read from their Zarr store every round (``persist=False``, issue 34).
 
 Each worker reads its own contiguous run of chunks inside its round's task, one chunk at a
-time, so no chunk is kept between rounds. The chunks are whole stored chunks taken by row
-(``ordering.chunk_band_order``: one contiguous read each), so W workers give the bits of one;
-the persisted run orders single patterns by row, so with one update per epoch it agrees to
-float32 rounding.
+time, so no chunk is kept between rounds. The chunks are contiguous runs of the stored order
+taken by row (``ordering.stored_runs``: one contiguous read each), so W workers give the bits
+of one; the persisted run orders single patterns by row, so with one update per epoch and the
+same patterns per chunk it agrees to float32 rounding.
 """
 from __future__ import annotations
 
@@ -56,9 +56,9 @@ def test_tiles_out_of_core_on_three_workers_equal_one(tmp_path, three_workers, o
 
 
 def test_tiles_out_of_core_agree_with_persisted_tiles(tmp_path, three_workers):
-    """One update per epoch from every pattern, chunks of two whole scan rows (whole stored
-    chunks here, single patterns by row when persisted: the same patterns per chunk, as LSQML's
-    step statistics are formed per chunk): only the order of the sums differs."""
+    """One update per epoch from every pattern, chunks of two whole scan rows (runs of the store
+    here, single patterns by row when persisted: the same patterns per chunk, as LSQML's step
+    statistics are formed per chunk): only the order of the sums differs."""
     ds, path = _store(tmp_path, three_workers)
     kw = dict(engine="lsqml", epochs=4, rounds_per_epoch=1, chunk_length=24, tiles=True, check_data=False,
               object=np.ones_like(ds.truth.object))
@@ -77,3 +77,22 @@ def test_the_callback_sees_persisted_chunks_held(tmp_path, three_workers):
                         rounds_per_epoch=3, check_data=False, object=np.ones_like(ds.truth.object),
                         callback=lambda e, s, m: held.append(sum(three_workers.run(_data_chunks_held).values())))
     assert min(held) >= 6  # 144 patterns in chunks of 24
+
+
+def test_stored_runs_are_contiguous_short_and_taken_by_row():
+    """On a Morton-ordered scan (as ``simulate`` writes it) the runs stay compact: none spans
+    much more than a square of chunk_len positions, though the stored order jumps between
+    quadrants; together they are every pattern once."""
+    from daskpty.io.scan import morton_order
+    from daskpty.execution.ordering import stored_runs
+
+    y, x = np.meshgrid(np.arange(64) * 10.0, np.arange(64) * 10.0, indexing="ij")
+    grid = np.stack([y.ravel(), x.ravel()], axis=1)
+    stored = grid[morton_order(grid, 10.0)]
+    runs = stored_runs(stored, 100)
+    assert all(0 < b - a <= 100 for a, b in runs)
+    np.testing.assert_array_equal(np.sort(np.concatenate([np.arange(a, b) for a, b in runs])), np.arange(len(grid)))
+    rows = [stored[a:b, 0].mean() for a, b in runs]
+    assert rows == sorted(rows)
+    assert max(np.ptp(stored[a:b, 0]) for a, b in runs) <= 1.5 * 10 * np.sqrt(100) + 1e-9
+    assert stored_runs(stored[:50], 100) is None

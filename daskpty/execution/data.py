@@ -6,7 +6,7 @@ import math
 import dask.array as da
 import numpy as np
 
-from .ordering import chunk_band_order, compact_order, patterns_of_chunks, row_band_order
+from .ordering import compact_order, row_band_order, stored_runs
 from .memory import WORKING_BYTES_PER_PIXEL, persist_fits, smallest_worker_memory  # noqa: F401 (re-exported)
 from .placement import balanced_worker
 from .rounds import ChunkedData
@@ -197,8 +197,9 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
     shift: move the zero frequency to index 0 (far field); False keeps the patterns as recorded
     (near-field holograms are images: no shift).
     row_bands: order for tiles (:func:`~.ordering.row_band_order`): each worker's chunks a band
-    of rows; for data not persisted whole stored chunks by row (:func:`~.ordering.chunk_band_order`:
-    each chunk one contiguous read, and the chunks may differ in length).
+    of rows; for data not persisted contiguous runs of the stored order by row
+    (:func:`~.ordering.stored_runs`: each chunk one contiguous read, and the chunks differ in
+    length).
     """
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
@@ -211,13 +212,12 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
     if persist == "auto":
         persist = should_persist(client, intensities.nbytes)
     order = None
-    if sort and row_bands and not persist:  # tiles read from the store: whole stored chunks by row
-        intensities = intensities.rechunk((chunk_length, -1, -1))
-        chunks = chunk_band_order(positions, chunk_length)
-        if chunks is not None:
-            intensities = da.concatenate([intensities.blocks[int(j)] for j in chunks])
-            order = patterns_of_chunks(chunks, chunk_length, n_patterns)
-            positions = positions[order]
+    runs = stored_runs(positions, chunk_length) if sort and row_bands and not persist else None
+    if runs is not None:  # tiles read from the store: contiguous runs of it, by row
+        order = np.concatenate([np.arange(a, b) for a, b in runs])
+        intensities = da.concatenate([intensities[a:b] for a, b in runs]).rechunk(
+            (tuple(b - a for a, b in runs), -1, -1))
+        positions = positions[order]
     else:
         if sort:  # compact chunks; for tiles also row bands per worker
             order = (row_band_order if row_bands else compact_order)(positions, chunk_length, n)
