@@ -6,7 +6,7 @@ import math
 import dask.array as da
 import numpy as np
 
-from .ordering import compact_order, row_band_order, stored_runs
+from .ordering import compact_order, row_band_order
 from .memory import WORKING_BYTES_PER_PIXEL, persist_fits, smallest_worker_memory  # noqa: F401 (re-exported)
 from .placement import balanced_worker
 from .rounds import ChunkedData
@@ -197,9 +197,7 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
     shift: move the zero frequency to index 0 (far field); False keeps the patterns as recorded
     (near-field holograms are images: no shift).
     row_bands: order for tiles (:func:`~.ordering.row_band_order`): each worker's chunks a band
-    of rows; for data not persisted contiguous runs of the stored order by row
-    (:func:`~.ordering.stored_runs`: each chunk one contiguous read, and the chunks differ in
-    length).
+    of rows.
     """
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
@@ -209,22 +207,13 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
     n_patterns, n = intensities.shape[0], intensities.shape[-1]
     if chunk_length is None:
         chunk_length = choose_chunk_length(client, n_patterns, n, modes)
-    if persist == "auto":
-        persist = should_persist(client, intensities.nbytes)
     order = None
-    runs = stored_runs(positions, chunk_length) if sort and row_bands and not persist else None
-    if runs is not None:  # tiles read from the store: contiguous runs of it, by row
-        order = np.concatenate([np.arange(a, b) for a, b in runs])
-        intensities = da.concatenate([intensities[a:b] for a, b in runs]).rechunk(
-            (tuple(b - a for a, b in runs), -1, -1))
+    if sort:  # compact chunks; for tiles also row bands per worker
+        order = (row_band_order if row_bands else compact_order)(positions, chunk_length, n)
+    if order is not None:
+        intensities = intensities[order]
         positions = positions[order]
-    else:
-        if sort:  # compact chunks; for tiles also row bands per worker
-            order = (row_band_order if row_bands else compact_order)(positions, chunk_length, n)
-        if order is not None:
-            intensities = intensities[order]
-            positions = positions[order]
-        intensities = intensities.rechunk((chunk_length, -1, -1))
+    intensities = intensities.rechunk((chunk_length, -1, -1))
     if device == "gpu":
         # The blocks are CuPy on the workers; the graph's meta stays NumPy, as a CuPy meta would
         # create a CUDA context (and its device memory) in the client process.
@@ -234,6 +223,8 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
         intensities = intensities.map_blocks(_ifftshift_patterns, dtype=intensities.dtype,
                                              meta=intensities._meta)
     pos = da.from_array(positions, chunks=(intensities.chunks[0], 2))
+    if persist == "auto":
+        persist = should_persist(client, intensities.nbytes)
     if persist:
         from distributed import futures_of, wait
 

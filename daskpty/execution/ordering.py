@@ -54,36 +54,3 @@ def row_band_order(positions: np.ndarray, chunk_len: int, n: int) -> np.ndarray 
     if len(p) <= chunk_len:
         return None
     return np.lexsort((p[:, 1], p[:, 0]))
-
-
-def stored_runs(positions: np.ndarray, chunk_len: int) -> list[tuple[int, int]] | None:
-    """Chunks for tiles on data read from their store every round: contiguous runs of the stored
-    order, each at most ``chunk_len`` patterns and at most 1.5 × the side of a square of
-    ``chunk_len`` positions tall, taken by their mean row (stable). Returns ``[(start, stop)]``
-    in that order, or None for a single chunk.
-
-    Each run is one contiguous read (one or two stored chunks), so a round's chunk costs a read
-    of its own size. :func:`row_band_order` sorts single patterns by row instead: read from a
-    store every round, a chunk of that order gathers its patterns from dozens of stored chunks
-    (tiles27, 65,536 patterns in chunks of 120 over a Morton-ordered store: ~60 stored chunks,
-    0.3–0.4 s per chunk read instead of ~10 ms). Whole stored chunks would be cheap too, but a
-    stored chunk that spans two quadrants of a Morton curve spans half the object, and so would
-    its worker's tile (4 workers on tiles27: 2,769 rows held by the largest tile, against 1,354
-    by row; these runs: 1,497). On a row-major raster the runs are pieces of scan rows.
-    """
-    p = np.asarray(positions, dtype=np.float64)
-    if len(p) <= chunk_len:
-        return None
-    extent = np.ptp(p, axis=0) + 1.0
-    density = len(p) / float(extent[0] * extent[1])
-    tallest = 1.5 * np.sqrt(chunk_len / max(density, 1e-12))
-    runs, start, low, high = [], 0, p[0, 0], p[0, 0]
-    for i, y in enumerate(p[1:, 0], start=1):
-        if i - start >= chunk_len or max(high, y) - min(low, y) > tallest:
-            runs.append((start, i))
-            start, low, high = i, y, y
-        else:
-            low, high = min(low, y), max(high, y)
-    runs.append((start, len(p)))
-    rows = np.array([p[a:b, 0].mean() for a, b in runs])
-    return [runs[k] for k in np.argsort(rows, kind="stable")]
