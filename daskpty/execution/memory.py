@@ -143,7 +143,7 @@ def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
     if fewest is not None and fewest > max(1, tiles or 1):
         how += (f"; or cut the object into tiles (tiles=True) over at least {fewest} workers of this memory"
                 if not tiles else f"; or use at least {fewest} workers of this memory")
-    if share and need - share <= pause:  # (the tile and a step fit without the data beside them)
+    if share and state - share + short <= pause:  # (the tile and a short step fit without the data)
         how += "; or persist=False (each chunk read from the store in its round, none kept beside the tile)"
     raise ValueError(
         f"one chunk step of {step_length} patterns of {n}x{n} ({modes} mode(s))"
