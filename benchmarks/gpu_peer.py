@@ -25,16 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import object_nrmse_in_truth_frame  # noqa: E402
 
 
-def illumination_of(probe, positions, shape):
-    """Σ_modes |probe|² summed over the scan's integer windows (window corner round(p - n/2))."""
-    n = probe.shape[-1]
-    power = (np.abs(probe) ** 2).sum(axis=0)
-    illum = np.zeros(shape, np.float64)
-    for y, x in np.rint(positions - n / 2.0).astype(int):
-        illum[y:y + n, x:x + n] += power
-    return illum
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("store")
@@ -46,6 +36,7 @@ def main(argv=None):
 
     import daskpty
     from daskpty.engines.initial import object_frame, probe_diameter_from_scan, probe_from_mean_pattern
+    from daskpty.metrics.frc import illumination_map
 
     data = daskpty.open_data(args.store)
     intensities = np.asarray(data.intensities.compute(scheduler="threads"), dtype=np.float32)
@@ -71,7 +62,7 @@ def main(argv=None):
         return 1
     out = np.load(peer_out)
     obj = out[f"object_{args.epochs}"]
-    illum = illumination_of(out[f"probe_{args.epochs}"], positions, shape)
+    illum = illumination_map(out[f"probe_{args.epochs}"], positions, shape)
     nrmse = object_nrmse_in_truth_frame(obj, positions, data.truth, illum)
     print(f"Pty-Chi {out['ptychi_version']} LSQML: {float(out['seconds_per_epoch']):.3f} s/epoch "
           f"(setup {float(out['setup_seconds']):.1f} s), NRMSE {nrmse:.4f} after {args.epochs} epochs")

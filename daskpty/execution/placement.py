@@ -34,10 +34,14 @@ def chunk_annotations(client, array, blocks) -> dict:
     from .cluster import live_workers
 
     workers = sorted(live_workers(client)) if futures_of(array) else []
-    if not workers:
-        return {}
-    return {b.key: {"workers": [workers[balanced_worker(i, len(blocks), len(workers))]],
-                    "allow_other_workers": True} for i, b in enumerate(blocks)}
+    return {b.key: a for b, a in zip(blocks, balanced_annotations(workers, len(blocks)))} if workers else {}
+
+
+def balanced_annotations(workers: list, n_chunks: int) -> list:
+    """For each of ``n_chunks`` chunks, the (loose) annotation that keeps its tasks on its
+    worker of ``workers`` (sorted addresses) by :func:`balanced_worker`."""
+    return [{"workers": [workers[balanced_worker(i, n_chunks, len(workers))]], "allow_other_workers": True}
+            for i in range(n_chunks)]
 
 
 def _run_stuck_loose_tasks(dask_scheduler=None) -> int:
@@ -93,10 +97,7 @@ def _unpersisted_annotations(client, n_chunks: int) -> list:
     from .cluster import live_workers
 
     workers = sorted(live_workers(client))
-    if not workers:
-        return [{}] * n_chunks
-    return [{"workers": [workers[balanced_worker(i, n_chunks, len(workers))]], "allow_other_workers": True}
-            for i in range(n_chunks)]
+    return balanced_annotations(workers, n_chunks) if workers else [{}] * n_chunks
 
 
 class GraphInputs:

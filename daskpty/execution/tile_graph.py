@@ -146,20 +146,28 @@ def _piece(part: Partial | None, origin: int, tile, detach: bool = False) -> Par
     return Partial(boxes, dict(part.arrays), dict(part.scalars))
 
 
+def _read_with_payload(carry: EpochCarry, adapter, indices, blocks, positions):
+    """``(i, chunk, positions, payload)`` for a worker's chunks in turn: each chunk read when its
+    turn comes (data not persisted: one held at a time, :func:`~.placement.read_chunk`), the
+    payload made once, on the first chunk's device (:func:`~.device_state.resident`)."""
+    payload = None
+    for i, b, p in zip(indices, blocks, positions):
+        b = read_chunk(b)
+        if payload is None:
+            payload = adapter.payload(resident(carry.state, adapter, [b]))
+        yield i, b, p, payload
+
+
 def _tile_chunks(carry: EpochCarry, adapter, layout: TileLayout, w: int, round_index: int, rounds: int,
                  tree: FixedTree, blocks, positions, indices) -> dict:
     """Round ``round_index``'s chunk steps on worker ``w``'s tile; returns ``{v: {node: piece}}``,
     the pieces of its subtree sums for every worker ``v``, and under ``"local"`` its chunks'
     updated per-pattern state (it stays on this worker)."""
     tile = layout.tiles[w]
-    payload = None
     # refined positions stay in the object's frame (the payload's tile frame moves the windows)
     shift = np.array([0.0 if tile_halo.refines_positions(adapter) else tile.held_start, 0.0])
     parts, local = {}, {}
-    for i, b, p in zip(indices, blocks, positions):
-        b = read_chunk(b)  # (data not persisted: read now, one chunk held at a time)
-        if payload is None:
-            payload = adapter.payload(resident(carry.state, adapter, [b]))
+    for i, b, p, payload in _read_with_payload(carry, adapter, indices, blocks, positions):
         own = None
         if adapter.local_state:
             own = carry.local.get(i)
@@ -297,13 +305,9 @@ def _tile_sums(carry: EpochCarry, adapter, layout: TileLayout, w: int, tree: Fix
     """The first epoch's sums (``adapter.tile_sums_function``, e.g. Σ measured and Σ model
     intensity) of worker ``w``'s chunks on its tile, summed over its complete subtrees."""
     tile = layout.tiles[w]
-    payload = None
     shift = np.array([tile.held_start, 0.0])
     parts = {}
-    for i, b, p in zip(indices, blocks, positions):
-        b = read_chunk(b)
-        if payload is None:
-            payload = adapter.payload(resident(carry.state, adapter, [b]))
+    for i, b, p, payload in _read_with_payload(carry, adapter, indices, blocks, positions):
         parts[(0, i)] = adapter.tile_sums_function(b, np.asarray(p, np.float64) - shift, payload)
         parts = tree.reduce(parts)
     return parts
