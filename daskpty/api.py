@@ -454,11 +454,13 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
                                                thick, tiles_of, halo_reach,
                                                intensities.nbytes if execution.persist and tiles_of else 0)
         run_options.update(chunk_length=execution.chunk_length)
-        if hasattr(data, "intensities_in_chunks") and not execution.persist:
-            intensities = data.intensities_in_chunks(execution.chunk_length)  # out of core: read sub-shards
+        # out of core: each chunk's task reads its own patterns from the store, in the run's order
+        reader = data.intensities_in_chunks if hasattr(data, "intensities_in_chunks") and not execution.persist \
+            else None
         chunked = prepare_data(c, intensities, frame_positions, chunk_length=execution.chunk_length,
                                modes=state.probe.shape[0], sort=execution.sort, persist=execution.persist,
-                               device=execution.device, shift=not thick.near_field, row_bands=execution.tiles)
+                               device=execution.device, shift=not thick.near_field, row_bands=execution.tiles,
+                               reader=reader)
         layout.update(chunked)
         data = intensities = None  # the chunks live on the workers now: release scattered originals
         if resumed is not None and getattr(adapter, "local_state", False):

@@ -23,7 +23,7 @@ def test_out_of_core_equals_in_memory(store):
     held = []
 
     def data_keys(dask_worker):
-        return [str(k) for k in dask_worker.data.keys() if "ifftshift" in str(k) or "from-zarr" in str(k)
+        return [str(k) for k in dask_worker.data.keys() if "ifftshift" in str(k) or "zarr" in str(k)
                 or "rechunk" in str(k) or "getitem" in str(k)]
 
     def watch(epoch, state, metrics):

@@ -185,7 +185,7 @@ def should_persist(client, nbytes: int, fraction: float = 0.5, working_bytes: in
 
 def prepare_data(client, intensities, positions, *, chunk_length: int | None = None, modes: int = 1,
                  sort: bool = True, persist: bool | str = "auto", device: str = "cpu",
-                 shift: bool = True, row_bands: bool = False) -> ChunkedData:
+                 shift: bool = True, row_bands: bool = False, reader=None) -> ChunkedData:
     """Chunk along N, order chunks spatially, move the zero frequency to index 0, persist.
 
     intensities: dask or NumPy array (N, n, n), DC at the centre (as recorded), counts stay in
@@ -198,6 +198,10 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
     (near-field holograms are images: no shift).
     row_bands: order for tiles (:func:`~.ordering.row_band_order`): each worker's chunks a band
     of rows.
+    reader: for data read from their store, ``reader(chunk_length, order)`` gives the patterns
+    in that order (None: as stored) in chunks whose tasks read only their own patterns
+    (:meth:`~daskpty.io.store.PtychoData.intensities_in_chunks`); without it the order is a
+    dask fancy index, whose shuffle reads every source chunk an output chunk touches whole.
     """
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
@@ -210,8 +214,11 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
     order = None
     if sort:  # compact chunks; for tiles also row bands per worker
         order = (row_band_order if row_bands else compact_order)(positions, chunk_length, n)
-    if order is not None:
+    if reader is not None:
+        intensities = reader(chunk_length, order)
+    elif order is not None:
         intensities = intensities[order]
+    if order is not None:
         positions = positions[order]
     intensities = intensities.rechunk((chunk_length, -1, -1))
     if device == "gpu":

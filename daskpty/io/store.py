@@ -26,6 +26,7 @@ import zarr
 
 from .integrity import (EVERY_CHUNK, NamedReader, check_json_files, check_present, check_shards,
                         chunk_files, missing_files)
+from .gather import gathered
 from .metadata import Truth, check_truth, check_truth_shapes, make_metadata
 from .safety import interrupted_copy, store_bytes
 from .validate import (FORMAT_NAME, FORMAT_VERSION, DataError, ValueReport, check_format_attrs,
@@ -59,18 +60,21 @@ class PtychoData:
     def n_patterns(self) -> int:
         return int(self.intensities.shape[0])
 
-    def intensities_in_chunks(self, length: int) -> da.Array:
-        """The intensities as a dask array of ``length``-pattern chunks read straight from the
-        store (each task reads only the inner chunks it needs, not whole shards); in-memory data
-        sets are rechunked."""
+    def intensities_in_chunks(self, length: int, order=None) -> da.Array:
+        """The intensities taken in ``order`` (None: as stored) as a dask array of
+        ``length``-pattern chunks read straight from the store: each chunk's task reads only the
+        inner chunks holding its patterns (:func:`~.gather.gathered`), not whole shards. In-memory
+        data sets are indexed and rechunked."""
+        arr = None
         if self.path is not None:
             try:
                 arr = zarr.open_group(self.path, mode="r")["intensities"]
-                if arr.shape == self.intensities.shape:
-                    return _dask_array(arr, self.path, (int(length), *arr.shape[1:]))
-            except Exception:  # fall back to rechunking the opened array
-                pass
-        return self.intensities.rechunk((int(length), -1, -1))
+            except Exception:  # (moved or replaced since it was opened) index the opened array
+                arr = None
+        if arr is not None and arr.shape == self.intensities.shape:
+            return gathered(NamedReader(arr, self.path), order, length)
+        x = self.intensities if order is None else self.intensities[np.asarray(order)]
+        return x.rechunk((int(length), -1, -1))
 
     @property
     def pattern_shape(self) -> tuple[int, int]:
