@@ -94,21 +94,36 @@ def test_reconstruct_on_tiles_from_a_store_resumes_bit_identically(tmp_path, thr
     assert whole.options["tiles"] is True and daskpty.Reconstruction.from_zarr(tmp_path / "a.zarr").options["tiles"]
 
 
+def _in_tile_order(data, chunk_length: int):
+    """``data`` with its patterns in the tiles' order (:func:`row_band_order`), which a tiled run
+    then keeps; a replicated run given it with ``sort=False`` cuts the same chunks (the step
+    lengths are formed per chunk, so other chunks give another, equally valid, result)."""
+    import dataclasses
+
+    from daskpty.execution.ordering import row_band_order
+
+    order = row_band_order(data.positions, chunk_length, data.pattern_shape[0])
+    if order is None:
+        return data
+    return dataclasses.replace(data, intensities=data.intensities[order], positions=data.positions[order])
+
+
 @pytest.mark.parametrize("engine,kind", [("lsqml", "slices"), ("lsqml", "near field"), ("ad", "slices"),
                                          ("rpie", "slices"), ("rpie", "near field")])
 def test_slices_and_the_near_field_on_tiles(three_workers, one_worker, engine, kind):
     """K slices (per-slice maxima and scales) and the near-field detector on tiles: 3 tiles equal
-    1 tile bit for bit, and the replicas to float32 rounding (compact LSQML: one update per
-    epoch, so the pattern order changes only the order of the sums)."""
+    1 tile bit for bit, and the replicas with the same chunks to float32 rounding (compact
+    LSQML: one update per epoch, so only the order of the sums differs)."""
     from test_compose_runs import SPACING, VARYING, _electron, _near_field
 
     data = _electron(2, grid=6)[1] if kind == "slices" else _near_field()[2]
     extra = dict(slices=2, slice_spacing_m=SPACING) if kind == "slices" else {}
     kw = dict(engine=engine, epochs=4, rounds_per_epoch=1, chunk_length=6, persist=True, **extra,
               **({} if engine == "rpie" else VARYING))  # (PIE takes no probe model)
+    data = _in_tile_order(data, kw["chunk_length"])  # the replicas then get the tiles' chunks
     one = daskpty.reconstruct(data, client=one_worker, tiles=True, **kw)
     three = daskpty.reconstruct(data, client=three_workers, tiles=True, **kw)
-    replicas = daskpty.reconstruct(data, client=three_workers, **kw)
+    replicas = daskpty.reconstruct(data, client=three_workers, sort=False, **kw)
     assert three.object.shape == replicas.object.shape and three.object.ndim == (3 if kind == "slices" else 2)
     np.testing.assert_array_equal(three.object, one.object)
     np.testing.assert_array_equal(three.probe, one.probe)
@@ -194,6 +209,23 @@ def test_row_band_order_gives_each_worker_a_band_of_rows(workers):
     assert held <= height / workers + 2 * (slab + n / 2 + 2)
     if workers == 4:
         assert most_rows(shuffled[compact_order(shuffled, chunk, n)]) >= height / 2 > held
+
+
+def test_band_chunks_keep_their_windows_compact():
+    """With windows many scan steps tall (the user's 128² patterns at a 14.6 px step), chunks
+    of single rows span a row of windows each: their sums' boxes are mostly window. Bands of a
+    few rows, taken column by column, keep a chunk's box near a square chunk's."""
+    from daskpty.execution.ordering import footprint_area, row_band_order
+
+    y, x = np.mgrid[0:48, 0:256] * 14.6 + 70
+    positions = np.stack([y.ravel(), x.ravel()], axis=1)
+    positions += np.random.default_rng(2).uniform(-1, 1, positions.shape)
+    chunk, n = 408, 128
+    bands = footprint_area(positions[row_band_order(positions, chunk, n)], chunk, n)
+    by_row = footprint_area(positions[np.lexsort((positions[:, 1], np.round(positions[:, 0] / 14.6)))], chunk, n)
+    squares = len(positions) / chunk * (np.sqrt(chunk) * 14.6 + n) ** 2
+    assert bands < 0.5 * by_row
+    assert bands < 1.6 * squares
 
 
 def _killing_chunk(intensities, positions, payload, local=None):

@@ -16,13 +16,33 @@ from dask.base import tokenize
 import numpy as np
 
 
+#: the most inner chunks one slice of :func:`read_rows` spans (its transient copy: 8 × 2 MiB)
+RUN_CELLS = 8
+
+
+def inner_length(reader) -> int:
+    """Patterns per inner (read) chunk of the zarr array behind ``reader`` (a
+    :class:`~.integrity.NamedReader` or a zarr array); 1 when it has none (then every row is
+    its own "chunk")."""
+    chunks = getattr(getattr(reader, "arr", reader), "chunks", None)  # zarr v3: the inner chunk
+    try:
+        return max(int(chunks[0]), 1)
+    except (TypeError, IndexError, ValueError):
+        return 1
+
+
 def read_rows(reader, rows: np.ndarray) -> np.ndarray:
-    """``reader[rows]`` for integer ``rows`` in any order: one orthogonal selection of the sorted
-    rows (``reader.take``: zarr decodes each inner chunk holding some of them once, several at a
-    time), put back in the order asked."""
+    """``reader[rows]`` for integer ``rows`` in any order, by contiguous slices: the inner
+    chunks holding some of them, grouped into runs of consecutive chunks (at most
+    :data:`RUN_CELLS` each), one slice per run, so each inner chunk is decoded once.
+
+    (zarr's orthogonal selection of the same rows decodes the same chunks but took 4–12× as
+    long on 128² patterns, mostly in system time: 0.2–0.6 s against 0.04 s for 408 patterns.)"""
     wanted, back = np.unique(np.asarray(rows, dtype=np.int64), return_inverse=True)
-    take = getattr(reader, "take", None)
-    block = take(wanted) if take is not None else reader[wanted]
+    cells = wanted // inner_length(reader)
+    new_run = np.flatnonzero((np.diff(cells) > 1) | (np.diff(cells // RUN_CELLS) > 0)) + 1
+    parts = [reader[int(g[0]):int(g[-1]) + 1][g - g[0]] for g in np.split(wanted, new_run) if len(g)]
+    block = parts[0] if len(parts) == 1 else np.concatenate(parts)
     return block[back.reshape(-1)]
 
 
@@ -42,4 +62,4 @@ def gathered(reader, order: np.ndarray | None, length: int) -> da.Array:
     return da.Array(graph, name, chunks, meta=np.empty((0,) * len(reader.shape), dtype=reader.dtype))
 
 
-__all__ = ["gathered", "read_rows"]
+__all__ = ["RUN_CELLS", "gathered", "inner_length", "read_rows"]

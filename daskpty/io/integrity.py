@@ -237,14 +237,6 @@ class NamedReader:
         except Exception as exc:  # zarr / codec errors of every kind
             raise self._error(key, exc) from None
 
-    def take(self, rows):
-        """The patterns at the sorted integer ``rows`` (one orthogonal selection: each inner chunk
-        holding some of them decoded once)."""
-        try:
-            return self.arr.oindex[rows]
-        except Exception as exc:  # zarr / codec errors of every kind
-            raise self._error(slice(int(rows[0]), int(rows[-1]) + 1) if len(rows) else slice(0, 0), exc) from None
-
     def _error(self, key, exc) -> DamagedStoreError:
         outer = self.arr.metadata.chunk_grid.chunk_shape
         first = key[0] if isinstance(key, tuple) and key else key
