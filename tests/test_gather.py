@@ -58,6 +58,7 @@ def test_any_order_and_chunk_length_gives_the_indexed_patterns(sharded):
             assert x.chunks[0][0] == min(length, arr.shape[0])
             np.testing.assert_array_equal(x.compute(scheduler="sync"), expected)
     rows = np.array([5, 5, 200, 0, 17])  # repeats and any order
+    assert read_rows(NamedReader(arr, str(store)), np.array([], int)).shape == (0,) + arr.shape[1:]
     np.testing.assert_array_equal(read_rows(NamedReader(arr, str(store)), rows), everything[rows])
 
 

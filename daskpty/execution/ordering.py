@@ -37,8 +37,9 @@ def compact_order(positions: np.ndarray, chunk_len: int, n: int) -> np.ndarray |
 
 def row_band_order(positions: np.ndarray, chunk_len: int, n: int) -> np.ndarray | None:
     """A permutation for tiles (:mod:`.tile_graph`): bands of a few scan rows, each band taken
-    column by column (every other band right to left), so each chunk is a short, wide rectangle of positions and a contiguous
-    run of chunks (what one worker holds) a band of rows for any number of workers.
+    column by column (every other band right to left), so each chunk is a short, wide rectangle
+    of positions and a contiguous run of chunks (what one worker holds) a band of rows for any
+    number of workers.
 
     Where two workers meet, only the band they share and the windows' reach are held by both.
     Square chunks (:func:`compact_order`'s Morton curve) hold more rows in common: on a Morton

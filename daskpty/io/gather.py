@@ -1,13 +1,14 @@
 """Patterns in any order, read straight from their Zarr store, chunk by chunk.
 
-The execution layer orders the patterns (compact chunks for replicas, rows for tiles) and, for
+The execution layer orders the patterns (compact chunks for replicas, bands of rows for tiles) and, for
 data read from their store every round, used to apply the order as a dask fancy index. dask
 (2024+) takes such an index by a shuffle: every output chunk reads, decompresses and splits
 each whole source chunk it touches. A 120-pattern chunk by row of a Morton-ordered store
 decompressed 24 source chunks (0.12 s; the patterns it needs sit in 16 of the store's inner
 chunks). :func:`gathered` instead gives each output chunk one task that reads just the inner
-chunks holding its patterns, each once (:func:`read_rows`). On a store in acquisition (raster)
-order a chunk of whole rows is then a few contiguous inner chunks.
+chunks holding its patterns, each once, by contiguous slices (:func:`read_rows`: 0.01 s). On a
+store in acquisition (raster) order a chunk of a band of rows is then a few contiguous inner
+chunks.
 """
 from __future__ import annotations
 
@@ -42,6 +43,8 @@ def read_rows(reader, rows: np.ndarray) -> np.ndarray:
     cells = wanted // inner_length(reader)
     new_run = np.flatnonzero((np.diff(cells) > 1) | (np.diff(cells // RUN_CELLS) > 0)) + 1
     parts = [reader[int(g[0]):int(g[-1]) + 1][g - g[0]] for g in np.split(wanted, new_run) if len(g)]
+    if not parts:
+        return np.empty((0,) + tuple(int(s) for s in reader.shape[1:]), dtype=reader.dtype)
     block = parts[0] if len(parts) == 1 else np.concatenate(parts)
     return block[back.reshape(-1)]
 
