@@ -41,10 +41,11 @@ from ..physics.multislice import (
 )
 from ..physics.kernels import far_field_update  # fused on the GPU (the NumPy reference on the CPU)
 from ..physics.patches import PatchIndex
-from ..physics.propagation import angular_spectrum, angular_spectrum_adjoint
+from ..physics.propagation import angular_spectrum_adjoint
 from ..physics.shifts import outer_ramps, shift_ramp_factors, split_positions
 from . import lsqml
 from .lsqml import LSQMLOptions, LSQMLState, begin_epoch, rescale_probe  # noqa: F401  (re-exported)
+from .multislice_positions import position_sums
 from .partials import BoxedArray, Partial
 from .positions import accumulate_affine, accumulate_window, central_gradients
 
@@ -209,9 +210,8 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
 
     * ``position_terms``: the LSQML position shift's sums in ``local["shift_terms"]``: Re⟨d_a, χ⟩
       and ‖d_a‖² of the exit wave's exact change per unit position d_a, carried through the
-      slices (:func:`position_shift_terms`; one pass over the slices per axis). The windows' deformation
-      sums (``window_sums``) are not formed through slices: the affine fit of the positions
-      still runs.
+      slices, and with ``window_sums`` the windows' deformation sums in ``arrays``
+      (:func:`~.multislice_positions.position_sums`).
     * ``variable``: a :class:`~daskpty.engines.pattern_probes.PatternProbes` (OPR, intensity
       factors, background): each pattern's own probe at the entrance, the background in the
       detector's model, the probe sums weighted by ∂P_j/∂P, the eigen-probe and weight terms from
@@ -245,7 +245,10 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
     obj_num = c.boxes(grads, np.complex64)
     illum = c.boxes(xp.stack([model_intensity(incident[k]) for k in range(n_slices)]), np.float32)
     obj_dir = obj_num * (np.float32(1.0) / _preconditioner(illum, options.delta))   # ΔÔ_k
-    shift_terms = position_shift_terms(c, grads, incident) if position_terms else None
+    shift_terms = window = None
+    if position_terms:
+        shift_terms, window = position_sums(c, grads, incident, positions=positions,
+                                            scattered=obj_num if window_sums else None)
 
     # Directions carried to the exit, then the per-pattern (K + 1)-unknown step system.
     directions = []
@@ -285,33 +288,11 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
         part.arrays["probe"] = (np.float32(alpha_p) * probe_sum).astype(np.complex64, copy=False)
     if shift_terms is not None:
         part.local["shift_terms"] = shift_terms
+    if window is not None:
+        part.arrays.update(window)
     if variable is not None:
         variable.finish(part, *pixel_sums(y, yhat))
     return part if is_cupy(obj) else part.to_numpy()  # partials stay where the state lives
-
-
-def position_shift_terms(c: SliceChunk, grads, incident):
-    """The LSQML position shift's numerator Re⟨d_a, χ⟩ and denominator ‖d_a‖² per pattern and
-    axis ((B, 2) float64 each, on the host), d_a the exit wave's change per unit position:
-    d_a = Σ_k T_k(∂_a O_k · φ_k), every slice's window moving under the fixed beam (the
-    single-slice step's ∂_a O · S_f P through the slices, carried forward slice by slice), so
-    Re⟨d_a, χ⟩ = Σ_k Re⟨∂_a O_k, g_k⟩ from the slices' gradients; ‖d_a‖² at the detector (the
-    near-field operator is not quite unitary). Moving the probe over the windows instead differs
-    by a translation of the exit wave, to which far-field intensities are blind but whose norm
-    would swamp ‖d_a‖²."""
-    xp, num, den = c.xp, [], []
-    box_d = c.box_gradients()
-    for a in range(2):
-        d = [c.index.extract(xp.ascontiguousarray(box_d[k][a])) for k in range(c.n_slices)]
-        num.append(sum(real_dots(d[k], grads[k]) for k in range(c.n_slices)))
-        change = d[0][:, None] * incident[0]
-        for k in range(1, c.n_slices):
-            change = angular_spectrum(change, c.kernel) * c.patches[k][:, None]
-            change += d[k][:, None] * incident[k]
-        if c.detector is not None:
-            change = detector_forward(change, c.detector)
-        den.append(real_dots(change, change))
-    return (np.stack([to_numpy(a) for a in num], axis=1), np.stack([to_numpy(a) for a in den], axis=1))
 
 
 def pixel_sums(y, yhat):

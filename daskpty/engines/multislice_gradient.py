@@ -14,8 +14,10 @@ import numpy as np
 from ..physics import ifft2, model_intensity
 from ..physics.backend import asarray_like, is_cupy, real_dots, to_numpy
 from ..physics.multislice import detector_forward, multislice_forward, multislice_vjp
+from .ad.gradient import window_chi_factor
 from .ad.losses import DEFAULT_EPS, _far_field_loss
 from .multislice import SliceChunk, pixel_sums, pattern_sums, detector_adjoint
+from .multislice_positions import position_sums
 from .partials import BoxedArray, Partial
 
 
@@ -44,8 +46,10 @@ def chunk_gradient(obj, probe, intensities, positions, *, options=None, kernel=N
     ``arrays["probe_grad"]`` (M, n, n) and ``arrays["probe_illumination"]`` (n, n) = Σ_j |O_1j|²
     when ``want_probe``, ``arrays["position_grad"]`` (B, 2) ∂L/∂(y, x) when ``want_positions``
     (exact: :func:`_position_gradient`), the probe model's
-    gradients with ``variable``, ``scalars`` loss, n, sum_measured, sum_model. The windows'
-    deformation sums (``window_sums``) are not formed through slices.
+    gradients with ``variable``, ``scalars`` loss, n, sum_measured, sum_model, and with
+    ``window_sums`` (and the object gradient) the windows' deformation sums through the slices
+    (:func:`~.multislice_positions.position_sums`) with LSQML's χ taken as −∂L/∂ψ* over the
+    loss's curvature (:func:`~daskpty.engines.ad.gradient.window_chi_factor`), as one slice does.
     """
     loss, eps = _loss_settings(options, loss, eps)
     n_patterns = intensities.shape[0]
@@ -86,6 +90,11 @@ def chunk_gradient(obj, probe, intensities, positions, *, options=None, kernel=N
             part.arrays["probe_illumination"] = power.sum(axis=0).astype(rdtype)
     if want_positions:
         part.arrays["position_grad"] = _position_gradient(c, g_q, g_far, far)
+    factor = window_chi_factor(loss) if window_sums and want_object else None
+    if factor is not None:
+        _, window = position_sums(c, grads, incident, positions=positions,
+                                  scattered=part.boxes["object_grad"].data)
+        part.arrays.update(window, window_num=window["window_num"] * factor)
     if variable is not None:
         variable.finish(part, *pixel_sums(y, yhat))
     if is_cupy(obj):  # partials stay where the state lives; the positions' optimiser is on the host

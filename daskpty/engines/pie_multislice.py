@@ -19,7 +19,7 @@ nearly the same χ (its low frequencies above all), so together they overshoot K
 steps diverged in epoch 4 (loss 2.7e3 → 6.7e6), with 1/K it fell monotonically (1982 after 12
 epochs, one slice 2541); batched, the sums stand in for Maiden's sequential per-pattern order. Position refinement takes the
 multislice LSQML's shift terms (the exit wave's exact change per unit position through the
-slices, :func:`daskpty.engines.multislice.position_shift_terms`). No dask here.
+slices, :func:`daskpty.engines.multislice_positions.position_sums`, with the windows' deformation sums). No dask here.
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ from ..physics.kernels import far_field_update
 from ..physics.multislice import detector_forward, multislice_forward, multislice_vjp
 from ..physics.propagation import angular_spectrum_adjoint
 from . import multislice as ms
+from .multislice_positions import position_sums
 from .lsqml import LSQMLState, close_epoch
 from .partials import BoxedArray, Partial
 
@@ -46,8 +47,9 @@ def chunk_step(obj, probe, intensities, positions, *, options, kernel=None, dete
     transfer function (K > 1), ``detector`` None (far field) or the near-field kernel, ``options``
     :class:`~daskpty.engines.pie.PIEOptions`. Boxes (K, h, w): ``object_num``, ``illumination``;
     ``probe_num`` (M, n, n) when ``update_probe``; scalars ``loss``, ``n``, ``sum_model``.
-    ``position_terms``: the LSQML shift sums in ``local["shift_terms"]``; the windows'
-    deformation sums (``window_sums``) are not formed through slices (as in multislice LSQML).
+    ``position_terms``: the LSQML shift sums in ``local["shift_terms"]`` and with
+    ``window_sums`` the windows' deformation sums in ``arrays``, through the slices as in
+    multislice LSQML (:func:`~.multislice_positions.position_sums`).
     """
     n_patterns = intensities.shape[0]
     if n_patterns == 0:
@@ -89,7 +91,10 @@ def chunk_step(obj, probe, intensities, positions, *, options, kernel=None, dete
     if position_terms:
         grads = multislice_vjp(chi, c.patches, incident, c.kernel)[0] if n_slices > 1 else \
             (xp.conj(incident[0]) * chi).sum(axis=1)[None]
-        part.local["shift_terms"] = ms.position_shift_terms(c, grads, incident)
+        part.local["shift_terms"], window = position_sums(
+            c, grads, incident, positions=positions, scattered=c.boxes(grads, np.complex64) if window_sums else None)
+        if window is not None:
+            part.arrays.update(window)
     return part
 
 

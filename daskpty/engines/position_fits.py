@@ -18,6 +18,14 @@ def _design(nominal):
     return np.concatenate([nominal, np.ones((len(nominal), 1))], axis=1)  # rows (y, x, 1)
 
 
+def mapped(points, matrix) -> np.ndarray:
+    """[points, 1] · ``matrix`` (3, 2) for (B, 2) points, float64, element by element: the same
+    bits wherever the points' memory lies (a BLAS product's may change with its alignment, and a
+    resumed run's positions are read into other memory than the run's own)."""
+    p, m = np.asarray(points, np.float64), np.asarray(matrix, np.float64)
+    return p[:, :1] * m[0] + p[:, 1:2] * m[1] + m[2]
+
+
 def affine_sums(nominal, refined) -> dict:
     """Normal equations of refined ≈ [nominal, 1] · A for these patterns: ``{"affine_xtx":
     (3, 3), "affine_xty": (3, 2)}`` float64 sums, additive over chunks; plus the sums of the
@@ -69,12 +77,11 @@ def mapped_affine(affine, window) -> np.ndarray:
 def move_to_affine(refined, nominal, affine, boost, blend: float) -> np.ndarray:
     """Positions moved by the affine ``boost`` (the same map for every pattern), then ``blend``
     of the way to the (boosted) affine map of the nominal ones."""
-    design = _design(nominal)
     if boost is not None:
-        refined = refined + design @ boost
+        refined = refined + mapped(nominal, boost)
         affine = affine + boost
     if blend:
-        refined = refined + blend * (design @ affine - refined)
+        refined = refined + blend * (mapped(nominal, affine) - refined)
     return refined
 
 

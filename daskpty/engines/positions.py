@@ -23,7 +23,6 @@ import numpy as np
 from ..physics.backend import to_numpy
 from .position_fits import (  # noqa: F401  (re-exported)
     WINDOW_KEYS,
-    _design,
     accumulate_affine,
     accumulate_window,
     affine_boost,
@@ -31,6 +30,7 @@ from .position_fits import (  # noqa: F401  (re-exported)
     affine_sums,
     fit_affine,
     fit_window,
+    mapped,
     mapped_affine,
     move_to_affine,
     solve_affine,
@@ -147,7 +147,7 @@ def positions_for_step(local: dict, nominal, affine, options: PositionOptions, e
         return refined
     fit, boost, window = (tuple(affine) + (None,))[:3]
     if window is not None:                 # the scan's correction from the window deformation
-        refined = _design(refined) @ window
+        refined = mapped(refined, window)
     if fit is not None and options.affine:
         refined = move_to_affine(refined, nominal, fit, boost, options.affine_blend)
     return keep_inside(refined, n, object_shape)

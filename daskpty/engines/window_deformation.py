@@ -81,7 +81,8 @@ class WindowDeformation:
     weighted by (u_y², u_y u_x, u_x²) once per chunk (:meth:`sums`). The sums stay where the arrays are (no host sync until
     :meth:`sums`).
 
-    ``box_d``: (∂_y O, ∂_x O) on the chunk's box.
+    ``box_d``: (∂_y O, ∂_x O) on the chunk's box (or None: given to :meth:`add_first` instead,
+    as K slices do, one slice at a time).
     """
 
     def __init__(self, n: int, xp, box_d, gram_stride: int = GRAM_STRIDE):
@@ -92,12 +93,14 @@ class WindowDeformation:
         self.first = xp.zeros((2, 2))    # b_ab, float64
         self.per_pixel = xp.zeros((n * n, 3), np.float32)   # Σ_j w_j · (|∂_y O|², cross, |∂_x O|²) windows
 
-    def add_first(self, scattered, corners, numerators) -> None:
+    def add_first(self, scattered, corners, numerators, box_d=None) -> None:
         """The first moments b of a chunk, on its box: ``scattered`` Σ_j g_j on the box,
         ``corners`` (B, 2) the windows' corners in it and ``numerators`` (B, 2) every pattern's
-        s_ja = Re⟨∂_a O_j, g_j⟩. About the box centre (the two terms nearly cancel): the
+        s_ja = Re⟨∂_a O_j, g_j⟩ (``box_d``: the (∂_y O, ∂_x O) they are of, if not the
+        constructor's). About the box centre (the two terms nearly cancel): the
         products in single precision like the numerators' own, every sum in float64."""
         xp = self.xp
+        box_d = self.box_d if box_d is None else box_d
         h, w = scattered.shape[-2:]
         origin = np.array([(h - 1) / 2.0, (w - 1) / 2.0])
         centres = xp.asarray(np.asarray(corners, np.float64) + (self.n - 1) / 2.0 - origin)       # c_j
@@ -106,7 +109,7 @@ class WindowDeformation:
         s = xp.asarray(numerators, dtype=np.float64)
         r = xp.empty((h, w), scattered.real.dtype)
         for a in range(2):
-            d = self.box_d[a]
+            d = box_d[a]
             xp.multiply(d.real, scattered.real, out=r)                     # Re conj(∂_a O) Σ g
             r += d.imag * scattered.imag
             self.first[a, 0] += ys @ r.sum(axis=1, dtype=np.float64) - centres[:, 0] @ s[:, a]
@@ -135,10 +138,20 @@ class WindowDeformation:
         self.per_pixel[:, 1] += ones @ (cross * w)
         self.per_pixel[:, 2] += ones @ (sq[..., 1] * w)
 
-    def sums(self, positions) -> dict:
-        """The chunk's additive sums (host, float64), with Σ positions and their count."""
-        second = np.asarray(to_numpy(self.per_pixel), np.float64).T @ _offset_products(self.n) * self.gram_stride
+    def sums(self, positions, gram=None) -> dict:
+        """The chunk's additive sums (host, float64), with Σ positions and their count;
+        ``gram``: the normal matrix (4, 4) formed elsewhere (through K slices), else the one
+        :meth:`add_gram` summed."""
         first = np.asarray(to_numpy(self.first), np.float64)                       # (a, b)
+        if gram is None:
+            gram = self._gram()
+        pos = np.asarray(positions, np.float64)
+        return {"window_num": first.reshape(4), "window_gram": gram,
+                "window_positions": np.r_[pos.sum(axis=0), len(pos)]}
+
+    def _gram(self) -> np.ndarray:
+        """G (4, 4) from the per-pixel sums of :meth:`add_gram`, weighted by the offsets."""
+        second = np.asarray(to_numpy(self.per_pixel), np.float64).T @ _offset_products(self.n) * self.gram_stride
         pair = {(0, 0): 0, (0, 1): 1, (1, 0): 1, (1, 1): 2}
         gram = np.empty((4, 4))
         for a in range(2):
@@ -146,9 +159,7 @@ class WindowDeformation:
                 for c in range(2):
                     for d in range(2):
                         gram[2 * a + b, 2 * c + d] = second[pair[a, c], pair[b, d]]
-        pos = np.asarray(positions, np.float64)
-        return {"window_num": first.reshape(4), "window_gram": gram,
-                "window_positions": np.r_[pos.sum(axis=0), len(pos)]}
+        return gram
 
 
 def warp_object(a, matrix, offset, frame=None):

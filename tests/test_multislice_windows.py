@@ -1,0 +1,108 @@
+"""The windows' deformation sums through K slices and to a near-field detector
+(engines/multislice_positions): against finite differences of the multislice model, against
+the single-slice box forms for one far-field slice, and AD's against LSQML's (no cluster here)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from daskpty.engines import lsqml
+from daskpty.engines import multislice as ms
+from daskpty.engines import multislice_gradient as msg
+from daskpty.engines.ad import ADOptions
+from daskpty.engines.multislice_positions import position_sums
+from daskpty.engines.position_fits import solve_window_deformation
+
+from test_compose import _setup
+
+PAIRS = ((0, 0), (0, 1), (1, 0), (1, 1))
+
+
+def _exit_and_loss(c, y, detector):
+    def detected(patches):
+        psi = ms.multislice_forward(c.shifted, patches, c.kernel, keep=False)[0]
+        return np.fft.fft2(psi, norm="ortho") if detector is None else ms.detector_forward(psi, c.detector)
+
+    def losses(patches):
+        return ((np.sqrt((np.abs(detected(patches)) ** 2).sum(axis=1) + 1e-12) - np.sqrt(y)) ** 2).sum()
+
+    return detected, losses
+
+
+@pytest.mark.parametrize("k, near", [(2, False), (3, False), (1, True), (2, True)])
+def test_window_sums_through_slices_are_the_gauss_newton_system(k, near):
+    """With D_ab the windows' change u_b ∂_a O_k of every slice (the deformation L_ab) and d_ab
+    the detected change it causes: window_num = Re⟨d_ab, χ⟩ = −½ ∂L/∂L_ab of the amplitude model
+    (one mode) and window_gram = Σ_j Re⟨d_ab, d_cd⟩ on every 4th pattern, times 4 — both from
+    finite differences of the multislice model along D_ab."""
+    s = _setup(k, near, b=9)
+    probe = s["probe"][:1]
+    kernel, detector = (None if s[key] is None else s[key].astype(np.complex64) for key in ("kernel", "detector"))
+    part = ms.chunk_step(s["slices"].astype(np.complex64), probe.astype(np.complex64), s["y"], s["pos"],
+                         options=lsqml.LSQMLOptions(eps=1e-12), kernel=kernel, detector=detector,
+                         position_terms=True, window_sums=True, update_probe=False)
+    c = ms.SliceChunk(s["slices"], probe, s["y"], s["pos"], s["kernel"], s["detector"], np.complex128)
+    detected, losses = _exit_and_loss(c, s["y"], s["detector"])
+    box_d = c.box_gradients()
+    n = c.n
+    u = np.arange(n) - (n - 1) / 2.0
+    offsets = (u[:, None], u[None, :])
+    h = 1e-5
+    changes, slopes = [], []
+    for a, b in PAIRS:
+        d = np.stack([offsets[b] * c.index.extract(np.ascontiguousarray(box_d[kk][a])) for kk in range(c.n_slices)])
+        changes.append((detected(c.patches + h * d) - detected(c.patches - h * d)) / (2 * h))
+        slopes.append((losses(c.patches + h * d) - losses(c.patches - h * d)) / (2 * h))
+    slopes = np.asarray(slopes)
+    np.testing.assert_allclose(part.arrays["window_num"], -0.5 * slopes, rtol=2e-4, atol=2e-4 * np.abs(slopes).max())
+    every4 = [ch[::4].reshape(-1) for ch in changes]
+    want = 4 * np.array([[np.real(np.vdot(x, z)) for z in every4] for x in every4])
+    np.testing.assert_allclose(part.arrays["window_gram"], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert part.arrays["window_positions"][2] == len(s["pos"])
+    assert solve_window_deformation(part.arrays["window_num"], part.arrays["window_gram"]) is not None
+
+
+def test_one_far_field_slice_gives_the_single_slice_window_sums():
+    """K = 1 in the far field: the sums carried through the (no) slices equal the single-slice
+    step's box forms (lsqml.chunk_step), two probe modes. The object is cut to the windows' box:
+    the single slice differentiates one-sidedly at the box's edge, K slices read beyond it."""
+    s = _setup(1, False, b=12)
+    c = ms.SliceChunk(s["slices"], s["probe"], s["y"], s["pos"], None, None)
+    obj, probe = c.obj_box[0], s["probe"].astype(np.complex64)
+    s["pos"] = s["pos"] - c.box0
+    opts = lsqml.LSQMLOptions(eps=1e-6)
+    one = lsqml.chunk_step(obj, probe, s["y"], s["pos"], options=opts, position_terms=True, update_probe=False)
+    many = ms.chunk_step(obj[None], probe, s["y"], s["pos"], options=opts, position_terms=True, window_sums=True,
+                         update_probe=False)
+    for key in ("window_num", "window_gram", "window_positions"):
+        np.testing.assert_allclose(many.arrays[key], one.arrays[key], rtol=1e-3,
+                                   atol=1e-3 * np.abs(one.arrays[key]).max(), err_msg=key)
+
+
+@pytest.mark.parametrize("near", [False, True])
+def test_ad_window_sums_through_slices_are_lsqmls_from_the_loss_gradient(near):
+    """AD's multislice gradient forms the same sums from −∂L/∂ψ* (Gaussian loss: χ = −g/2), and
+    none without the object gradient or with the intensity loss (no constant χ factor)."""
+    s = _setup(2, near, b=8)
+    obj, probe = s["slices"].astype(np.complex64), s["probe"][:1].astype(np.complex64)
+    kw = {key: None if s[key] is None else s[key].astype(np.complex64) for key in ("kernel", "detector")}
+    ref = ms.chunk_step(obj, probe, s["y"], s["pos"], options=lsqml.LSQMLOptions(eps=1e-6), position_terms=True,
+                        window_sums=True, update_probe=False, **kw)
+    got = msg.chunk_gradient(obj, probe, s["y"], s["pos"], options=ADOptions(loss="gaussian", eps=1e-6),
+                             window_sums=True, **kw)
+    for key in ("window_num", "window_gram", "window_positions"):
+        np.testing.assert_allclose(got.arrays[key], ref.arrays[key], rtol=2e-3,
+                                   atol=2e-3 * np.abs(ref.arrays[key]).max(), err_msg=key)
+    assert np.abs(ref.arrays["window_num"]).max() > 0
+    for extra in (dict(options=ADOptions(loss="intensity")), dict(options=ADOptions(), want_object=False)):
+        assert "window_num" not in msg.chunk_gradient(obj, probe, s["y"], s["pos"], window_sums=True,
+                                                      **extra, **kw).arrays
+
+
+def test_position_sums_without_the_window_leave_it_out():
+    s = _setup(2, False, b=5)
+    c = ms.SliceChunk(s["slices"], s["probe"], s["y"], s["pos"], s["kernel"], None, np.complex128)
+    exit_waves, incident = ms.multislice_forward(c.shifted, c.patches, c.kernel)
+    grads = ms.multislice_vjp(exit_waves, c.patches, incident, c.kernel)[0]
+    (num, den), window = position_sums(c, grads, incident)
+    assert window is None and num.shape == den.shape == (5, 2) and (den > 0).all()
