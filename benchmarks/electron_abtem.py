@@ -87,6 +87,9 @@ def main():
     ap.add_argument("--n", type=int, default=64, help="pattern size (detector pixels)")
     ap.add_argument("--cells", type=int, default=10, help="lateral unit cells (periodic cell = 3 n dx)")
     ap.add_argument("--slab-cells", type=int, default=5, help="unit cells per slab (3 slabs)")
+    ap.add_argument("--slices-per-slab", type=int, default=None,
+                    help="abTEM slices per slab (default 2 per unit cell, c/2; 1: abTEM's multislice is the "
+                         "3-slice model daskpty reconstructs with, no slicing error between them)")
     ap.add_argument("--energy", type=float, default=300e3, help="eV")
     ap.add_argument("--semiangle", type=float, default=25.0, help="mrad")
     ap.add_argument("--defocus", type=float, default=100.0, help="Å (abTEM's defocus = -C10)")
@@ -115,9 +118,9 @@ def main():
     h = 3 * n  # object grid: the cell L = 3 n dx, so one detector pixel 1/(n dx) = 3 of abTEM's 1/L
     dx = cell / h
     fine = 2 * h  # abTEM runs at dx / 2 (its anti-aliasing keeps 2/3 of that Nyquist > ours)
-    slice_thickness = a / 2
+    per_slab = args.slices_per_slab or 2 * args.slab_cells
+    slice_thickness = args.slab_cells * a / per_slab
     pot = abtem.Potential(atoms, gpts=(fine, fine), slice_thickness=slice_thickness, projection="infinite")
-    per_slab = 2 * args.slab_cells
     assert pot.num_slices == 3 * per_slab, (pot.num_slices, per_slab)
     potential = pot.build().compute()
     v = np.asarray(potential.array, dtype=np.float64)  # (slices, fine, fine) V·Å
