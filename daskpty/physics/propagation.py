@@ -68,13 +68,18 @@ def angular_spectrum_kernel(shape, pixel_size_m, wavelength_m: float, distance_m
 
 
 def angular_spectrum(waves, kernel):
-    """Propagate waves (..., ny, nx) with a transfer function ``kernel``: F⁻¹[H · F ψ]."""
-    return ifft2(fft2(waves) * kernel, overwrite=True)
+    """Propagate waves (..., ny, nx) with a transfer function ``kernel``: F⁻¹[H · F ψ] (a new
+    array; ``waves`` is left alone)."""
+    spectra = fft2(waves)
+    spectra *= kernel
+    return ifft2(spectra, overwrite=True)
 
 
 def angular_spectrum_adjoint(waves, kernel):
     """Adjoint of :func:`angular_spectrum`: F⁻¹[conj(H) · F ψ] (= the inverse where |H| = 1)."""
-    return ifft2(fft2(waves) * get_xp(waves, kernel).conj(kernel), overwrite=True)
+    spectra = fft2(waves)
+    spectra *= get_xp(waves, kernel).conj(kernel)
+    return ifft2(spectra, overwrite=True)
 
 
 def near_field_kernel(shape, detector_pixel_size_m, wavelength_m: float, sample_to_detector_m: float,
