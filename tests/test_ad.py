@@ -498,3 +498,22 @@ def test_start_and_stop_epochs_select_the_updated_parameters():
         moved_probe = not np.allclose(state.probe / np.abs(state.probe).max(),
                                       before_probe / np.abs(before_probe).max())
         assert (moved_obj, moved_probe) == ((True, False) if epoch == 0 else (False, True))
+
+
+def test_sgd_momentum_follows_the_slices():
+    """momentum=None: 0.9 for one slice, 1 − K · 0.1 for K slices (floored at 0), resolved when the
+    adapter takes the sample (execution.parts.with_sample); a given momentum is kept."""
+    from daskpty.engines.sample_options import SampleOptions
+    from daskpty.execution.ad_adapter import ADAdapter
+    from daskpty.execution.parts import with_sample
+
+    assert ad.ADOptions().momentum is None and ad.ADOptions().make_optimizer().momentum == 0.9
+    assert [ad.ADOptions().for_slices(k).momentum for k in (1, 2, 3, 12)] == [0.9, 0.8, 0.7, 0.0]
+    assert ad.ADOptions(momentum=0.95).for_slices(3).momentum == 0.95
+    for k, want in ((1, 0.9), (3, 0.7)):
+        sample = SampleOptions(slices=k, slice_spacing_m=2e-9, wavelength_m=1.97e-12,
+                               object_pixel_size_m=0.25e-10).resolve(None, 32)
+        adapter = with_sample(ADAdapter(ad.ADOptions()), sample)
+        assert adapter.options.momentum == want and adapter.options.make_optimizer().momentum == want
+    with pytest.raises(ValueError, match="momentum"):
+        ad.ADOptions(momentum=1.0)

@@ -36,6 +36,9 @@ def sample_model(sample) -> SampleModel | None:
 
 
 def with_sample(adapter, sample):
-    """``adapter`` with the sample's forward model (slices, detector) of a resolved sample."""
+    """``adapter`` with the sample's forward model (slices, detector) of a resolved sample (AD:
+    its SGD momentum for the slices, :meth:`~daskpty.engines.ad.ADOptions.for_slices`)."""
     adapter.sample = sample_model(sample)
+    if adapter.name == "ad":
+        adapter.options = adapter.options.for_slices(sample.n_slices)
     return adapter
