@@ -145,8 +145,8 @@ class Electron:
                 f"{s['noise_rms']:g} px) per axis: {e0:.3f} px rms (offset removed), {e0a:.3f} (affine removed)")
 
 
-def run_daskpty(case, client, positions, *, epochs, marks, rounds, noise, refine=None):
-    """One daskpty multislice LSQML run; {epoch: (object, positions)}, seconds per epoch, wall s."""
+def run_daskpty(case, client, positions, *, epochs, marks, rounds, noise, refine=None, engine="lsqml"):
+    """One daskpty multislice run (``engine``: lsqml or ad); {epoch: (object, positions)}, seconds per epoch, wall s."""
     import daskpty
 
     marks = set(marks) | {epochs}
@@ -163,7 +163,7 @@ def run_daskpty(case, client, positions, *, epochs, marks, rounds, noise, refine
 
     keep.takes_epoch_state = True
     t0 = time.perf_counter()
-    rec = daskpty.reconstruct(case.data(positions), engine="lsqml", epochs=epochs, object=case.object,
+    rec = daskpty.reconstruct(case.data(positions), engine=engine, epochs=epochs, object=case.object,
                               probe=case.probe, client=client, slices=case.k, slice_spacing_m=case.dz,
                               rounds_per_epoch=rounds, noise=noise, callback=keep, rescale_probe=False,
                               check_data=False, refine_positions=refine if refine is not None else False)
@@ -211,6 +211,8 @@ def main():
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--rounds", default="4", help="daskpty rounds per epoch (an integer or auto)")
     ap.add_argument("--noise", default="gaussian", choices=("gaussian", "poisson"))
+    ap.add_argument("--engine", default="lsqml", choices=("lsqml", "ad"),
+                    help="daskpty's engine (ad: give --rounds auto and about 3x the epochs)")
     ap.add_argument("--runs", default="true,nominal,refined,peer",
                     help="of: true, nominal, refined (daskpty), peer (Pty-Chi refined), peer-true")
     ap.add_argument("--refine", default="{}", help="daskpty PositionOptions (JSON) of the refined run")
@@ -288,8 +290,9 @@ def main():
                     continue
                 try:
                     score("daskpty", label, *run_daskpty(case, client, pos, epochs=epochs, marks=marks,
-                                                         rounds=rounds, noise=args.noise, refine=ref),
-                          note=f"R = {rounds}" + (f", refine_positions={refine or True}" if ref is not None else ""))
+                                                         rounds=rounds, noise=args.noise, refine=ref,
+                                                         engine=args.engine),
+                          note=f"{args.engine}, R = {rounds}" + (f", refine_positions={refine or True}" if ref is not None else ""))
                 except ValueError as exc:  # e.g. a combination this version refuses
                     print(f"daskpty {label}: refused: {exc}")
 
