@@ -25,6 +25,9 @@
 # dask-cuda worker processes (CPU equality, spilling under a small device_memory_limit, no CUDA
 # context in the client). Steps run in that order until the budget is spent (raise
 # GPU_CHECK_BUDGET_S, up to ~560 within one 600 s device command, to reach the last ones).
+# GPU_CHECK_SKIP: an extended regex; steps whose names match it are skipped (a second device
+# command continues where the first stopped, e.g. GPU_CHECK_SKIP='in-process|gpu_diag|bench_epoch').
+# A store simulated by an earlier call on the same (still warm) machine is reused.
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
@@ -42,6 +45,9 @@ status=0
 left() { echo $(( BUDGET - (SECONDS - START) )); }
 step() {  # step NAME MAX_SECONDS CMD...  (runs CMD under timeout min(MAX, budget left))
   local name=$1 max=$2; shift 2
+  if [ -n "${GPU_CHECK_SKIP:-}" ] && [[ "$name" =~ $GPU_CHECK_SKIP ]]; then
+    echo "=== SKIP $name: GPU_CHECK_SKIP"; return
+  fi
   local remain; remain=$(left)
   if [ "$remain" -lt 20 ]; then
     echo "=== SKIP $name: budget of ${BUDGET}s spent"; status=1; return
@@ -102,7 +108,9 @@ with start_local_cluster(gpu=False, dashboard=False) as cl, Client(cl) as c:
 open(sys.argv[2] + ".ok", "w").close()
 print("simulated", sys.argv[2])'
 for n in $SIZES; do
-  rm -f "/tmp/gpu_check_${n}.zarr.ok"
+  if [ -f "/tmp/gpu_check_${n}.zarr.ok" ]; then
+    echo "=== reusing /tmp/gpu_check_${n}.zarr"; continue
+  fi
   step "simulate ${n} x 128^2" 120 "$PY" -c "$SIMULATE" "$n" "/tmp/gpu_check_${n}.zarr"
 done
 
