@@ -100,7 +100,7 @@ def _reference_chunk_step(obj, probe, y, positions, options, update_probe, valid
     illum = np.zeros(box.shape, np.float32)
     scatter_add_patches(num, local, (np.conj(shifted) * chi).sum(axis=1))
     scatter_add_patches(illum, local, (np.abs(shifted) ** 2).sum(axis=1))
-    direction = num / np.sqrt(illum**2 + (options.delta * illum.max()) ** 2)
+    direction = num / np.sqrt(illum**2 + (options.object_delta * illum.max()) ** 2)
 
     def dot(u, v):
         return (np.conj(u.astype(np.complex128)) * v).real.sum(axis=(1, 2, 3))
@@ -187,3 +187,22 @@ def test_apply_adds_the_preconditioned_step_and_keeps_the_epochs_largest_illumin
         np.testing.assert_allclose(state.object, expected, rtol=1e-5, atol=1e-5)
         np.testing.assert_allclose(state.probe, before_probe + 0.7 * dprobe / 8.0, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(state.illumination, np.maximum(*frames))
+
+
+def test_the_preconditioner_floor_follows_the_slices():
+    """delta=None: 0.1 for one slice, 0.5 for K > 1, resolved when the adapter takes the sample
+    (execution.parts.with_sample); a given delta is kept; unresolved options read as 0.1."""
+    from daskpty.engines.sample_options import SampleOptions
+    from daskpty.execution.lsqml_adapter import LSQMLAdapter
+    from daskpty.execution.parts import with_sample
+
+    LSQMLOptions = lsqml.LSQMLOptions
+    assert LSQMLOptions().delta is None and LSQMLOptions().object_delta == 0.1
+    assert [LSQMLOptions().for_slices(k).delta for k in (1, 2, 5)] == [0.1, 0.5, 0.5]
+    assert LSQMLOptions(delta=0.2).for_slices(3).object_delta == 0.2
+    for k, want in ((1, 0.1), (3, 0.5)):
+        sample = SampleOptions(slices=k, slice_spacing_m=2e-9, wavelength_m=1.97e-12,
+                               object_pixel_size_m=0.25e-10).resolve(None, 32)
+        assert with_sample(LSQMLAdapter(LSQMLOptions()), sample).options.object_delta == want
+    with pytest.raises(ValueError, match="delta"):
+        LSQMLOptions(delta=0.0)

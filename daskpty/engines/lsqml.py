@@ -14,6 +14,7 @@ Plus :func:`end_epoch` (momentum, probe-mode orthogonalisation, scale-ambiguity 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,13 +50,23 @@ from .positions import (
 )
 
 
+#: the illumination preconditioner's δ for one slice, and for K > 1 slices (LSQMLOptions.delta)
+DELTA, SLICES_DELTA = 0.1, 0.5
+
+
 @dataclass(frozen=True)
 class LSQMLOptions:
     """Settings of the LSQML engine.
 
     noise: ``"gaussian"`` (amplitude) or ``"poisson"`` far-field correction.
     beta: damping of the optimal step (0 < beta ≤ 1).
-    delta: illumination-preconditioner regularisation, relative to max illumination.
+    delta: illumination-preconditioner regularisation, relative to max illumination. None:
+        0.1 for one slice, 0.5 for K > 1 slices (:meth:`for_slices`; read as
+        :attr:`object_delta`). Through slices the larger floor keeps the deeper slices, lit by
+        a spread beam, from taking noisy steps where they are barely lit: per-slice NRMSE −15 …
+        −20 % on every multislice set tried (abTEM SrTiO3 in 3 slabs, 50 epochs: 0.081 → 0.070,
+        finer-sliced 0.161 → 0.135; weak-phase 2 and 3 slices, 60 epochs: 0.067 → 0.060, 0.066
+        → 0.056; twenty-fourth session).
     tikhonov: relative regularisation of the 2 × 2 step system.
     probe_start_epoch: first epoch in which the probe is updated (None: never).
     momentum: heavy-ball momentum on the object's per-epoch change (0 disables).
@@ -66,7 +77,7 @@ class LSQMLOptions:
 
     noise: str = "gaussian"
     beta: float = 0.9
-    delta: float = 0.1
+    delta: float | None = None
     tikhonov: float = 1e-2
     probe_start_epoch: int | None = 0
     momentum: float = 0.5
@@ -78,10 +89,21 @@ class LSQMLOptions:
         get_noise_model(self.noise, lsqml=True)
         if not 0 < self.beta <= 1:
             raise ValueError(f"beta must lie in (0, 1], got {self.beta}")
-        if not self.delta > 0:
-            raise ValueError(f"delta must be positive, got {self.delta}")
+        if not (self.delta is None or self.delta > 0):
+            raise ValueError(f"delta must be positive or None, got {self.delta}")
         if not 0 <= self.momentum < 1:
             raise ValueError(f"momentum must lie in [0, 1), got {self.momentum}")
+
+    @property
+    def object_delta(self) -> float:
+        """The preconditioner's δ (``delta``, or one slice's default when unresolved)."""
+        return DELTA if self.delta is None else float(self.delta)
+
+    def for_slices(self, n_slices: int) -> "LSQMLOptions":
+        """These options with ``delta`` None resolved for an object of ``n_slices`` slices."""
+        if self.delta is not None:
+            return self
+        return dataclasses.replace(self, delta=SLICES_DELTA if n_slices > 1 else DELTA)
 
 
 @dataclass
@@ -280,7 +302,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
             illum_patches[batch] = w
     if position_terms and deform is not None:   # b on the box, from Σ_j g_j (obj_num, not yet scaled)
         deform.add_first(obj_num, index.corners, shift_num)
-    inv_precond = _preconditioner(illum, options.delta)
+    inv_precond = _preconditioner(illum, options.object_delta)
     xp.divide(np.float32(1.0), inv_precond, out=inv_precond)
     obj_dir = obj_num * inv_precond  # ΔÔ = num / p, as num · (1/p): complex ÷ real is 5× slower
 
@@ -393,7 +415,7 @@ def apply(state: LSQMLState, total: Partial, options: LSQMLOptions,
     obj = state.object.copy()
     num = total.boxes["object"]
     illum = total.boxes["illumination"]
-    scale = _preconditioner(illum.data, options.delta, illumination_max)
+    scale = _preconditioner(illum.data, options.object_delta, illumination_max)
     xp.divide(np.float32(options.beta), scale, out=scale)  # β / p: complex ÷ real is 5× slower
     step = num.data * scale
     BoxedArray(num.offset, step).add_into(obj)

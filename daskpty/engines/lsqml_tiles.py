@@ -89,7 +89,7 @@ def _add_update(obj, num, illum, options: lsqml.LSQMLOptions, peak) -> None:
     (y0, x0), (_, x1) = num.offset, num.stop
     for a in range(0, num.data.shape[-2], BLOCK_ROWS):
         rows = slice(a, a + BLOCK_ROWS)
-        scale = precondition(illum.data[..., rows, :], options.delta, peak)
+        scale = precondition(illum.data[..., rows, :], options.object_delta, peak)
         xp.divide(np.float32(options.beta), scale, out=scale)
         step = num.data[..., rows, :] * scale
         obj[..., y0 + a:y0 + a + step.shape[-2], x0:x1] += step

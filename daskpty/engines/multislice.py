@@ -244,7 +244,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
     grads, g_q, _ = multislice_vjp(chi, c.patches, incident, c.kernel)
     obj_num = c.boxes(grads, np.complex64)
     illum = c.boxes(xp.stack([model_intensity(incident[k]) for k in range(n_slices)]), np.float32)
-    obj_dir = obj_num * (np.float32(1.0) / _preconditioner(illum, options.delta))   # ΔÔ_k
+    obj_dir = obj_num * (np.float32(1.0) / _preconditioner(illum, options.object_delta))   # ΔÔ_k
     shift_terms = window = None
     if position_terms:
         shift_terms, window = position_sums(c, grads, incident, positions=positions,
@@ -313,7 +313,7 @@ def apply(state: LSQMLState, total: Partial, options: LSQMLOptions, illumination
     xp = get_xp(state.object)  # NumPy, or CuPy for a state in a GPU worker's memory
     obj = state.object.copy()
     num, illum = total.boxes["object"], total.boxes["illumination"]
-    scale = _preconditioner(illum.data, options.delta, illumination_max)
+    scale = _preconditioner(illum.data, options.object_delta, illumination_max)
     xp.divide(np.float32(options.beta), scale, out=scale)
     BoxedArray(num.offset, num.data * scale).add_into(obj)
     probe = state.probe

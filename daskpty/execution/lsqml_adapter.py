@@ -119,7 +119,7 @@ class LSQMLAdapter:
     def apply(self, state, total):
         state = sm.lsqml_apply(self.sample)(state, total, self.options)
         if self.probe_model is not None and total is not None:
-            lsqml_opr.apply(state, total, self.probe_model.model, self.options.delta, self.valid)
+            lsqml_opr.apply(state, total, self.probe_model.model, self.options.object_delta, self.valid)
         return state
 
     def begin_epoch_owned(self, state):
@@ -131,7 +131,7 @@ class LSQMLAdapter:
         """``apply`` writing into the arrays :meth:`begin_epoch_owned` made the epoch's own."""
         state = lsqml_tiles.apply_in_place(state, total, self.options) if total is not None else state
         if self.probe_model is not None and total is not None:
-            lsqml_opr.apply(state, total, self.probe_model.model, self.options.delta, self.valid)
+            lsqml_opr.apply(state, total, self.probe_model.model, self.options.object_delta, self.valid)
         return state
 
     @staticmethod
@@ -210,7 +210,7 @@ class LSQMLAdapter:
     def tile_apply(self, state, total, shares):
         state = lsqml_tiles.apply(state, total, self.options, shares)
         if self.probe_model is not None and total is not None:
-            lsqml_opr.apply(state, total, self.probe_model.model, self.options.delta, self.valid)
+            lsqml_opr.apply(state, total, self.probe_model.model, self.options.object_delta, self.valid)
         return state
 
     def tile_end_sums(self, state, own):

@@ -36,9 +36,10 @@ def sample_model(sample) -> SampleModel | None:
 
 
 def with_sample(adapter, sample):
-    """``adapter`` with the sample's forward model (slices, detector) of a resolved sample (AD:
-    its SGD momentum for the slices, :meth:`~daskpty.engines.ad.ADOptions.for_slices`)."""
+    """``adapter`` with the sample's forward model (slices, detector) of a resolved sample, and
+    the engine's defaults that follow the slices resolved (AD's SGD momentum, LSQML's
+    preconditioner δ: ``ADOptions.for_slices``, ``LSQMLOptions.for_slices``)."""
     adapter.sample = sample_model(sample)
-    if adapter.name == "ad":
+    if adapter.name in ("ad", "lsqml"):
         adapter.options = adapter.options.for_slices(sample.n_slices)
     return adapter
