@@ -50,7 +50,7 @@ def check_loss(epoch: int, scalars: dict, rounds: int) -> None:
     loss = scalars.get("loss")
     if loss is not None and not math.isfinite(float(loss)):
         hint = ("lower the step (LSQML beta, AD lr)" +
-                (f" or run compact LSQML (rounds_per_epoch=1 instead of {rounds})" if rounds > 1 else ""))
+                (f" or take one update per epoch (rounds_per_epoch=1 instead of {rounds})" if rounds > 1 else ""))
         raise ReconstructionDiverged(f"the data loss became {float(loss)} in epoch {epoch}: the object or probe "
                                      f"updates diverged; {hint}")
 
