@@ -9,6 +9,8 @@ import os
 import numpy as np
 import scipy.fft
 
+from . import fftw
+
 _FFT_WORKERS = int(os.environ.get("DASKPTY_FFT_WORKERS", "1"))
 
 
@@ -81,6 +83,9 @@ def _transform(a, inverse: bool, overwrite: bool):
         import cupy  # lazy: optional GPU dependency
 
         return (cupy.fft.ifft2 if inverse else cupy.fft.fft2)(a, norm="ortho")
+    out = fftw.transform(a, inverse, overwrite, _FFT_WORKERS)   # FFTW when pyFFTW is installed
+    if out is not None:
+        return out
     return (scipy.fft.ifft2 if inverse else scipy.fft.fft2)(a, norm="ortho", workers=_FFT_WORKERS,
                                                           overwrite_x=overwrite)
 

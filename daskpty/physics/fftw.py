@@ -1,0 +1,90 @@
+"""FFTW for the CPU transforms, when pyFFTW is installed (``pip install "daskpty[fftw]"``).
+
+On the small patterns of ptychography (64² … 256² complex64) FFTW's SIMD codelets run the batched
+2-D transform about 2.5× faster than scipy's pocketfft on one core (64²: 5.5 vs 14 µs per pattern,
+AMD EPYC with AVX2). pyFFTW is optional because the FFTW library its wheels carry is GPL-licensed;
+without it :mod:`daskpty.physics.backend` uses scipy.fft.
+
+Choice of backend: ``DASKPTY_FFT_BACKEND`` in the environment of the process (dask workers inherit
+the client's environment when a local cluster starts them) or :func:`set_fft_backend`:
+``auto`` (default: FFTW when importable), ``fftw`` (an error without pyFFTW), ``scipy``.
+
+Every call plans afresh with ``FFTW_ESTIMATE`` (about 20 µs; FFTW keeps its own planner cache), so
+no plan holds on to a chunk's arrays, concurrent worker threads share nothing, and the same shapes,
+strides and alignment always give the same plan — results are bit-for-bit reproducible across
+processes, which the N-worker equivalence and the bit-identical resume rely on. No dask in here.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+BACKENDS = ("auto", "fftw", "scipy")
+_COMPLEX = {np.dtype(np.complex64), np.dtype(np.complex128)}
+_REAL_TO_COMPLEX = {np.dtype(np.float32): np.complex64, np.dtype(np.float64): np.complex128}
+
+_backend = None  # resolved lazily: "fftw" or "scipy"
+
+
+def _check(name: str) -> str:
+    name = str(name).strip().lower()
+    if name not in BACKENDS:
+        raise ValueError(f"unknown FFT backend {name!r}: use one of {', '.join(BACKENDS)} "
+                         "(DASKPTY_FFT_BACKEND or daskpty.physics.fftw.set_fft_backend)")
+    return name
+
+
+def _resolve(name: str) -> str:
+    name = _check(name)
+    if name == "scipy":
+        return "scipy"
+    try:
+        import pyfftw  # noqa: F401  (lazy: optional, GPL-licensed FFTW inside)
+    except ImportError:
+        if name == "fftw":
+            raise ImportError('the FFT backend "fftw" needs pyFFTW: pip install "daskpty[fftw]" '
+                              '(or set DASKPTY_FFT_BACKEND=scipy)') from None
+        return "scipy"
+    return "fftw"
+
+
+def set_fft_backend(name: str) -> str:
+    """Choose this process's CPU FFT backend (``auto``, ``fftw``, ``scipy``); returns the one in
+    use. Worker processes follow ``DASKPTY_FFT_BACKEND``: set it before the cluster starts."""
+    global _backend
+    _backend = _resolve(name)
+    return _backend
+
+
+def fft_backend() -> str:
+    """The CPU FFT backend in use in this process: ``"fftw"`` or ``"scipy"``."""
+    global _backend
+    if _backend is None:
+        _backend = _resolve(os.environ.get("DASKPTY_FFT_BACKEND", "auto"))
+    return _backend
+
+
+def transform(a: np.ndarray, inverse: bool, overwrite: bool, threads: int = 1):
+    """Orthonormal 2-D FFT (``inverse``: its inverse) over the last two axes of a NumPy array,
+    batched over the leading axes, by FFTW; None when this backend cannot take ``a`` (not FFTW,
+    or a dtype other than float32/64, complex64/128), for the caller to fall back."""
+    if fft_backend() != "fftw" or a.ndim < 2:
+        return None
+    dtype = np.dtype(a.dtype)
+    if dtype not in _COMPLEX:
+        if dtype not in _REAL_TO_COMPLEX:
+            return None
+        a, overwrite = a.astype(_REAL_TO_COMPLEX[dtype]), True
+    import pyfftw  # lazy: optional dependency
+
+    if a.ctypes.data % 16:   # FFTW's SIMD codelets need 16 bytes: without them other bits
+        a, overwrite = a.copy(), True   # (a received buffer may sit anywhere): align a copy
+    in_place = overwrite and a.flags.c_contiguous and a.flags.writeable
+    out = a if in_place else np.empty(a.shape, a.dtype)
+    plan = pyfftw.FFTW(a, out, axes=(-2, -1), direction="FFTW_BACKWARD" if inverse else "FFTW_FORWARD",
+                       flags=("FFTW_ESTIMATE",), threads=max(1, int(threads)))
+    plan.execute()
+    scale = 1.0 / np.sqrt(float(a.shape[-1] * a.shape[-2]))
+    out *= out.real.dtype.type(scale)
+    return out
