@@ -10,6 +10,7 @@ import pytest
 from daskpty.engines import ad, eigen_probes, lsqml
 from daskpty.engines import multislice as ms
 from daskpty.engines import multislice_gradient as msg
+from daskpty.engines.multislice_positions import SHIFT_STRIDE
 from daskpty.engines import pattern_probes as pp
 from daskpty.engines import probe_model as pm
 from daskpty.engines.ad import opr as ad_opr
@@ -60,7 +61,9 @@ def test_lsqml_shift_terms_through_slices_are_the_gauss_newton_step():
     """Far field: with D_a the windows' change when every slice moves by a unit under the probe
     (central differences, as one slice takes them) and d_a the exit wave's change it causes,
     Re⟨d_a, χ⟩ = −½ ∂L/∂a for the amplitude model (χ = −g_ψ/2 with one mode) and ‖d_a‖² its
-    squared norm — both against finite differences of the multislice model along D_a."""
+    squared norm — both against finite differences of the multislice model along D_a. The norm
+    is carried through the slices on every SHIFT_STRIDE-th pattern (exact there) and scaled from
+    its slice-wise form on the others (within 30 % here)."""
     s = _setup(2, False)
     probe = s["probe"][:1]
     part = ms.chunk_step(s["slices"].astype(np.complex64), probe.astype(np.complex64), s["y"], s["pos"],
@@ -81,8 +84,9 @@ def test_lsqml_shift_terms_through_slices_are_the_gauss_newton_step():
     for a in range(2):
         d = np.stack([c.index.extract(np.ascontiguousarray(box_d[k][a])) for k in range(2)])
         change = (exit_wave(c.patches + h * d) - exit_wave(c.patches - h * d)) / (2 * h)
-        np.testing.assert_allclose(den[:, a], (np.abs(change) ** 2).reshape(len(change), -1).sum(axis=1),
-                                   rtol=1e-4)
+        want = (np.abs(change) ** 2).reshape(len(change), -1).sum(axis=1)
+        np.testing.assert_allclose(den[::SHIFT_STRIDE, a], want[::SHIFT_STRIDE], rtol=1e-4)
+        np.testing.assert_allclose(den[:, a], want, rtol=0.3)
         slope = (losses(c.patches + h * d) - losses(c.patches - h * d)) / (2 * h)
         np.testing.assert_allclose(num[:, a], -0.5 * slope, rtol=1e-4, atol=1e-4 * np.abs(slope).max())
 

@@ -243,11 +243,12 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
             variable.exit_terms(every, exit_waves, chi)
     grads, g_q, _ = multislice_vjp(chi, c.patches, incident, c.kernel)
     obj_num = c.boxes(grads, np.complex64)
-    illum = c.boxes(xp.stack([model_intensity(incident[k]) for k in range(n_slices)]), np.float32)
+    lit = xp.stack([model_intensity(incident[k]) for k in range(n_slices)])    # Σ_m |φ_k|² (K, B, n, n)
+    illum = c.boxes(lit, np.float32)
     obj_dir = obj_num * (np.float32(1.0) / _preconditioner(illum, options.object_delta))   # ΔÔ_k
     shift_terms = window = None
     if position_terms:
-        shift_terms, window = position_sums(c, grads, incident, positions=positions,
+        shift_terms, window = position_sums(c, grads, incident, positions=positions, lit=lit,
                                             scattered=obj_num if window_sums else None)
 
     # Directions carried to the exit, then the per-pattern (K + 1)-unknown step system.

@@ -92,7 +92,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options=None, kernel=N
         part.arrays["position_grad"] = _position_gradient(c, g_q, g_far, far)
     factor = window_chi_factor(loss) if window_sums and want_object else None
     if factor is not None:
-        _, window = position_sums(c, grads, incident, positions=positions,
+        _, window = position_sums(c, grads, incident, positions=positions, shifts=False,
                                   scattered=part.boxes["object_grad"].data)
         part.arrays.update(window, window_num=window["window_num"] * factor)
     if variable is not None:

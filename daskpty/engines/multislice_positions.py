@@ -18,35 +18,62 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..physics.backend import real_dots, to_numpy
+from ..physics.backend import channel_dots, real_dots, to_numpy
 from ..physics.multislice import detector_forward
 from ..physics.propagation import angular_spectrum
 from .window_deformation import GRAM_STRIDE, WindowDeformation
+
+#: The shift denominators are carried through the slices on every SHIFT_STRIDE-th pattern
+#: (:func:`shift_denominators`).
+SHIFT_STRIDE = 4
 
 #: (a, b) of L_ab in the order of the normal equations' unknowns (row-major L).
 _PAIRS = ((0, 0), (0, 1), (1, 0), (1, 1))
 
 
 def _carried(c, moves, incident, pick=slice(None)):
-    """The detected change d = D Σ_k T_k(δO_k · φ_k) of the patterns ``pick`` (b, M, n, n) for
-    the windows' changes ``moves`` (K arrays (b, n, n)), carried forward slice by slice."""
-    change = moves[0][:, None] * incident[0][pick]
+    """The detected changes d = D Σ_k T_k(δO_k · φ_k) of the patterns ``pick`` (S, b, M, n, n)
+    for S moves of the windows at once (``moves``: K arrays (S, b, n, n), slice k's δO_k of each
+    move), carried forward slice by slice: one batch of transforms for all of them."""
+    change = moves[0][:, :, None] * incident[0][pick][None]
     for k in range(1, c.n_slices):
-        change = angular_spectrum(change, c.kernel) * c.patches[k][pick][:, None]
-        change += moves[k][:, None] * incident[k][pick]
+        change = angular_spectrum(change, c.kernel) * c.patches[k][pick][None, :, None]
+        change += moves[k][:, :, None] * incident[k][pick][None]
     if c.detector is not None:
-        change = detector_forward(change, c.detector[pick])
+        change = detector_forward(change, c.detector[pick][None])
     return change
 
 
-def position_sums(c, grads, incident, *, scattered=None, positions=None, gram_stride: int = GRAM_STRIDE):
+def _sampled_changes(c, windows, incident, stride: int, *, shifts: bool, window: bool):
+    """The detected changes of every ``stride``-th pattern (S, b, M, n, n) for the two shifts
+    ∂_a O_k (``shifts``) followed by the windows' four moves u_b ∂_a O_k of :data:`_PAIRS`
+    (``window``), in one :func:`_carried` call."""
+    pick = slice(0, None, max(1, int(stride)))
+    u = c.xp.asarray(np.arange(c.n) - (c.n - 1) / 2.0, dtype=windows[0][0].real.dtype)
+    offsets = (u[:, None], u[None, :])
+    moves = []
+    for k in range(c.n_slices):
+        per_move = [windows[a][k][pick] for a in range(2)] if shifts else []
+        if window:
+            per_move += [offsets[b] * windows[a][k][pick] for a, b in _PAIRS]
+        moves.append(c.xp.stack(per_move))
+    return _carried(c, moves, incident, pick)
+
+
+def position_sums(c, grads, incident, *, scattered=None, positions=None, gram_stride: int = GRAM_STRIDE,
+                  shift_stride: int = SHIFT_STRIDE, lit=None, shifts: bool = True):
     """The LSQML position shift's terms of every pattern and, with ``scattered``, the windows'
     deformation sums of the chunk.
 
     ``c`` a :class:`~.multislice.SliceChunk`; ``grads`` (K, B, n, n) the slices' gradients
     g_k = Σ_m conj(φ_km) T_k†χ; ``incident`` (K, B, M, n, n). Returns ``(shift_terms, window)``:
     shift_terms the numerator Re⟨d_a, χ⟩ and denominator ‖d_a‖² ((B, 2) float64 each, on the
-    host; :func:`~.positions.lsqml_shift`); window None, or the sums of
+    host; :func:`~.positions.lsqml_shift`); the denominators are carried through the slices on
+    every ``shift_stride``-th pattern and the others' are their cheap slice-wise form Σ_k Σ_u
+    |∂_a O_k|² Σ_m |φ_km|² (``lit``: the (K, B, n, n) Σ_m |φ_km|² when the caller has them) scaled
+    by the chunk's ratio of the two on those patterns (:func:`shift_denominators`; ``shifts=False``:
+    shift_terms None, for callers that only want the window's sums); window None,
+    or the sums of
     :meth:`WindowDeformation.sums` (``scattered`` (K, h, w): the g_k scattered on the box, not
     yet scaled; ``positions`` (B, 2) the chunk's): b_ab = Σ_k Re Σ_j Σ_u u_b conj(∂_a O_kj) g_kj on
     the box (:meth:`WindowDeformation.add_first`, slice by slice) and the normal matrix
@@ -60,31 +87,71 @@ def position_sums(c, grads, incident, *, scattered=None, positions=None, gram_st
     box_d = c.box_gradients()
     windows = [[c.index.extract(xp.ascontiguousarray(box_d[k][a])) for k in range(n_slices)] for a in range(2)]
     per_slice = [xp.stack([real_dots(windows[a][k], grads[k]) for a in range(2)], axis=1) for k in range(n_slices)]
-    num = to_numpy(sum(per_slice))
-    den = np.stack([to_numpy(real_dots(d, d)) for d in (_carried(c, windows[a], incident) for a in range(2))], axis=1)
+    shift_terms = shared = None
+    if shifts:
+        if scattered is not None and max(1, int(shift_stride)) == max(1, int(gram_stride)):
+            # one batch of transforms for both when they sample the same patterns
+            shared = _sampled_changes(c, windows, incident, shift_stride, shifts=True, window=True)
+        shift_terms = (to_numpy(sum(per_slice)), shift_denominators(
+            c, windows, incident, shift_stride, lit, changes=None if shared is None else shared[:2], box_d=box_d))
     if scattered is None:
-        return (num, den), None
+        return shift_terms, None
     deform = WindowDeformation(c.n, xp, None, gram_stride)
     for k in range(n_slices):
         deform.add_first(scattered[k], c.index.corners, per_slice[k], box_d=box_d[k])
-    return (num, den), deform.sums(positions, gram=window_gram(c, windows, incident, gram_stride))
+    gram = window_gram(c, windows, incident, gram_stride, changes=None if shared is None else shared[2:])
+    return shift_terms, deform.sums(positions, gram=gram)
 
 
-def window_gram(c, windows, incident, gram_stride: int = GRAM_STRIDE) -> np.ndarray:
+def shift_denominators(c, windows, incident, stride: int = SHIFT_STRIDE, lit=None, changes=None,
+                       box_d=None) -> np.ndarray:
+    """‖d_a‖² per pattern and axis (B, 2) float64, d_a = D Σ_k T_k(∂_a O_k · φ_k): exact (carried
+    through the slices) on every ``stride``-th pattern; on the others the slice-wise form
+    Σ_k Σ_u |∂_a O_k|² Σ_m |φ_km|², times the chunk's ratio exact / slice-wise over the exact ones.
+
+    Carrying both axes' changes through K slices costs 4 (K − 1) transforms per pattern, a fifth
+    of a 3-slice LSQML step; the denominator only sets the step length, not where the shift
+    stops (the numerator's zero), and the ratio takes up what the slices and the propagation add
+    on average (the alike slabs' coherent sum, the near-field operator). ``changes``: the two
+    shifts' sampled changes (2, b, M, n, n) when the caller carried them already; ``box_d``:
+    the slices' (∂_y O_k, ∂_x O_k) on the box (the slice-wise form then gathers |∂_y O_k|² and
+    |∂_x O_k|² packed in one complex window, half the passes of forming them per window)."""
+    xp, n_slices = c.xp, c.n_slices
+    b = windows[0][0].shape[0]
+    stride = max(1, int(stride))
+    pick = slice(0, None, stride)
+    if changes is None:
+        changes = _sampled_changes(c, windows, incident, stride, shifts=True, window=False)
+    exact = np.stack([to_numpy(real_dots(changes[a], changes[a])) for a in range(2)], axis=1)
+    if stride == 1:
+        return exact
+    if lit is None:
+        lit = xp.stack([(incident[k].real ** 2 + incident[k].imag ** 2).sum(axis=1) for k in range(n_slices)])
+    cheap = np.zeros((b, 2))
+    for k in range(n_slices):   # Σ_u |∂_a O_k|² Σ_m |φ_km|²
+        if box_d is None:
+            cheap += np.stack([to_numpy(real_dots(w, w * lit[k])) for w in (windows[0][k], windows[1][k])], axis=1)
+            continue
+        dy, dx = box_d[k]
+        packed = (dy.real * dy.real + dy.imag * dy.imag) + 1j * (dx.real * dx.real + dx.imag * dx.imag)
+        cheap += to_numpy(channel_dots(lit[k], c.index.extract(packed.astype(dy.dtype, copy=False))))
+    sampled = cheap[pick].sum(axis=0)
+    ratio = np.where(sampled > 0, exact.sum(axis=0) / np.where(sampled > 0, sampled, 1.0), 1.0)
+    den = cheap * ratio
+    den[pick] = exact
+    return den
+
+
+def window_gram(c, windows, incident, gram_stride: int = GRAM_STRIDE, changes=None) -> np.ndarray:
     """G_(ab),(cd) = Σ_j Re⟨d_ab, d_cd⟩ (4, 4) float64 on every ``gram_stride``-th pattern, times
     ``gram_stride`` (the single slice's sampling), d_ab the detected change of the windows' move
-    u_b ∂_a O_k (``windows[a][k]``: the (B, n, n) windows of ∂_a O_k)."""
-    xp, n = c.xp, c.n
-    pick = slice(0, None, max(1, int(gram_stride)))
-    u = xp.asarray(np.arange(n) - (n - 1) / 2.0, dtype=windows[0][0].real.dtype)
-    offsets = (u[:, None], u[None, :])
-    changes = []
-    for a, b in _PAIRS:
-        moved = [offsets[b] * windows[a][k][pick] for k in range(c.n_slices)]
-        change = _carried(c, moved, incident, pick)
-        changes.append(change.reshape(change.shape[0], -1))
+    u_b ∂_a O_k (``windows[a][k]``: the (B, n, n) windows of ∂_a O_k; ``changes``: the four
+    moves' sampled changes (4, b, M, n, n) when the caller carried them already)."""
+    if changes is None:
+        changes = _sampled_changes(c, windows, incident, gram_stride, shifts=False, window=True)
+    flat = [changes[i].reshape(changes.shape[1], -1) for i in range(4)]
     gram = np.empty((4, 4))
     for i in range(4):
         for j in range(i, 4):
-            gram[i, j] = gram[j, i] = float(to_numpy(real_dots(changes[i], changes[j])).sum())
+            gram[i, j] = gram[j, i] = float(to_numpy(real_dots(flat[i], flat[j])).sum())
     return gram * max(1, int(gram_stride))
