@@ -101,15 +101,21 @@ def _fft_floor_task(batches, n, modes, repeats, threads, update_probe, seed, gpu
             "batches": len(batches), "patterns": int(sum(batches))}
 
 
-def count_chunk_step_ffts(batch: int = 5, modes: int = 2, n: int = 16, update_probe: bool = True) -> int:
-    """2-D transforms one CPU ``lsqml.chunk_step`` really performs (counted by wrapping scipy.fft),
-    to check the formula against the engine as it is today."""
-    import scipy.fft
+def fft_backend_name() -> str:
+    """The CPU transform library the workers use (they follow DASKPTY_FFT_BACKEND, as here)."""
+    from daskpty.physics.fftw import fft_backend
 
+    return {"fftw": "FFTW (pyFFTW)", "scipy": "scipy.fft (pocketfft)"}[fft_backend()]
+
+
+def count_chunk_step_ffts(batch: int = 5, modes: int = 2, n: int = 16, update_probe: bool = True) -> int:
+    """2-D transforms one CPU ``lsqml.chunk_step`` really performs (counted by wrapping the
+    backend's transform, whichever library runs it), to check the formula against the engine."""
     from daskpty.engines import lsqml
+    from daskpty.physics import backend
 
     count = [0]
-    originals = {name: getattr(scipy.fft, name) for name in ("fft2", "ifft2")}
+    originals = {"_transform": backend._transform}
 
     def counting(fn):
         def wrapped(x, *a, **k):
@@ -124,11 +130,11 @@ def count_chunk_step_ffts(batch: int = 5, modes: int = 2, n: int = 16, update_pr
     y = rng.poisson(5.0, size=(batch, n, n)).astype(np.uint16)
     try:
         for name, fn in originals.items():
-            setattr(scipy.fft, name, counting(fn))
+            setattr(backend, name, counting(fn))
         lsqml.chunk_step(obj, probe, y, positions, options=lsqml.LSQMLOptions(), update_probe=update_probe)
     finally:
         for name, fn in originals.items():
-            setattr(scipy.fft, name, fn)
+            setattr(backend, name, fn)
     return count[0]
 
 
@@ -170,7 +176,7 @@ def floor(args, n_patterns, n, modes, chunk_length, rounds, log=print) -> dict:
     any_res = next(iter(results.values()))
     log(f"floor setup: {n_patterns} patterns of {n}x{n}, {modes} mode(s); {plan['n_chunks']} chunks of "
         f"{plan['chunk_length']} (last {plan['last_chunk']}); {rounds} round(s)/epoch = {steps} chunk steps; "
-        f"{what}; backend {'cuFFT (CuPy)' if any_res['gpu'] else 'scipy.fft'}"
+        f"{what}; backend {'cuFFT (CuPy)' if any_res['gpu'] else fft_backend_name()}"
         + ("" if any_res["gpu"] else f", {any_res['fft_workers']} FFT thread(s) per call"))
     log(f"FFTs per epoch ({n}x{n} complex64): (a) {a_count} = 2·N·M; (b) {b_count} = "
         + ("5·N·M + 2·M·steps" if not args.no_probe_update else "3·N·M + M·steps"))

@@ -10,12 +10,17 @@ from daskpty.physics import backend, fftw
 pytest.importorskip("pyfftw")
 
 
+@pytest.fixture(autouse=True)
+def keep_backend(monkeypatch):
+    """Every test leaves this process's backend as it found it."""
+    fftw.fft_backend()
+    monkeypatch.setattr(fftw, "_backend", fftw._backend)
+    monkeypatch.setattr(fftw, "_every_size", fftw._every_size)
+
+
 @pytest.fixture
 def use_fftw():
-    before = fftw.fft_backend()
     assert fftw.set_fft_backend("fftw") == "fftw"
-    yield
-    fftw.set_fft_backend(before)
 
 
 def _random(shape, dtype, seed=0):
@@ -62,31 +67,38 @@ def test_fftw_bits_do_not_depend_on_where_the_array_sits(use_fftw):
         np.testing.assert_array_equal(b, a)
 
 
+def test_auto_leaves_large_patterns_to_scipy(monkeypatch):
+    """FFTW_ESTIMATE's plans are slow for 256² and up: ``auto`` hands them to pocketfft; ``fftw``
+    by name keeps every size on FFTW."""
+    small, large = _random((2, 64, 64), np.complex64), _random((2, 256, 256), np.complex64)
+    fftw.set_fft_backend("auto")
+    assert fftw.transform(small, False, False) is not None
+    assert fftw.transform(large, False, False) is None
+    np.testing.assert_allclose(backend.fft2(large), np.fft.fft2(large, norm="ortho"), atol=1e-4)
+    fftw.set_fft_backend("fftw")
+    np.testing.assert_allclose(fftw.transform(large, False, False), np.fft.fft2(large, norm="ortho"), atol=1e-4)
+
+
 def test_an_unknown_fft_backend_is_refused():
     with pytest.raises(ValueError, match="unknown FFT backend 'fast'.*auto, fftw, scipy"):
         fftw.set_fft_backend("fast")
 
 
 def test_asking_for_fftw_without_pyfftw_says_how_to_install(monkeypatch):
-    before = fftw.fft_backend()
     monkeypatch.setitem(sys.modules, "pyfftw", None)   # import pyfftw now fails
     with pytest.raises(ImportError, match=r'pip install "daskpty\[fftw\]"'):
         fftw.set_fft_backend("fftw")
     assert fftw.set_fft_backend("auto") == "scipy"      # auto falls back to scipy.fft
-    monkeypatch.undo()
-    fftw.set_fft_backend(before)
 
 
 def test_the_environment_chooses_the_backend_of_a_process(monkeypatch):
-    before = fftw.fft_backend()
     monkeypatch.setattr(fftw, "_backend", None)
     monkeypatch.setenv("DASKPTY_FFT_BACKEND", "scipy")
     assert fftw.fft_backend() == "scipy"
     assert fftw.transform(_random((2, 8, 8), np.complex64), False, False) is None  # scipy does it
     monkeypatch.setattr(fftw, "_backend", None)
     monkeypatch.setenv("DASKPTY_FFT_BACKEND", "FFTW")
-    assert fftw.fft_backend() == "fftw"
-    monkeypatch.setattr(fftw, "_backend", before)
+    assert fftw.fft_backend() == "fftw" and fftw._every_size
 
 
 def test_a_chunk_step_is_the_same_under_either_backend():
@@ -107,14 +119,10 @@ def test_a_chunk_step_is_the_same_under_either_backend():
         return multislice.chunk_step(obj, ds.truth.probe, y, ds.positions, options=LSQMLOptions(delta=0.5),
                                      kernel=kernel, position_terms=True, window_sums=True)
 
-    before = fftw.fft_backend()
-    try:
-        fftw.set_fft_backend("scipy")
-        ref = step()
-        fftw.set_fft_backend("fftw")
-        got = step()
-    finally:
-        fftw.set_fft_backend(before)
+    fftw.set_fft_backend("scipy")
+    ref = step()
+    fftw.set_fft_backend("fftw")
+    got = step()
     num, ref_num = got.boxes["object"].data, ref.boxes["object"].data
     assert np.linalg.norm(num - ref_num) <= 2e-5 * np.linalg.norm(ref_num)
     assert got.scalars["loss"] == pytest.approx(ref.scalars["loss"], rel=1e-5)
