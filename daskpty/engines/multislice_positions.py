@@ -21,7 +21,7 @@ import numpy as np
 from ..physics.backend import channel_dots, real_dots, to_numpy
 from ..physics.multislice import detector_forward
 from ..physics.propagation import angular_spectrum
-from .window_deformation import GRAM_STRIDE, WindowDeformation
+from .window_deformation import GRAM_STRIDE, WindowDeformation, squared_gradients
 
 #: The shift denominators are carried through the slices on every SHIFT_STRIDE-th pattern
 #: (:func:`shift_denominators`).
@@ -132,9 +132,7 @@ def shift_denominators(c, windows, incident, stride: int = SHIFT_STRIDE, lit=Non
         if box_d is None:
             cheap += np.stack([to_numpy(real_dots(w, w * lit[k])) for w in (windows[0][k], windows[1][k])], axis=1)
             continue
-        dy, dx = box_d[k]
-        packed = (dy.real * dy.real + dy.imag * dy.imag) + 1j * (dx.real * dx.real + dx.imag * dx.imag)
-        cheap += to_numpy(channel_dots(lit[k], c.index.extract(packed.astype(dy.dtype, copy=False))))
+        cheap += to_numpy(channel_dots(lit[k], c.index.extract(squared_gradients(box_d[k], xp))))
     sampled = cheap[pick].sum(axis=0)
     ratio = np.where(sampled > 0, exact.sum(axis=0) / np.where(sampled > 0, sampled, 1.0), 1.0)
     den = cheap * ratio
