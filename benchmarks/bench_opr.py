@@ -24,6 +24,7 @@ those epochs of the same runs (``--epochs`` is then their largest).
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import numpy as np
@@ -48,6 +49,8 @@ def main(argv=None):
     parser.add_argument("--start-epoch", type=int, default=15)
     parser.add_argument("--scan", default="", help="KEY=VALUE,... for simulate_variable_probe")
     parser.add_argument("--at", default="", help="EPOCH,... : also the NRMSE after these epochs")
+    parser.add_argument("--probe-model", default="{}", help="JSON: more ProbeModelOptions of the OPR runs")
+    parser.add_argument("--engines", default="lsqml,ad", help="engines of the quality runs")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--chunk-only", action="store_true", help=argparse.SUPPRESS)
@@ -114,15 +117,15 @@ def main(argv=None):
         varying, constant = simulate_variable_probe(**scan), simulate_variable_probe(constant=True, **scan)
         size = varying.intensities.shape[-1]
         print(f"ground truth: {len(varying.positions)} patterns of {size}², {args.epochs} epochs, scan {scan or 'default'}")
-        for engine in ("lsqml", "ad"):
+        extra_model = json.loads(args.probe_model)
+        for engine in args.engines.split(","):
             start = time.perf_counter()
             kw = dict(engine=engine, epochs=args.epochs, chunk_length=48)
             snaps_const, snaps_opr = {}, {}
             rec_const = run(constant, client, snaps_const, **kw)
             e_const = nrmse_vs_truth(*_parts(rec_const), constant.truth)
             e_plain = nrmse_vs_truth(*_parts(run(varying, client, **kw)), varying.truth)
-            rec = run(varying, client, snaps_opr, opr_modes=args.opr_modes, probe_model={"start_epoch": args.start_epoch},
-                      **kw)
+            rec = run(varying, client, snaps_opr, opr_modes=args.opr_modes, probe_model={"start_epoch": args.start_epoch, **extra_model}, **kw)
             e_opr = nrmse_vs_truth(*_parts(rec), varying.truth)
             if at:
                 ratios = [nrmse_vs_truth(snaps_opr[e][0], rec.positions, snaps_opr[e][1], varying.truth)
