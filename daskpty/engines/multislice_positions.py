@@ -129,7 +129,7 @@ def shift_denominators(c, windows, incident, stride: int = SHIFT_STRIDE, lit=Non
         lit = xp.stack([(incident[k].real ** 2 + incident[k].imag ** 2).sum(axis=1) for k in range(n_slices)])
     cheap = np.zeros((b, 2))
     for k in range(n_slices):   # Σ_u |∂_a O_k|² Σ_m |φ_km|²
-        if box_d is None:
+        if box_d is None or lit.dtype != np.float32:   # (squared_gradients packs complex64)
             cheap += np.stack([to_numpy(real_dots(w, w * lit[k])) for w in (windows[0][k], windows[1][k])], axis=1)
             continue
         cheap += to_numpy(channel_dots(lit[k], c.index.extract(squared_gradients(box_d[k], xp))))
