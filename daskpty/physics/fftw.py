@@ -51,10 +51,10 @@ def _resolve(name: str) -> str:
         return "scipy"
     try:
         import pyfftw  # noqa: F401  (lazy: optional, GPL-licensed FFTW inside)
-    except ImportError:
+    except (ImportError, OSError) as exc:   # OSError: a pyFFTW whose FFTW library will not load
         if name == "fftw":
-            raise ImportError('the FFT backend "fftw" needs pyFFTW: pip install "daskpty[fftw]" '
-                              '(or set DASKPTY_FFT_BACKEND=scipy)') from None
+            raise ImportError(f'the FFT backend "fftw" needs a working pyFFTW ({type(exc).__name__}: {exc}): '
+                              'pip install "daskpty[fftw]" (or set DASKPTY_FFT_BACKEND=scipy)') from None
         return "scipy"
     return "fftw"
 
