@@ -239,3 +239,28 @@ def test_reconstruct_help_groups_every_option_and_shows_its_default(capsys, monk
     assert "(default: 0)" in " ".join(options["--seed"].split())
     assert "(default: off)" in options["--quiet"]
     assert "negative log-likelihood" in " ".join(options["--noise"].split())
+
+
+def test_reconstruct_fft_backend_reaches_the_workers(tmp_path, monkeypatch, capsys):
+    """``--fft-backend scipy`` sets the library of the embedded cluster's workers (they inherit
+    DASKPTY_FFT_BACKEND); ``fftw`` without pyFFTW is one line that says how to install it."""
+    from distributed import Client, LocalCluster
+
+    from daskpty.physics import fftw
+
+    monkeypatch.setenv("DASKPTY_FFT_BACKEND", "auto")       # restored after the test
+    monkeypatch.setattr(fftw, "_backend", fftw._backend)
+    monkeypatch.setattr(fftw, "_every_size", fftw._every_size)
+    store, out = tmp_path / "s.zarr", tmp_path / "r.zarr"
+    assert main(["simulate", str(store), "--grid", "4x4", "--probe-size", "32", "--quiet"]) == 0
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "pyfftw", None)   # import pyfftw fails
+        assert main(["reconstruct", str(store), "-o", str(out), "--epochs", "1", "--fft-backend", "fftw",
+                     "--quiet"]) == 2
+    _assert_one_line_error(capsys.readouterr().err, 'pip install "daskpty[fftw]"')
+    assert main(["reconstruct", str(store), "-o", str(out), "--epochs", "1", "--fft-backend", "scipy",
+                 "--workers", "1", "--quiet"]) == 0
+    assert os.environ["DASKPTY_FFT_BACKEND"] == "scipy"
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:   # a worker started now, as the embedded cluster's were
+        assert list(client.run(fftw.fft_backend).values()) == ["scipy"]

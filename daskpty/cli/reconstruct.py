@@ -91,6 +91,10 @@ def add_parser(subparsers):
                    help="address of a running dask scheduler (default: an embedded local cluster)")
     g.add_argument("--protocol", default=None, choices=["tcp", "ucx"],
                    help="transport of the embedded cluster (default: tcp; ucx needs distributed-ucxx)")
+    g.add_argument("--fft-backend", default=None, choices=["auto", "fftw", "scipy"],
+                   help="CPU transforms: fftw (pyFFTW, the fftw extra) or scipy.fft; auto: FFTW for "
+                        "patterns up to 200² when pyFFTW is installed (default: auto, or "
+                        "DASKPTY_FFT_BACKEND)")
     g.add_argument("--chunk-length", type=int, default=None, metavar="L",
                    help="patterns per chunk (default: from the probe size and the workers' memory)")
     g.add_argument("--rounds-per-epoch", type=_rounds, default=default_of(ExecutionOptions, "rounds_per_epoch"),
@@ -210,6 +214,8 @@ def run(args) -> int:
             comm_options(args.protocol)
         except ImportError as exc:
             raise ValueError(str(exc)) from None
+    if args.fft_backend is not None:
+        _choose_fft_backend(args.fft_backend)
     if args.engine != "ad" and any(v is not None for v in (args.loss, args.optimizer, args.lr, args.probe_lr)):
         raise ValueError("--loss, --optimizer, --lr and --probe-lr apply to --engine ad only")
     from daskpty.options import resolve
@@ -241,6 +247,13 @@ def run(args) -> int:
 
         client = connect(args.scheduler)  # a closed or HTTP port: one line within seconds
         scope.callback(client.close)
+        if args.fft_backend is not None:  # running workers: set it in each (restarted ones follow their environment)
+            from daskpty.physics.fftw import set_fft_backend
+
+            try:
+                client.run(set_fft_backend, args.fft_backend)
+            except ImportError as exc:
+                raise ValueError(f"a worker of {args.scheduler}: {exc}") from None
     elif args.protocol is not None:
         from daskpty.execution.cluster import client_context
 
@@ -412,3 +425,15 @@ def _truth_object(data):
 
         return zarr.open_array(os.path.join(path, "truth", "object"), mode="r")
     return data.truth.object
+
+
+def _choose_fft_backend(name: str) -> None:
+    """``--fft-backend``: check it here (pyFFTW importable for ``fftw``) and hand it to the
+    embedded cluster's workers, which read ``DASKPTY_FFT_BACKEND`` when they start."""
+    from daskpty.physics.fftw import set_fft_backend
+
+    try:
+        set_fft_backend(name)
+    except ImportError as exc:
+        raise ValueError(str(exc)) from None
+    os.environ["DASKPTY_FFT_BACKEND"] = name
