@@ -243,7 +243,9 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
             variable.exit_terms(every, exit_waves, chi)
     grads, g_q, _ = multislice_vjp(chi, c.patches, incident, c.kernel)
     obj_num = c.boxes(grads, np.complex64)
-    lit = xp.stack([model_intensity(incident[k]) for k in range(n_slices)])    # Σ_m |φ_k|² (K, B, n, n)
+    lit = xp.empty((n_slices,) + incident.shape[1:2] + incident.shape[3:], np.float32)   # Σ_m |φ_k|²
+    for k in range(n_slices):
+        lit[k] = model_intensity(incident[k])
     illum = c.boxes(lit, np.float32)
     obj_dir = obj_num * (np.float32(1.0) / _preconditioner(illum, options.object_delta))   # ΔÔ_k
     shift_terms = window = None

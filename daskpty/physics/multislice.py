@@ -115,7 +115,11 @@ def multislice_vjp(grad_exit, slice_patches, incident, kernel, *, want_slices: b
         if want_residuals:
             residuals[k] = g
         if want_slices:
-            grads[k] = (xp.conj(incident[k]) * g).sum(axis=1)
+            if g.shape[1] == 1 and grads.dtype == g.dtype:     # one mode: no temporaries
+                xp.conjugate(incident[k][:, 0], out=grads[k])
+                grads[k] *= g[:, 0]
+            else:
+                grads[k] = (xp.conj(incident[k]) * g).sum(axis=1)
         g = xp.conj(slice_patches[k])[:, None] * g              # g_φk
         if k:
             g = angular_spectrum_adjoint(g, kernel)             # g_ψ(k−1)
