@@ -120,6 +120,10 @@ def _remove_tree(path: str) -> None:
         remove_own(path)
 
 
+#: How long a discarded temporary store must stay gone before :func:`_discard` returns.
+DISCARD_SETTLE_S = 0.3
+
+
 def _discard(tmp: str, timeout: float = 120.0) -> None:
     """Stop shard writers from touching ``tmp`` (remove the marker), wait for writes in flight,
     then delete it."""
@@ -130,6 +134,15 @@ def _discard(tmp: str, timeout: float = 120.0) -> None:
             and time.monotonic() < deadline:
         time.sleep(0.05)
     shutil.rmtree(tmp, ignore_errors=True)  # created by this atomic_store: ours by construction
+    # A failed shard write can leave chunk writes of its own running (zarr gathers them and
+    # returns at the first error, e.g. a full disk): one of them may recreate the directory
+    # after the removal. Remove it again until it has stayed gone for DISCARD_SETTLE_S.
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < DISCARD_SETTLE_S and time.monotonic() < deadline:
+        time.sleep(0.05)
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+            quiet_since = time.monotonic()
 
 
 @contextlib.contextmanager
