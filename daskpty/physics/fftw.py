@@ -1,7 +1,7 @@
 """FFTW for the CPU transforms, when pyFFTW is installed (``pip install "daskpty[fftw]"``).
 
-On the small patterns of ptychography (64² … 256² complex64) FFTW's SIMD codelets run the batched
-2-D transform about 2.5× faster than scipy's pocketfft on one core (64²: 5.5 vs 14 µs per pattern,
+On the small patterns of ptychography (up to 200² complex64) FFTW's SIMD codelets run the batched
+2-D transform 1.1–3.3× faster than scipy's pocketfft on one core (64²: 5.5 vs 14 µs per pattern,
 AMD EPYC with AVX2). pyFFTW is optional because the FFTW library its wheels carry is GPL-licensed;
 without it :mod:`daskpty.physics.backend` uses scipy.fft.
 
