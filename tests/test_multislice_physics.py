@@ -377,3 +377,28 @@ def test_multislice_ad_gradient_descent_recovers_each_slice():
     assert max(err_multi) < 0.2
     assert max(err_multi) < 0.4 * min(err_single)
     assert loss_multi < 0.5 * loss_single
+
+
+@pytest.mark.parametrize("update_probe", [True, False])
+def test_sampled_step_system_gives_the_full_step_lengths(update_probe):
+    """The step lengths α_k (and α_P) from every s-th pattern's step system are close to those
+    from every pattern's, on simulated data near the truth; everything else is the same sum."""
+    ds = simulate_multislice(n_slices=3, n=24, grid=7, step=3.0, noise=True, seed=5)
+    y = np.fft.ifftshift(ds.intensities, axes=(-2, -1))
+    rng = np.random.default_rng(1)
+    start = (ds.truth.slices * np.exp(0.3j * rng.random(ds.truth.slices.shape))).astype(np.complex64)
+    options = lsqml.LSQMLOptions()
+    assert ms.step_sample_stride(len(y), 3) > 1 and ms.step_sample_stride(len(y), 1) == 1
+    full = ms.chunk_step(start, ds.truth.probe, y, ds.positions, options=options, kernel=ds.kernel,
+                         update_probe=update_probe, step_stride=1)
+    sampled = ms.chunk_step(start, ds.truth.probe, y, ds.positions, options=options, kernel=ds.kernel,
+                            update_probe=update_probe)
+    a_full, a_sampled = full.arrays["alpha_slices"], sampled.arrays["alpha_slices"]
+    assert np.all(a_full > 0)
+    np.testing.assert_allclose(a_sampled, a_full, rtol=0.15)
+    if update_probe:
+        assert sampled.scalars["alpha_probe"] == pytest.approx(full.scalars["alpha_probe"], rel=0.15)
+    scale = (a_sampled / a_full).astype(np.float32)[:, None, None]
+    np.testing.assert_allclose(sampled.boxes["object"].data, full.boxes["object"].data * scale, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(sampled.boxes["illumination"].data, full.boxes["illumination"].data)
+    assert sampled.scalars["loss"] == full.scalars["loss"]
