@@ -389,6 +389,7 @@ def test_sampled_step_system_gives_the_full_step_lengths(update_probe):
     start = (ds.truth.slices * np.exp(0.3j * rng.random(ds.truth.slices.shape))).astype(np.complex64)
     options = lsqml.LSQMLOptions()
     assert ms.step_sample_stride(len(y), 3) > 1 and ms.step_sample_stride(len(y), 1) == 1
+    assert ms.step_sample_stride(ms.STEP_SAMPLE_MIN * 2 - 1, 3) == 1   # too few patterns to sample
     full = ms.chunk_step(start, ds.truth.probe, y, ds.positions, options=options, kernel=ds.kernel,
                          update_probe=update_probe, step_stride=1)
     sampled = ms.chunk_step(start, ds.truth.probe, y, ds.positions, options=options, kernel=ds.kernel,
