@@ -279,9 +279,9 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
         step_stride = step_sample_stride(n_patterns, n_slices)
     pick = slice(0, None, max(1, int(step_stride)))
     sample = c.patches[:, pick]
-    dir_patches = slice_windows(c.index, obj_dir)
+    dir_patches = slice_windows(c.index, obj_dir, pick)
     for k in range(n_slices):
-        directions.append(transmit(dir_patches[k][pick][:, None] * incident[k][pick], sample, c.kernel, k))
+        directions.append(transmit(dir_patches[k][:, None] * incident[k][pick], sample, c.kernel, k))
     probe_sum = None
     if update_probe:
         spectra_sum = c.probe_gradient_spectra(c.pattern_spectra(g_q))  # F Σ_j (∂P_j/∂P) S_{−f_j} g_Qj
