@@ -52,7 +52,7 @@ from .positions import accumulate_affine, accumulate_window, central_gradients
 #: With K > 1 slices :func:`chunk_step` solves the per-pattern step system on a sample of the
 #: chunk's patterns, every s-th (see :func:`step_sample_stride`): only the trimmed mean of the
 #: per-pattern step lengths is used, and carrying the K + 1 directions to the exit costs
-#: ~K² / 2 + K propagations per pattern (a third of a 3-slice step's transforms).
+#: (K − 1)(K + 2) / 2 propagations per pattern (5 for K = 3: a third of the step's transforms).
 STEP_STRIDE = 4
 #: ... leaving at least this many patterns for the trimmed mean.
 STEP_SAMPLE_MIN = 16
