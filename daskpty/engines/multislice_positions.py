@@ -37,7 +37,8 @@ def _carried(c, moves, incident, pick=slice(None)):
     move), carried forward slice by slice: one batch of transforms for all of them."""
     change = moves[0][:, :, None] * incident[0][pick][None]
     for k in range(1, c.n_slices):
-        change = angular_spectrum(change, c.kernel) * c.patches[k][pick][None, :, None]
+        change = angular_spectrum(change, c.kernel)            # (a new array: scaled in place)
+        change *= c.patches[k][pick][None, :, None]
         change += moves[k][:, :, None] * incident[k][pick][None]
     if c.detector is not None:
         change = detector_forward(change, c.detector[pick][None])
@@ -51,12 +52,19 @@ def _sampled_changes(c, windows, incident, stride: int, *, shifts: bool, window:
     pick = slice(0, None, max(1, int(stride)))
     u = c.xp.asarray(np.arange(c.n) - (c.n - 1) / 2.0, dtype=windows[0][0].real.dtype)
     offsets = (u[:, None], u[None, :])
+    count = (2 if shifts else 0) + (4 if window else 0)
     moves = []
-    for k in range(c.n_slices):
-        per_move = [windows[a][k][pick] for a in range(2)] if shifts else []
+    for k in range(c.n_slices):   # each slice's moves written into one (S, b, n, n) array
+        first = windows[0][k][pick]
+        per_move = c.xp.empty((count,) + first.shape, first.dtype)
+        i = 0
+        if shifts:
+            per_move[0], per_move[1], i = first, windows[1][k][pick], 2
         if window:
-            per_move += [offsets[b] * windows[a][k][pick] for a, b in _PAIRS]
-        moves.append(c.xp.stack(per_move))
+            for a, b in _PAIRS:
+                c.xp.multiply(offsets[b], windows[a][k][pick], out=per_move[i])
+                i += 1
+        moves.append(per_move)
     return _carried(c, moves, incident, pick)
 
 
