@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..physics.backend import channel_dots, real_dots, to_numpy
-from ..physics.multislice import detector_forward
+from ..physics.multislice import detector_forward, transmitted
 from ..physics.propagation import angular_spectrum
 from .window_deformation import GRAM_STRIDE, WindowDeformation, squared_gradients
 
@@ -37,8 +37,7 @@ def _carried(c, moves, incident, pick=slice(None)):
     move), carried forward slice by slice: one batch of transforms for all of them."""
     change = moves[0][:, :, None] * incident[0][pick][None]
     for k in range(1, c.n_slices):
-        change = angular_spectrum(change, c.kernel)            # (a new array: scaled in place)
-        change *= c.patches[k][pick][None, :, None]
+        change = transmitted(angular_spectrum(change, c.kernel), c.patches[k][pick][None, :, None])
         change += moves[k][:, :, None] * incident[k][pick][None]
     if c.detector is not None:
         change = detector_forward(change, c.detector[pick][None])

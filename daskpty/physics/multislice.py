@@ -130,8 +130,17 @@ def transmit(waves, slice_patches, kernel, start: int):
     """Carry waves leaving slice ``start`` (B, M, n, n) to the exit: propagate, then transmit
     through slices start+1 … K−1 (0-based). This is the linear map T_k of a change at slice k."""
     for k in range(start + 1, slice_patches.shape[0]):
-        waves = angular_spectrum(waves, kernel) * slice_patches[k][:, None]
+        waves = transmitted(angular_spectrum(waves, kernel), slice_patches[k][:, None])
     return waves
+
+
+def transmitted(waves, transmission):
+    """``waves * transmission``, in place when ``waves`` (a new array of the caller's) already has
+    the product's dtype."""
+    if waves.dtype == np.result_type(waves.dtype, transmission.dtype):
+        waves *= transmission
+        return waves
+    return waves * transmission
 
 
 def transmit_adjoint(waves, slice_patches, kernel, start: int):
