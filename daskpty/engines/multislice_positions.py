@@ -20,6 +20,7 @@ import numpy as np
 
 from ..physics.backend import channel_dots, real_dots, to_numpy
 from ..physics.multislice import detector_forward, transmitted
+from ..physics.noise import model_intensity
 from ..physics.propagation import angular_spectrum
 from .window_deformation import GRAM_STRIDE, WindowDeformation, squared_gradients
 
@@ -133,7 +134,7 @@ def shift_denominators(c, windows, incident, stride: int = SHIFT_STRIDE, lit=Non
     if stride == 1:
         return exact
     if lit is None:
-        lit = xp.stack([(incident[k].real ** 2 + incident[k].imag ** 2).sum(axis=1) for k in range(n_slices)])
+        lit = xp.stack([model_intensity(incident[k]) for k in range(n_slices)])
     cheap = np.zeros((b, 2))
     for k in range(n_slices):   # Σ_u |∂_a O_k|² Σ_m |φ_km|²
         if box_d is None or lit.dtype != np.float32:   # (squared_gradients packs complex64)
