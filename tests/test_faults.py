@@ -315,6 +315,65 @@ def test_loss_noise_goes_to_info_and_other_errors_pass():
     assert "k2" in records[0].getMessage()
 
 
+def test_an_interrupt_before_a_sync_call_started_leaves_no_traceback():
+    """Ctrl-C or SIGTERM reaching distributed's ``sync`` before the coroutine it waits for has
+    started makes its ``cancel`` callback raise NameError on the loop thread, which tornado logs
+    as a traceback (CI once saw ten lines after the one 'interrupted' line). Reproduced here with
+    distributed's own ``sync``: the loop is kept busy while the main thread is interrupted."""
+    import logging
+    import threading
+
+    from distributed.utils import LoopRunner, sync
+
+    from daskpty.execution.watchdog import quiet_handled_losses
+
+    log = logging.getLogger("tornado.application")
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    keep = Keep()
+    log.addHandler(keep)
+    old = log.level
+    log.setLevel(logging.INFO)  # so the demoted record still shows here
+    runner = LoopRunner(asynchronous=False)
+    runner.start()
+    busy, done = threading.Event(), threading.Event()
+    main = threading.get_ident()  # the signal goes to this thread, as the kernel's Ctrl-C may
+
+    async def nothing():
+        return None
+
+    try:
+        with quiet_handled_losses():
+            runner.loop.add_callback(lambda: (busy.set(), time.sleep(0.5)))  # the loop is busy
+            busy.wait(5)
+            threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
+            with pytest.raises(KeyboardInterrupt):
+                sync(runner.loop, nothing)
+            runner.loop.add_callback(done.set)  # after the callbacks sync left behind
+            assert done.wait(5)
+        seen = [r for r in records if "sync.<locals>.cancel" in r.getMessage()]
+        assert seen and all(r.levelno == logging.INFO and r.exc_info is None for r in seen)
+        records.clear()  # without the filter the same race is an ERROR with its traceback
+        busy.clear()
+        done.clear()
+        runner.loop.add_callback(lambda: (busy.set(), time.sleep(0.5)))
+        busy.wait(5)
+        threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            sync(runner.loop, nothing)
+        runner.loop.add_callback(done.set)
+        assert done.wait(5)
+        assert any(r.levelno == logging.ERROR and r.exc_info for r in records)
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(old)
+        runner.stop()
+
+
 # --- the command line against an external scheduler and workers (real processes) -----------------
 
 def _free_port() -> int:

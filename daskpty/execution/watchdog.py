@@ -114,6 +114,11 @@ LOSS_MESSAGES = (
     "Async instruction for",   # a worker's task cancelled while the cluster closes (an interrupt)
     "Couldn't gather",  # a result fetched from a worker that died: the driver restarts the round
 )
+#: Callbacks whose failure tornado reports ("Exception in callback …") after an interrupt the driver
+#: handles: distributed's ``sync`` schedules its ``cancel`` when Ctrl-C or SIGTERM reaches the
+#: waiting thread, and that ``cancel`` raises NameError when the interrupt came before the awaited
+#: coroutine had started (there was nothing to cancel yet).
+INTERRUPT_CALLBACKS = ("sync.<locals>.cancel",)
 #: Exceptions that mark a "Compute Failed" report as a consequence of the loss.
 LOSS_EXCEPTIONS = ("CancelledError", "CommClosedError", "KilledWorker", "AllExit", "StreamClosedError",
                    "FutureState", "lost", "forgotten")
@@ -142,6 +147,7 @@ class HandledLossNoise(logging.Filter):
             record.args, tuple) else (record.args,)))
         exc = record.exc_info[1] if record.exc_info and record.exc_info[1] is not None else None
         loss = any(m in msg for m in LOSS_MESSAGES) and not msg.startswith("Task exception")
+        loss = loss or (msg.startswith("Exception in callback") and any(c in text for c in INTERRUPT_CALLBACKS))
         if msg.startswith(("Compute Failed", "Task exception")) or (exc is not None and not loss):
             names = text + ("" if exc is None else f" {type(exc).__name__} {exc}")
             loss = any(word in names for word in LOSS_EXCEPTIONS)
