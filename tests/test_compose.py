@@ -69,7 +69,7 @@ def test_lsqml_shift_terms_through_slices_are_the_gauss_newton_step():
     part = ms.chunk_step(s["slices"].astype(np.complex64), probe.astype(np.complex64), s["y"], s["pos"],
                          options=lsqml.LSQMLOptions(eps=1e-12), kernel=s["kernel"].astype(np.complex64),
                          position_terms=True, update_probe=False)
-    num, den = part.local["shift_terms"]
+    num, den, _ = part.local["shift_terms"]
     c = ms.SliceChunk(s["slices"], probe, s["y"], s["pos"], s["kernel"], None, np.complex128)
     box_d = c.box_gradients()
 

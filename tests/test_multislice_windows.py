@@ -104,8 +104,37 @@ def test_position_sums_without_the_window_leave_it_out():
     c = ms.SliceChunk(s["slices"], s["probe"], s["y"], s["pos"], s["kernel"], None, np.complex128)
     exit_waves, incident = ms.multislice_forward(c.shifted, c.patches, c.kernel)
     grads = ms.multislice_vjp(exit_waves, c.patches, incident, c.kernel)[0]
-    (num, den), window = position_sums(c, grads, incident)
-    assert window is None and num.shape == den.shape == (5, 2) and (den > 0).all()
+    (num, den, ratio), window = position_sums(c, grads, incident)
+    assert window is None and num.shape == den.shape == ratio.shape == (5, 2) and (den > 0).all()
+
+
+@pytest.mark.parametrize("near", [False, True])
+def test_reused_sums_carry_nothing_and_keep_the_ratios(near, monkeypatch):
+    """A step that reuses an earlier epoch's carried sums (``ReusedSums``) carries no change
+    through the slices: with the ratios a forming step just gave, the patterns the sample did
+    not carry get the same denominators, the carried ones their slice-wise form times the ratio,
+    the numerators and the windows' right-hand sides are unchanged, and no normal matrix comes
+    (the fit keeps the last one)."""
+    from daskpty.engines import multislice_positions as mp
+
+    s = _setup(3, near, b=12)
+    c = ms.SliceChunk(s["slices"], s["probe"], s["y"], s["pos"], s["kernel"], s["detector"], np.complex128)
+    exit_waves, incident = ms.multislice_forward(c.shifted, c.patches, c.kernel)
+    grads = ms.multislice_vjp(exit_waves, c.patches, incident, c.kernel)[0]
+    scattered = c.boxes(grads, np.complex128)
+    (num, den, ratio), window = position_sums(c, grads, incident, scattered=scattered, positions=s["pos"])
+    assert np.isfinite(ratio).all() and (ratio > 0).all() and np.ptp(ratio, axis=0).max() == 0  # one per chunk
+    carried = []
+    monkeypatch.setattr(mp, "_carried", lambda *a, **k: carried.append(1))
+    (num2, den2, ratio2), window2 = position_sums(c, grads, incident, scattered=scattered, positions=s["pos"],
+                                                  reuse=mp.ReusedSums(ratio))
+    assert not carried and "window_gram" not in window2 and "window_gram" in window
+    np.testing.assert_array_equal(num2, num)
+    np.testing.assert_array_equal(ratio2, ratio)
+    np.testing.assert_allclose(den2[1::mp.SHIFT_STRIDE], den[1::mp.SHIFT_STRIDE], rtol=1e-12)
+    np.testing.assert_allclose(den2[::mp.SHIFT_STRIDE].sum(axis=0), den[::mp.SHIFT_STRIDE].sum(axis=0), rtol=1e-9)
+    for key in ("window_num", "window_positions"):
+        np.testing.assert_array_equal(window2[key], window[key])
 
 
 def test_the_window_fit_through_slices_removes_a_scans_rotation_and_scale(client):

@@ -37,6 +37,7 @@ from .lsqml_epoch import (begin_epoch, close_epoch, end_epoch, normalize_scale, 
                           normalizes_now, owned_at_end)
 from .partials import BoxedArray, Partial
 from .window_deformation import WindowDeformation, squared_gradients, wants_window_sums, warp_object
+from .multislice_positions import keep_ratios, reused_sums
 from .tile_frame import frame_of, step_positions, whole_shape
 from .positions import (
     PositionOptions,
@@ -123,6 +124,7 @@ class LSQMLState:
     window_sums: dict | None = None         # the windows' deformation sums of this epoch (positions)
     window_deformation: np.ndarray | None = None  # L (2, 2) of the last epoch, for the history
     window_map: np.ndarray | None = None    # the positions' map of the next epoch (3, 2), or None
+    window_gram: np.ndarray | None = None   # the windows' normal matrix (4, 4) last formed (kept between)
     positions_start: int | None = None   # start epoch decided by start_epoch='auto' (positions)
     epoch_start_probe: np.ndarray | None = None  # the probe at the epoch's start, while undecided
     eigen_probes: np.ndarray | None = None  # varying probe (engines.probe_model): OPR eigen-probes U_1…
@@ -380,22 +382,27 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     equations of the new positions (additive), ``position_update_sq`` / ``position_refined``
     (for the rms update) and, in ``local``, the patterns' new per-pattern state. ``step``: the
     chunk step of the sample's forward model (default :func:`chunk_step`, one slice in the far
-    field; see :mod:`daskpty.engines.sample_model`).
+    field; see :mod:`daskpty.engines.sample_model`). Chunks whose step carries the sums through
+    slices keep the carried ones in ``local`` and reuse them between refreshes
+    (:func:`~.multislice_positions.reused_sums`).
     """
     n = probe.shape[-1]
     shape = whole_shape(obj, frame)       # (a tile's frame: the whole object's)
     refined = positions_for_step(local, nominal, affine, positions, epoch, n, shape)
     active = positions.active(epoch)
+    reuse = reused_sums(local, positions, epoch) if active else None
     part = (step or chunk_step)(obj, probe, intensities, step_positions(refined, frame, n, obj), options=options, update_probe=update_probe,
                                 valid=valid, position_terms=active, variable=variable,
-                                window_sums=wants_window_sums(positions, epoch))
+                                window_sums=wants_window_sums(positions, epoch), **({} if reuse is None else {"reuse": reuse}))
     if frame is not None:
         frame.sums_to_object(part)
     if not active or not part.scalars:
         part.local = {}
         return part
-    shift = positions.gain * lsqml_shift(*part.local.pop("shift_terms"), positions.regularization)
+    terms = part.local.pop("shift_terms")
+    shift = positions.gain * lsqml_shift(terms[0], terms[1], positions.regularization)
     new, _ = step_with_momentum({**local, "positions": refined}, shift, positions)
+    keep_ratios(terms, new, local)
     return finish_step(part, new, refined, nominal, positions, epoch, n, shape)
 
 

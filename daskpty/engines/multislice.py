@@ -210,7 +210,7 @@ def _step_lengths(gram, rhs, options: LSQMLOptions, update_probe: bool, xp):
 
 def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, kernel=None, detector=None,
                update_probe: bool = True, valid=None, position_terms: bool = False, variable=None,
-               window_sums: bool = False, step_stride: int | None = None) -> Partial:
+               window_sums: bool = False, step_stride: int | None = None, reuse=None) -> Partial:
     """One multislice LSQML step for one chunk of patterns, as an additive partial.
 
     obj (K, H, W) complex64 (or (H, W): K = 1); probe (M, n, n); intensities (B, n, n) (far field:
@@ -230,7 +230,8 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
     * ``position_terms``: the LSQML position shift's sums in ``local["shift_terms"]``: Re⟨d_a, χ⟩
       and ‖d_a‖² of the exit wave's exact change per unit position d_a, carried through the
       slices, and with ``window_sums`` the windows' deformation sums in ``arrays``
-      (:func:`~.multislice_positions.position_sums`).
+      (:func:`~.multislice_positions.position_sums`; ``reuse``: an earlier epoch's carried
+      sums, :class:`~.multislice_positions.ReusedSums`).
     * ``variable``: a :class:`~daskpty.engines.pattern_probes.PatternProbes` (OPR, intensity
       factors, background): each pattern's own probe at the entrance, the background in the
       detector's model, the probe sums weighted by ∂P_j/∂P, the eigen-probe and weight terms from
@@ -270,7 +271,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
     shift_terms = window = None
     if position_terms:
         shift_terms, window = position_sums(c, grads, incident, positions=positions, lit=lit,
-                                            scattered=obj_num if window_sums else None)
+                                            scattered=obj_num if window_sums else None, reuse=reuse)
 
     # Directions carried to the exit, then the per-pattern (K + 1)-unknown step system, on the
     # step lengths' sample of patterns (step_sample_stride: only their trimmed mean is used).

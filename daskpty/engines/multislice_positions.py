@@ -13,8 +13,17 @@ of slice k's window, φ_k its incident waves and T_k the remaining slices
 The right-hand sides Re⟨d, χ⟩ = Σ_k Re⟨δO_k, g_k⟩ come from the slices' gradients g_k (the
 adjoint chain the engine ran already), the norms ‖d‖² are formed at the detector, carried
 through the slices (with one slice in the far field they reduce to the single-slice forms).
+
+Carrying the changes costs transforms (a fifth of a refining 3-slice step, more with more
+slices), yet what they give changes slowly: the normal matrix of the windows' deformation (4 × 4,
+summed over the scan) and each chunk step's ratio of the exact shift denominators to their
+slice-wise form. Both are formed in the first epoch of refinement and every
+:data:`SUMS_REFRESH`-th after it and kept in between (:class:`ReusedSums`: the ratios live with
+their patterns, the matrix with the state's window fit).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,8 +37,53 @@ from .window_deformation import GRAM_STRIDE, WindowDeformation, squared_gradient
 #: (:func:`shift_denominators`).
 SHIFT_STRIDE = 4
 
+#: The carried sums (shift denominators' ratios, the windows' normal matrix) are formed in the
+#: first epoch of refinement and every SUMS_REFRESH-th after it, and kept in between. abTEM's
+#: 576 × 64² electron scan with scan errors, LSQML, 50 epochs: the same NRMSE and position error
+#: as carrying them every epoch (3 slabs 0.0775 / 0.116 px; 6 slices 0.121 / 0.239 px) at 0.17
+#: instead of 0.21 s/epoch (6 slices: 0.37 instead of 0.47; docs/benchmarks.md).
+SUMS_REFRESH = 4
+
+#: The per-pattern state's name of the kept ratios (B, 2): exact / slice-wise ‖d_a‖² of the
+#: chunk step the pattern took part in (NaN: not formed yet).
+RATIO_KEY = "shift_ratio"
+
 #: (a, b) of L_ab in the order of the normal equations' unknowns (row-major L).
 _PAIRS = ((0, 0), (0, 1), (1, 0), (1, 1))
+
+
+@dataclass(frozen=True)
+class ReusedSums:
+    """What a refining chunk step through the slices takes from an earlier epoch instead of
+    carrying changes through them: ``shift_ratio`` (B, 2) its patterns' kept ratios of the shift
+    denominators; the windows' normal matrix is then not formed at all (the state's window fit
+    keeps the last one, :func:`~.position_fits.fit_window`)."""
+
+    shift_ratio: np.ndarray
+
+
+def reused_sums(local: dict, options, epoch: int) -> ReusedSums | None:
+    """The sums a refining chunk step of ``epoch`` reuses, or None when it forms them: a chunk
+    keeping no ratios (one slice in the far field carries nothing), the first epoch of
+    refinement and every :data:`SUMS_REFRESH`-th after it, or ratios not yet formed (a resumed
+    store without them). ``options``: the resolved :class:`~.position_options.PositionOptions`."""
+    ratio = local.get(RATIO_KEY)
+    if ratio is None or (epoch - options.start_epoch) % SUMS_REFRESH == 0 or not np.isfinite(ratio).all():
+        return None
+    return ReusedSums(np.asarray(ratio, np.float64))
+
+
+def initial_ratios(n_patterns: int) -> dict:
+    """The per-pattern state of a chunk whose refining steps carry sums through slices (or to a
+    near-field detector): no ratios formed yet."""
+    return {RATIO_KEY: np.full((int(n_patterns), 2), np.nan)}
+
+
+def keep_ratios(shift_terms, new: dict, local: dict) -> None:
+    """Into the patterns' new per-pattern state ``new``: the ratios of the step's ``shift_terms``
+    (:func:`position_sums`: their third entry), when the chunk keeps them."""
+    if RATIO_KEY in local:
+        new[RATIO_KEY] = np.asarray(shift_terms[2], np.float64) if len(shift_terms) > 2 else local[RATIO_KEY]
 
 
 def _carried(c, moves, incident, pick=slice(None)):
@@ -69,7 +123,7 @@ def _sampled_changes(c, windows, incident, stride: int, *, shifts: bool, window:
 
 
 def position_sums(c, grads, incident, *, scattered=None, positions=None, gram_stride: int = GRAM_STRIDE,
-                  shift_stride: int = SHIFT_STRIDE, lit=None, shifts: bool = True):
+                  shift_stride: int = SHIFT_STRIDE, lit=None, shifts: bool = True, reuse: ReusedSums | None = None):
     """The LSQML position shift's terms of every pattern and, with ``scattered``, the windows'
     deformation sums of the chunk.
 
@@ -88,6 +142,10 @@ def position_sums(c, grads, incident, *, scattered=None, positions=None, gram_st
     G_(ab),(cd) = Σ_j Re⟨d_ab, d_cd⟩ on every ``gram_stride``-th pattern (scaled to all), d_ab
     the detected change of the move u_b ∂_a O_k carried through the slices — exact where the
     single slice's box form (Σ_k |S_f P_k|² per pixel) holds only for one slice in the far field.
+    ``shift_terms[2]``: the chunk's ratios of the denominators (exact / slice-wise, per axis) for
+    every pattern (B, 2), to keep. ``reuse`` (:class:`ReusedSums`): nothing is carried; the
+    denominators are the slice-wise form times the kept ratios and the window sums have no
+    ``window_gram``.
 
     Moving the probe over the windows instead differs by a translation of the exit wave, to
     which far-field intensities are blind but whose norm would swamp ‖d_a‖²."""
@@ -97,25 +155,32 @@ def position_sums(c, grads, incident, *, scattered=None, positions=None, gram_st
     per_slice = [xp.stack([real_dots(windows[a][k], grads[k]) for a in range(2)], axis=1) for k in range(n_slices)]
     shift_terms = shared = None
     if shifts:
-        if scattered is not None and max(1, int(shift_stride)) == max(1, int(gram_stride)):
+        if scattered is not None and reuse is None and max(1, int(shift_stride)) == max(1, int(gram_stride)):
             # one batch of transforms for both when they sample the same patterns
             shared = _sampled_changes(c, windows, incident, shift_stride, shifts=True, window=True)
-        shift_terms = (to_numpy(sum(per_slice)), shift_denominators(
-            c, windows, incident, shift_stride, lit, changes=None if shared is None else shared[:2], box_d=box_d))
+        den, ratio = shift_denominators(c, windows, incident, shift_stride, lit, box_d=box_d,
+                                        changes=None if shared is None else shared[:2],
+                                        ratio=None if reuse is None else reuse.shift_ratio)
+        shift_terms = (to_numpy(sum(per_slice)), den, ratio)
     if scattered is None:
         return shift_terms, None
     deform = WindowDeformation(c.n, xp, None, gram_stride)
     for k in range(n_slices):
         deform.add_first(scattered[k], c.index.corners, per_slice[k], box_d=box_d[k])
+    if reuse is not None:
+        return shift_terms, deform.sums(positions, gram=False)
     gram = window_gram(c, windows, incident, gram_stride, changes=None if shared is None else shared[2:])
     return shift_terms, deform.sums(positions, gram=gram)
 
 
 def shift_denominators(c, windows, incident, stride: int = SHIFT_STRIDE, lit=None, changes=None,
-                       box_d=None) -> np.ndarray:
-    """‖d_a‖² per pattern and axis (B, 2) float64, d_a = D Σ_k T_k(∂_a O_k · φ_k): exact (carried
-    through the slices) on every ``stride``-th pattern; on the others the slice-wise form
-    Σ_k Σ_u |∂_a O_k|² Σ_m |φ_km|², times the chunk's ratio exact / slice-wise over the exact ones.
+                       box_d=None, ratio=None) -> tuple[np.ndarray, np.ndarray]:
+    """``(den, ratio)``: ‖d_a‖² per pattern and axis (B, 2) float64, d_a = D Σ_k T_k(∂_a O_k · φ_k),
+    exact (carried through the slices) on every ``stride``-th pattern and on the others the
+    slice-wise form Σ_k Σ_u |∂_a O_k|² Σ_m |φ_km|² times the chunk's ratio exact / slice-wise over
+    the exact ones; and that ratio for every pattern (B, 2). ``ratio`` (B, 2): kept ratios (an
+    earlier epoch's, :class:`ReusedSums`): every denominator is its slice-wise form times its
+    pattern's ratio, nothing is carried.
 
     Carrying both axes' changes through K slices costs 4 (K − 1) transforms per pattern, a fifth
     of a 3-slice LSQML step; the denominator only sets the step length, not where the shift
@@ -124,15 +189,27 @@ def shift_denominators(c, windows, incident, stride: int = SHIFT_STRIDE, lit=Non
     shifts' sampled changes (2, b, M, n, n) when the caller carried them already; ``box_d``:
     the slices' (∂_y O_k, ∂_x O_k) on the box (the slice-wise form then gathers |∂_y O_k|² and
     |∂_x O_k|² packed in one complex window, half the passes of forming them per window)."""
-    xp, n_slices = c.xp, c.n_slices
     b = windows[0][0].shape[0]
+    if ratio is not None:
+        ratio = np.asarray(ratio, np.float64)
+        return _slice_wise(c, windows, incident, lit, box_d) * ratio, ratio
     stride = max(1, int(stride))
     pick = slice(0, None, stride)
     if changes is None:
         changes = _sampled_changes(c, windows, incident, stride, shifts=True, window=False)
     exact = np.stack([to_numpy(real_dots(changes[a], changes[a])) for a in range(2)], axis=1)
-    if stride == 1:
-        return exact
+    cheap = _slice_wise(c, windows, incident, lit, box_d)
+    sampled = cheap[pick].sum(axis=0)
+    chunk_ratio = np.where(sampled > 0, exact.sum(axis=0) / np.where(sampled > 0, sampled, 1.0), 1.0)
+    den = cheap * chunk_ratio
+    den[pick] = exact
+    return den, np.repeat(chunk_ratio[None], b, axis=0)
+
+
+def _slice_wise(c, windows, incident, lit=None, box_d=None) -> np.ndarray:
+    """Σ_k Σ_u |∂_a O_k|² Σ_m |φ_km|² per pattern and axis (B, 2) float64: no transforms."""
+    xp, n_slices = c.xp, c.n_slices
+    b = windows[0][0].shape[0]
     if lit is None:
         lit = xp.stack([model_intensity(incident[k]) for k in range(n_slices)])
     cheap = np.zeros((b, 2))
@@ -141,11 +218,7 @@ def shift_denominators(c, windows, incident, stride: int = SHIFT_STRIDE, lit=Non
             cheap += np.stack([to_numpy(real_dots(w, w * lit[k])) for w in (windows[0][k], windows[1][k])], axis=1)
             continue
         cheap += to_numpy(channel_dots(lit[k], c.index.extract(squared_gradients(box_d[k], xp))))
-    sampled = cheap[pick].sum(axis=0)
-    ratio = np.where(sampled > 0, exact.sum(axis=0) / np.where(sampled > 0, sampled, 1.0), 1.0)
-    den = cheap * ratio
-    den[pick] = exact
-    return den
+    return cheap
 
 
 def window_gram(c, windows, incident, gram_stride: int = GRAM_STRIDE, changes=None) -> np.ndarray:

@@ -43,6 +43,7 @@ from .tile_frame import step_positions, whole_shape
 from .positions import (PositionOptions, accumulate_affine, accumulate_window, central_gradients, finish_step,
                         lsqml_shift, positions_for_step, step_with_momentum)
 from .window_deformation import WindowDeformation, squared_gradients, wants_window_sums
+from .multislice_positions import keep_ratios, reused_sums
 
 #: target bytes of one sub-batch's (b, M, n, n) complex64 exit waves
 BLOCK_BYTES = 8 << 20
@@ -195,15 +196,19 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     shape = whole_shape(obj, frame)       # (a tile's frame: the whole object's)
     refined = positions_for_step(local, nominal, affine, positions, epoch, n, shape)
     active = positions.active(epoch)
+    reuse = reused_sums(local, positions, epoch) if active else None
     part = (step or chunk_step)(obj, probe, intensities, step_positions(refined, frame, n, obj), options=options, update_probe=update_probe,
-                                valid=valid, position_terms=active, window_sums=wants_window_sums(positions, epoch))
+                                valid=valid, position_terms=active, window_sums=wants_window_sums(positions, epoch),
+                                **({} if reuse is None else {"reuse": reuse}))
     if frame is not None:
         frame.sums_to_object(part)
     if not active or not part.scalars:
         part.local = {}
         return part
-    shift = positions.gain * lsqml_shift(*part.local.pop("shift_terms"), positions.regularization)
+    terms = part.local.pop("shift_terms")
+    shift = positions.gain * lsqml_shift(terms[0], terms[1], positions.regularization)
     new, _ = step_with_momentum({**local, "positions": refined}, shift, positions)
+    keep_ratios(terms, new, local)
     return finish_step(part, new, refined, nominal, positions, epoch, n, shape)
 
 

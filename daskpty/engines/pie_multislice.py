@@ -39,7 +39,7 @@ from .partials import BoxedArray, Partial
 
 
 def chunk_step(obj, probe, intensities, positions, *, options, kernel=None, detector=None, update_probe: bool = True,
-               valid=None, position_terms: bool = False, window_sums: bool = False) -> Partial:
+               valid=None, position_terms: bool = False, window_sums: bool = False, reuse=None) -> Partial:
     """The 3PIE / rPIE sums of one chunk through the slices, as an additive partial.
 
     obj (K, H, W) complex64 (or (H, W)), probe (M, n, n), intensities (B, n, n) (far field: zero
@@ -49,7 +49,8 @@ def chunk_step(obj, probe, intensities, positions, *, options, kernel=None, dete
     ``probe_num`` (M, n, n) when ``update_probe``; scalars ``loss``, ``n``, ``sum_model``.
     ``position_terms``: the LSQML shift sums in ``local["shift_terms"]`` and with
     ``window_sums`` the windows' deformation sums in ``arrays``, through the slices as in
-    multislice LSQML (:func:`~.multislice_positions.position_sums`).
+    multislice LSQML (:func:`~.multislice_positions.position_sums`; ``reuse``: an earlier
+    epoch's carried sums, :class:`~.multislice_positions.ReusedSums`).
     """
     n_patterns = intensities.shape[0]
     if n_patterns == 0:
@@ -92,7 +93,8 @@ def chunk_step(obj, probe, intensities, positions, *, options, kernel=None, dete
         grads = multislice_vjp(chi, c.patches, incident, c.kernel)[0] if n_slices > 1 else \
             (xp.conj(incident[0]) * chi).sum(axis=1)[None]
         part.local["shift_terms"], window = position_sums(
-            c, grads, incident, positions=positions, scattered=c.boxes(grads, np.complex64) if window_sums else None)
+            c, grads, incident, positions=positions, scattered=c.boxes(grads, np.complex64) if window_sums else None,
+            reuse=reuse)
         if window is not None:
             part.arrays.update(window)
     return part

@@ -160,10 +160,12 @@ def window_parameters(deformation) -> dict:
 
 
 def accumulate_window(state, total) -> None:
-    """``apply``: add a round's window-deformation sums to the epoch's (a new dict)."""
+    """``apply``: add a round's window-deformation sums to the epoch's (a new dict; without
+    ``window_gram`` when the steps kept an earlier epoch's normal matrix)."""
     if "window_num" in total.arrays:
         sums = state.window_sums or {}
-        state.window_sums = {k: sums.get(k, 0.0) + np.asarray(total.arrays[k], np.float64) for k in WINDOW_KEYS}
+        state.window_sums = {k: sums.get(k, 0.0) + np.asarray(total.arrays[k], np.float64)
+                             for k in WINDOW_KEYS if k in total.arrays}
 
 
 def fit_window(state, options: PositionOptions):
@@ -174,7 +176,10 @@ def fit_window(state, options: PositionOptions):
     if sums is None:                      # an epoch without the sums (window_every): no L to report
         state.window_deformation = None
         return None
-    state.window_deformation = solve_window_deformation(sums["window_num"], sums["window_gram"])
+    if "window_gram" in sums:             # formed this epoch: kept for the epochs that reuse it
+        state.window_gram = sums["window_gram"]
+    gram = state.window_gram              # (None: reused but never formed, e.g. an old store)
+    state.window_deformation = None if gram is None else solve_window_deformation(sums["window_num"], gram)
     count = sums["window_positions"][2]
     if state.window_deformation is None or not options.window_gain or count < 3:
         return None

@@ -45,6 +45,12 @@ class SampleModel:
         return self._bound(ms.forward_sums)
 
 
+def carries_position_sums(sample: SampleModel | None) -> bool:
+    """Whether position refinement's sums go through transforms for ``sample`` (K slices or a
+    near-field detector; :mod:`.multislice_positions`), so that its chunks keep what they carried."""
+    return sample is not None and (sample.n_slices > 1 or sample.detector is not None)
+
+
 def lsqml_step(sample: SampleModel | None):
     """The LSQML chunk step of ``sample`` (:func:`daskpty.engines.lsqml.chunk_step` for None)."""
     return lsqml.chunk_step if sample is None else sample.lsqml_step()

@@ -140,14 +140,15 @@ class WindowDeformation:
 
     def sums(self, positions, gram=None) -> dict:
         """The chunk's additive sums (host, float64), with Σ positions and their count;
-        ``gram``: the normal matrix (4, 4) formed elsewhere (through K slices), else the one
-        :meth:`add_gram` summed."""
+        ``gram``: the normal matrix (4, 4) formed elsewhere (through K slices), None: the one
+        :meth:`add_gram` summed, False: none (the fit keeps an earlier epoch's,
+        :func:`~.position_fits.fit_window`)."""
         first = np.asarray(to_numpy(self.first), np.float64)                       # (a, b)
-        if gram is None:
-            gram = self._gram()
         pos = np.asarray(positions, np.float64)
-        return {"window_num": first.reshape(4), "window_gram": gram,
-                "window_positions": np.r_[pos.sum(axis=0), len(pos)]}
+        out = {"window_num": first.reshape(4), "window_positions": np.r_[pos.sum(axis=0), len(pos)]}
+        if gram is not False:
+            out["window_gram"] = self._gram() if gram is None else gram
+        return out
 
     def _gram(self) -> np.ndarray:
         """G (4, 4) from the per-pixel sums of :meth:`add_gram`, weighted by the offsets."""

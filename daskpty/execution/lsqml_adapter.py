@@ -17,6 +17,7 @@ import numpy as np
 
 from ..engines import lsqml, lsqml_opr, lsqml_tiles
 from ..engines import sample_model as sm
+from ..engines.multislice_positions import initial_ratios
 from ..engines.tile_frame import TileFrame, frame_of
 from ..engines.positions import (epoch_parameters, step_maps, PositionOptions, finish_epoch, initial_local, note_epoch_start,
                                  options_for, settle_start, start_arrays, start_from_arrays)
@@ -100,6 +101,8 @@ class LSQMLAdapter:
 
     def initial_local(self, nominal) -> dict:
         local = {} if self.positions is None else initial_local(nominal, self.positions, "lsqml")
+        if self.positions is not None and sm.carries_position_sums(self.sample):
+            local.update(initial_ratios(len(nominal)))
         if self.probe_model is not None:
             local.update(self.probe_model.initial_local(len(nominal)))
         return local
@@ -167,6 +170,7 @@ class LSQMLAdapter:
                                  velocity=engine_state.get("velocity"), affine=engine_state.get("affine"),
                                  affine_boost=engine_state.get("affine_boost"),
                                  window_map=engine_state.get("window_map"),
+                                 window_gram=engine_state.get("window_gram"),
                                  positions_start=start_from_arrays(engine_state))
         if self.probe_model is not None:
             self.probe_model.attach(state, probe, engine_state)
@@ -175,7 +179,7 @@ class LSQMLAdapter:
     def engine_state(self, state) -> dict:
         """Arrays beyond object and probe needed to continue exactly (for checkpoints)."""
         out = {} if state.velocity is None else {"velocity": state.velocity}
-        for name in ("affine", "affine_boost", "window_map"):
+        for name in ("affine", "affine_boost", "window_map", "window_gram"):
             if getattr(state, name) is not None:
                 out[name] = getattr(state, name)
         out = {**out, **start_arrays(state)}

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..engines import lsqml, pie, pie_multislice, pie_tiles
 from ..engines import sample_model as sm
+from ..engines.multislice_positions import initial_ratios
 from ..engines.tile_frame import TileFrame, frame_of
 from ..engines.positions import (epoch_parameters, step_maps, PositionOptions, finish_epoch, initial_local, note_epoch_start,
                                  options_for, settle_start, start_arrays, start_from_arrays)
@@ -96,7 +97,12 @@ class PIEAdapter:
         return epoch_parameters(state)
 
     def initial_local(self, nominal) -> dict:
-        return {} if self.positions is None else initial_local(nominal, self.positions, "lsqml")
+        if self.positions is None:
+            return {}
+        local = initial_local(nominal, self.positions, "lsqml")
+        if sm.carries_position_sums(self.sample):
+            local.update(initial_ratios(len(nominal)))
+        return local
 
     def apply(self, state, total):
         return pie.apply(state, total, self.options)
@@ -126,11 +132,12 @@ class PIEAdapter:
         return lsqml.LSQMLState(object=sm.as_slices(obj, self.sample), probe=probe, epoch=epoch,
                                 affine=engine_state.get("affine"), affine_boost=engine_state.get("affine_boost"),
                                 window_map=engine_state.get("window_map"),
+                                window_gram=engine_state.get("window_gram"),
                                 positions_start=start_from_arrays(engine_state))
 
     def engine_state(self, state) -> dict:
         """PIE keeps no memory beyond the object and the probe but the positions' fits."""
-        out = {name: getattr(state, name) for name in ("affine", "affine_boost", "window_map")
+        out = {name: getattr(state, name) for name in ("affine", "affine_boost", "window_map", "window_gram")
                if getattr(state, name) is not None}
         return {**out, **start_arrays(state)}
 

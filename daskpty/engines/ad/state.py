@@ -198,6 +198,7 @@ class ADState:
     window_sums: dict | None = None         # the windows' deformation sums of this epoch (positions)
     window_deformation: np.ndarray | None = None  # L (2, 2) of the last epoch, for the history
     window_map: np.ndarray | None = None    # the positions' map of the next epoch (3, 2), or None
+    window_gram: np.ndarray | None = None   # the windows' normal matrix (4, 4) last formed
     positions_start: int | None = None   # start epoch decided by start_epoch='auto' (positions)
     epoch_start_probe: np.ndarray | None = None  # the probe at the epoch's start, while undecided
     eigen_probes: np.ndarray | None = None      # varying probe (engines.probe_model)
