@@ -142,6 +142,31 @@ def test_refinement_through_slices_beats_the_nominal_positions(thick, client, en
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", ["lsqml", "rpie"])
+def test_kept_carried_sums_refine_as_well_as_carrying_them_every_epoch(thick, client, engine, monkeypatch):
+    """The sums carried through the slices (shift denominators' ratios, the windows' normal
+    matrix) are formed every SUMS_REFRESH-th epoch and kept in between: the positions and slices
+    end as close to the truth as when they are carried every epoch (in-process workers see the
+    patched constant), and the kept ratios come back with the result's per-pattern state."""
+    from daskpty.engines import multislice_positions as mp
+
+    ds, data, _ = thick
+    kw = dict(engine=engine, epochs=20, slices=2, slice_spacing_m=SPACING, refine_positions={"start_epoch": 3})
+    kept = _run(data, client, **kw)
+    monkeypatch.setattr(mp, "SUMS_REFRESH", 1)
+    every = _run(data, client, **kw)
+    true = ds.truth.positions + kept.origin
+    pos_kept, pos_every = _position_rms(kept.positions, true), _position_rms(every.positions, true)
+    err_kept, err_every = _slice_nrmse(kept, ds), _slice_nrmse(every, ds)
+    print(f"{engine}: positions {pos_kept:.4f} (kept) vs {pos_every:.4f} px (every epoch); "
+          f"slices {err_kept:.4f} vs {err_every:.4f}")
+    assert not np.array_equal(kept.positions, every.positions)   # the kept sums were used
+    assert pos_kept < 1.1 * pos_every + 0.01 and err_kept < 1.05 * err_every
+    ratios = kept.engine_state["position_shift_ratio"]
+    assert ratios.shape == (len(true), 2) and np.isfinite(ratios).all() and (ratios > 0).all()
+
+
+@pytest.mark.slow
 def test_refinement_in_the_near_field_beats_the_nominal_positions(client):
     obj, true, data, nominal = _near_field(error=0.8, seed=3)
     kw = dict(epochs=40, momentum=0.0, probe_start_epoch=5, rounds_per_epoch=1)
