@@ -36,7 +36,7 @@ def _dtypes(obj, probe):
 def chunk_gradient(obj, probe, intensities, positions, *, options=None, kernel=None, detector=None,
                    loss: str | None = None, valid=None, eps: float | None = None, want_object: bool = True,
                    want_probe: bool = True, want_positions: bool = False, variable=None,
-                   window_sums: bool = False) -> Partial:
+                   window_sums: bool = False, reuse=None) -> Partial:
     """Loss and exact gradients of one chunk through K slices, as an additive partial.
 
     Inputs as :func:`daskpty.engines.multislice.chunk_step`; ``options`` an ADOptions (or
@@ -49,7 +49,8 @@ def chunk_gradient(obj, probe, intensities, positions, *, options=None, kernel=N
     gradients with ``variable``, ``scalars`` loss, n, sum_measured, sum_model, and with
     ``window_sums`` (and the object gradient) the windows' deformation sums through the slices
     (:func:`~.multislice_positions.position_sums`) with LSQML's χ taken as −∂L/∂ψ* over the
-    loss's curvature (:func:`~daskpty.engines.ad.gradient.window_chi_factor`), as one slice does.
+    loss's curvature (:func:`~daskpty.engines.ad.gradient.window_chi_factor`), as one slice does
+    (``reuse``: without the normal matrix, :class:`~.multislice_positions.ReusedSums`).
     """
     loss, eps = _loss_settings(options, loss, eps)
     n_patterns = intensities.shape[0]
@@ -93,7 +94,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options=None, kernel=N
     factor = window_chi_factor(loss) if window_sums and want_object else None
     if factor is not None:
         _, window = position_sums(c, grads, incident, positions=positions, shifts=False,
-                                  scattered=part.boxes["object_grad"].data)
+                                  scattered=part.boxes["object_grad"].data, reuse=reuse)
         part.arrays.update(window, window_num=window["window_num"] * factor)
     if variable is not None:
         variable.finish(part, *pixel_sums(y, yhat))

@@ -56,10 +56,16 @@ _PAIRS = ((0, 0), (0, 1), (1, 0), (1, 1))
 class ReusedSums:
     """What a refining chunk step through the slices takes from an earlier epoch instead of
     carrying changes through them: ``shift_ratio`` (B, 2) its patterns' kept ratios of the shift
-    denominators; the windows' normal matrix is then not formed at all (the state's window fit
-    keeps the last one, :func:`~.position_fits.fit_window`)."""
+    denominators (None: AD, which forms none); the windows' normal matrix is not formed at all
+    (the state's window fit keeps the last one, :func:`~.position_fits.fit_window`)."""
 
-    shift_ratio: np.ndarray
+    shift_ratio: np.ndarray | None = None
+
+
+def refreshes(options, epoch: int) -> bool:
+    """Whether the refining chunk steps of ``epoch`` carry the sums (the first epoch of
+    refinement and every :data:`SUMS_REFRESH`-th after it; ``options`` resolved)."""
+    return (epoch - options.start_epoch) % SUMS_REFRESH == 0
 
 
 def reused_sums(local: dict, options, epoch: int) -> ReusedSums | None:
@@ -68,7 +74,7 @@ def reused_sums(local: dict, options, epoch: int) -> ReusedSums | None:
     refinement and every :data:`SUMS_REFRESH`-th after it, or ratios not yet formed (a resumed
     store without them). ``options``: the resolved :class:`~.position_options.PositionOptions`."""
     ratio = local.get(RATIO_KEY)
-    if ratio is None or (epoch - options.start_epoch) % SUMS_REFRESH == 0 or not np.isfinite(ratio).all():
+    if ratio is None or refreshes(options, epoch) or not np.isfinite(ratio).all():
         return None
     return ReusedSums(np.asarray(ratio, np.float64))
 

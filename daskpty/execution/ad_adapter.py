@@ -59,13 +59,14 @@ def ad_gradient_chunk(intensities, positions, payload: ADPayload, local=None):
             model=payload.model, eigen=payload.eigen, transform=payload.transform, background=payload.background,
             epoch=payload.epoch, valid=payload.valid, want_object=payload.want_object,
             want_probe=payload.want_probe, positions=payload.positions, affine=payload.affine, gradient=gradient,
-            frame=payload.frame)
+            frame=payload.frame, keep_gram=sm.carries_position_sums(payload.sample))
     if local is not None:
         return ad.refining_chunk_gradient(payload.object, payload.probe, intensities, positions, local,
                                           options=payload.options, positions=payload.positions,
                                           epoch=payload.epoch, affine=payload.affine, valid=payload.valid,
                                           want_object=payload.want_object, want_probe=payload.want_probe,
-                                          gradient=gradient, frame=payload.frame)
+                                          gradient=gradient, frame=payload.frame,
+                                          keep_gram=sm.carries_position_sums(payload.sample))
     return gradient(payload.object, payload.probe, intensities, positions, options=payload.options,
                     valid=payload.valid, want_object=payload.want_object, want_probe=payload.want_probe)
 

@@ -13,6 +13,7 @@ from ..partials import BoxedArray, Partial
 from ..tile_frame import step_positions, whole_shape
 from ..positions import central_gradients, finish_step, positions_for_step, step_with_optimizer
 from ..window_deformation import WindowDeformation, wants_window_sums
+from ..multislice_positions import ReusedSums, refreshes
 from .losses import _far_field_loss
 from .state import ADOptions
 
@@ -299,20 +300,25 @@ def chunk_loss(obj, probe, intensities, positions, *, options: "ADOptions | None
 
 def refining_chunk_gradient(obj, probe, intensities, nominal, local: dict, *, options, positions,
                             epoch: int, affine=None, valid=None, want_object: bool = True,
-                            want_probe: bool = True, variable=None, gradient=None, frame=None) -> Partial:
+                            want_probe: bool = True, variable=None, gradient=None, frame=None,
+                            keep_gram: bool = False) -> Partial:
     """:func:`chunk_gradient` at the refined positions ``local["positions"]``, then (from epoch
     ``positions.start_epoch`` on) one step of the positions' own optimiser against ∂L/∂(y, x)
     (see :func:`daskpty.engines.positions.step_with_optimizer`); the partial carries the new
     per-pattern state in ``local`` and the affine normal equations, as in LSQML. ``gradient``: the
     chunk gradient of the sample's forward model (default :func:`chunk_gradient`; see
-    :mod:`daskpty.engines.sample_model`)."""
+    :mod:`daskpty.engines.sample_model`). ``keep_gram``: the gradient carries the windows' normal
+    matrix through slices, so it forms it only on the epochs that refresh it
+    (:func:`~daskpty.engines.multislice_positions.refreshes`) and the window fit keeps it between."""
     n = probe.shape[-1]
     shape = whole_shape(obj, frame)       # (a tile's frame: the whole object's)
     used = positions_for_step(local, nominal, affine, positions, epoch, n, shape)
     active = positions.active(epoch)
+    window = wants_window_sums(positions, epoch)
+    reuse = {"reuse": ReusedSums()} if keep_gram and window and not refreshes(positions, epoch) else {}
     part = (gradient or chunk_gradient)(obj, probe, intensities, step_positions(used, frame, n, obj), options=options, valid=valid,
                                         want_object=want_object, want_probe=want_probe, want_positions=active,
-                                        variable=variable, window_sums=wants_window_sums(positions, epoch))
+                                        variable=variable, window_sums=window, **reuse)
     if frame is not None:
         frame.sums_to_object(part)
     if not active or not part.scalars:

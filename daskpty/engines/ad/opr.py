@@ -45,7 +45,8 @@ def pattern_gradients(variable: PatternProbes) -> dict:
 
 def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None, *, options, model: ProbeModelOptions,
                             eigen, transform, background, epoch: int, valid=None, want_object: bool = True,
-                            want_probe: bool = True, positions=None, affine=None, gradient=None, frame=None):
+                            want_probe: bool = True, positions=None, affine=None, gradient=None, frame=None,
+                            keep_gram: bool = False):
     """One AD chunk gradient with the varying probe; the chunk's weights and intensity factors
     take their step here (``part.local``), the global gradients ride ``part.arrays``; ``gradient``
     the sample's chunk gradient (default :func:`daskpty.engines.ad.chunk_gradient`)."""
@@ -58,7 +59,8 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
     if positions is not None:
         part = refining_chunk_gradient(obj, probe, intensities, nominal, local, options=options, positions=positions,
                                        epoch=epoch, affine=affine, valid=valid, want_object=want_object,
-                                       want_probe=want_probe, variable=variable, gradient=gradient, frame=frame)
+                                       want_probe=want_probe, variable=variable, gradient=gradient, frame=frame,
+                                       keep_gram=keep_gram)
     else:
         part = (gradient or chunk_gradient)(obj, probe, intensities, nominal, options=options, valid=valid,
                                             want_object=want_object, want_probe=want_probe, variable=variable)

@@ -216,7 +216,7 @@ class ADState:
         out.update({"optimizer_scalar." + k.replace("/", "."): np.asarray(float(v), dtype=np.float64)
                     for k, v in self.optimizer.scalars.items()})
         out["iteration"] = np.asarray(self.iteration, dtype=np.int64)
-        for name in ("affine", "affine_boost", "window_map"):
+        for name in ("affine", "affine_boost", "window_map", "window_gram"):
             if getattr(self, name) is not None:
                 out[name] = np.asarray(getattr(self, name))
         return {**out, **start_arrays(self)}
@@ -236,7 +236,8 @@ class ADState:
         arrays = arrays or {}
         return cls(object=obj, probe=probe, epoch=int(epoch), optimizer=opt, iteration=iteration,
                    affine=arrays.get("affine"), affine_boost=arrays.get("affine_boost"),
-                   window_map=arrays.get("window_map"), positions_start=start_from_arrays(arrays))
+                   window_map=arrays.get("window_map"), window_gram=arrays.get("window_gram"),
+                   positions_start=start_from_arrays(arrays))
 
 
 # --------------------------------------------------------------------------------------------------
