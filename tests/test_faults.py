@@ -3,6 +3,7 @@ read again (a Zarr store: the run ends bit-identically) and data that cannot (in
 the run ends in one line, in bounded time, instead of hanging)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -281,6 +282,27 @@ def test_chunk_length_longer_than_the_data_is_the_data(client):
     np.testing.assert_array_equal(rec.object, same.object)
 
 
+@contextlib.contextmanager
+def _records_of(name: str, level: int):
+    """The records that reach logger ``name`` (set to ``level``) within the block, as a list."""
+    import logging
+
+    log, records = logging.getLogger(name), []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    keep, old = Keep(), log.level
+    log.addHandler(keep)
+    log.setLevel(level)
+    try:
+        yield records
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(old)
+
+
 def test_loss_noise_goes_to_info_and_other_errors_pass():
     """distributed's ERROR tracebacks after a handled loss are routed to INFO (hidden at
     distributed's WARNING level); unrelated errors are untouched."""
@@ -289,17 +311,7 @@ def test_loss_noise_goes_to_info_and_other_errors_pass():
     from daskpty.execution.watchdog import quiet_handled_losses
 
     log = logging.getLogger("distributed.worker")
-    records = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    keep = Keep()
-    log.addHandler(keep)
-    old = log.level
-    log.setLevel(logging.WARNING)
-    try:
+    with _records_of("distributed.worker", logging.WARNING) as records:
         with quiet_handled_losses():
             log.error("failed during get data with %s -> %s", "tcp://a", "tcp://b", exc_info=(OSError, OSError(), None))
             log.error("Couldn't gather keys: %s", {"daskpty-round-1": "waiting"})  # dozens of lines a loss
@@ -308,9 +320,6 @@ def test_loss_noise_goes_to_info_and_other_errors_pass():
             logging.getLogger("asyncio").error("Task exception was never retrieved",
                                                exc_info=(ValueError, ValueError("real"), None))
         log.error("failed during get data with %s -> %s", "tcp://a", "tcp://b")  # filter removed
-    finally:
-        log.removeHandler(keep)
-        log.setLevel(old)
     assert [r.getMessage()[:20] for r in records] == ["Compute Failed\nKey: ", "failed during get da"]
     assert "k2" in records[0].getMessage()
 
@@ -327,50 +336,33 @@ def test_an_interrupt_before_a_sync_call_started_leaves_no_traceback():
 
     from daskpty.execution.watchdog import quiet_handled_losses
 
-    log = logging.getLogger("tornado.application")
-    records = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    keep = Keep()
-    log.addHandler(keep)
-    old = log.level
-    log.setLevel(logging.INFO)  # so the demoted record still shows here
     runner = LoopRunner(asynchronous=False)
     runner.start()
-    busy, done = threading.Event(), threading.Event()
     main = threading.get_ident()  # the signal goes to this thread, as the kernel's Ctrl-C may
 
     async def nothing():
         return None
 
-    try:
-        with quiet_handled_losses():
-            runner.loop.add_callback(lambda: (busy.set(), time.sleep(0.5)))  # the loop is busy
-            busy.wait(5)
-            threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
-            with pytest.raises(KeyboardInterrupt):
-                sync(runner.loop, nothing)
-            runner.loop.add_callback(done.set)  # after the callbacks sync left behind
-            assert done.wait(5)
-        seen = [r for r in records if "sync.<locals>.cancel" in r.getMessage()]
-        assert seen and all(r.levelno == logging.INFO and r.exc_info is None for r in seen)
-        records.clear()  # without the filter the same race is an ERROR with its traceback
-        busy.clear()
-        done.clear()
-        runner.loop.add_callback(lambda: (busy.set(), time.sleep(0.5)))
+    def interrupted_sync():
+        busy, done = threading.Event(), threading.Event()
+        runner.loop.add_callback(lambda: (busy.set(), time.sleep(0.5)))  # the loop is busy
         busy.wait(5)
         threading.Timer(0.1, signal.pthread_kill, (main, signal.SIGINT)).start()
         with pytest.raises(KeyboardInterrupt):
             sync(runner.loop, nothing)
-        runner.loop.add_callback(done.set)
+        runner.loop.add_callback(done.set)  # after the callbacks sync left behind
         assert done.wait(5)
+
+    try:
+        # INFO on the logger, so the demoted record still shows here
+        with _records_of("tornado.application", logging.INFO) as records, quiet_handled_losses():
+            interrupted_sync()
+        seen = [r for r in records if "sync.<locals>.cancel" in r.getMessage()]
+        assert seen and all(r.levelno == logging.INFO and r.exc_info is None for r in seen)
+        with _records_of("tornado.application", logging.INFO) as records:  # without the filter:
+            interrupted_sync()                                           # an ERROR with its traceback
         assert any(r.levelno == logging.ERROR and r.exc_info for r in records)
     finally:
-        log.removeHandler(keep)
-        log.setLevel(old)
         runner.stop()
 
 

@@ -87,9 +87,10 @@ def initial_ratios(n_patterns: int) -> dict:
 
 def keep_ratios(shift_terms, new: dict, local: dict) -> None:
     """Into the patterns' new per-pattern state ``new``: the ratios of the step's ``shift_terms``
-    (:func:`position_sums`: their third entry), when the chunk keeps them."""
+    (:func:`position_sums`: their third entry), when the chunk keeps them (only chunks whose
+    steps carry sums through slices do, and those steps always return them)."""
     if RATIO_KEY in local:
-        new[RATIO_KEY] = np.asarray(shift_terms[2], np.float64) if len(shift_terms) > 2 else local[RATIO_KEY]
+        new[RATIO_KEY] = np.asarray(shift_terms[2], np.float64)
 
 
 def _carried(c, moves, incident, pick=slice(None)):
