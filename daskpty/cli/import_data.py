@@ -54,7 +54,15 @@ def add_parser(subparsers):
     g.add_argument("--object-pixel-size", type=float, default=None, metavar="M",
                    help="object pixel size, m (default: wavelength x distance / (n x pixel))")
     g.add_argument("--radiation", choices=["xray", "electron"], default=None,
-                   help="how --energy converts to a wavelength (default xray; EMPAD electron)")
+                   help="how --energy converts to a wavelength (default xray; electron for EMPAD "
+                        "and with --convergence-semiangle or --defocus)")
+    g.add_argument("--convergence-semiangle", type=float, default=None, metavar="MRAD",
+                   help="electrons: the probe's convergence semi-angle, mrad (stored in rad as "
+                        "convergence_semiangle_rad; what reconstruct --probe aperture needs, with "
+                        "--energy)")
+    g.add_argument("--defocus", type=float, default=None, metavar="M",
+                   help="electrons: the probe's defocus, m (with --convergence-semiangle the store "
+                        "gets the aperture's defocused probe as its start probe)")
     g.add_argument("--near-field", action="store_true",
                    help="near-field (holographic) scan: object pixel = detector pixel / magnification, "
                         "no far-field shift when reconstructing")
@@ -102,11 +110,13 @@ def _shape(text):
 def options(args) -> dict:
     """Keyword arguments of :func:`daskpty.io.importers.import_file` from parsed arguments."""
     fmt = args.format or detect_format(args.source)
-    radiation = args.radiation or ("electron" if fmt == "empad" else "xray")
+    probe_optics = args.convergence_semiangle is not None or args.defocus is not None
+    radiation = args.radiation or ("electron" if fmt == "empad" or probe_optics else "xray")
     geometry = Geometry(wavelength_m=args.wavelength, energy_ev=args.energy,
                         distance_m=args.distance, pixel_size_m=args.pixel_size,
                         object_pixel_size_m=args.object_pixel_size, radiation=radiation,
-                        focus_to_sample_m=args.focus_to_sample, near_field=args.near_field)
+                        focus_to_sample_m=args.focus_to_sample, near_field=args.near_field,
+                        convergence_semiangle_mrad=args.convergence_semiangle, defocus_m=args.defocus)
     dark = None if args.dark is None else read_frame(args.dark, "dark frame")
     pre = Preprocess(crop=args.crop, center=None if args.center is None else tuple(args.center),
                      bin=args.bin, transpose=args.transpose, flip_y=args.flip_y,

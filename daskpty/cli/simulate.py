@@ -6,9 +6,14 @@ import sys
 import time
 
 from ..simulate import PRESETS, simulate
+from ..simulate.electron import ELECTRON, POSITION_ERRORS
 from ._format import human_bytes
 
 NAME = "simulate"
+#: the electron preset's flags (argparse names) and the keywords of simulate() they set
+ELECTRON_FLAGS = {"slices": "slices", "slice_spacing": "slice_spacing_m", "energy": "energy_ev",
+                  "convergence_semiangle": "convergence_semiangle_mrad", "defocus": "defocus_m",
+                  "position_errors": "position_errors"}
 
 
 def _grid(text: str):
@@ -52,14 +57,31 @@ def _powers(text: str):
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _position_errors(text: str):
+    """``--position-errors [rms=PX,scale=FRACTION,rotation=DEGREES]`` → a dict."""
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in POSITION_ERRORS:
+            raise argparse.ArgumentTypeError(
+                f"expected rms=PX,scale=FRACTION,rotation=DEGREES items, got {item!r}")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{key.strip()} must be a number, got {value!r}") from None
+    return out or True
+
+
 def add_parser(subparsers):
     p = subparsers.add_parser(
         NAME, help="simulate a data set (structured object, focused probe, Poisson noise)",
         description="Simulate a ptychography data set into a new Zarr v3 store. Presets: small "
                     "(24x24 scan, 64^2 patterns), medium (40x40, 128^2), large (512x512, 128^2, "
-                    "8 GiB uint16). The ground truth is stored under truth/.")
+                    "8 GiB uint16), electron (a multislice 4D-STEM scan: 12x12 scan, 64^2 "
+                    "patterns, 3 slices 2 nm apart, 300 kV; reconstruct it with --slices and "
+                    "--slice-spacing). The ground truth is stored under truth/.")
     p.add_argument("out", metavar="OUT.zarr", help="path of the store to create")
-    p.add_argument("--preset", choices=list(PRESETS), default="small", help="default: small")
+    p.add_argument("--preset", choices=[*PRESETS, "electron"], default="small", help="default: small")
     p.add_argument("--scan", choices=["raster", "fermat"],
                    help="raster with jitter (default) or Fermat spiral")
     size = p.add_mutually_exclusive_group()
@@ -72,7 +94,7 @@ def add_parser(subparsers):
     p.add_argument("--mode-powers", type=_powers, metavar="P1,P2,..",
                    help="power fractions of the modes (default 1 : 1/4 : 1/16 ...)")
     p.add_argument("--dose", type=_dose, default=argparse.SUPPRESS, metavar="D",
-                   help="mean photons per pattern with Poisson noise (default 1e6); 'none' = "
+                   help="mean photons (electrons) per pattern with Poisson noise (default 1e6); 'none' = "
                         "noise-free float32")
     p.add_argument("--dtype", choices=["uint16", "uint32", "float32"],
                    help="intensity dtype (default uint16, float32 when noise-free)")
@@ -82,6 +104,23 @@ def add_parser(subparsers):
     p.add_argument("--workers", type=_positive_int, metavar="W",
                    help="start a local cluster of W worker processes (default: one per core, or "
                         "the current dask client)")
+    g = p.add_argument_group("electron preset (--preset electron)")
+    g.add_argument("--slices", type=_positive_int, metavar="K",
+                   help=f"object slices (default {ELECTRON['slices']})")
+    g.add_argument("--slice-spacing", type=float, metavar="M",
+                   help=f"distance between slices, m (default {ELECTRON['slice_spacing_m']:g})")
+    g.add_argument("--energy", type=float, metavar="EV",
+                   help=f"beam energy, eV (default {ELECTRON['energy_ev']:g})")
+    g.add_argument("--convergence-semiangle", type=float, metavar="MRAD",
+                   help=f"probe convergence semi-angle, mrad (default "
+                        f"{ELECTRON['convergence_semiangle_mrad']:g})")
+    g.add_argument("--defocus", type=float, metavar="M",
+                   help=f"probe defocus, m (default {ELECTRON['defocus_m']:g})")
+    g.add_argument("--position-errors", type=_position_errors, nargs="?", const=True,
+                   metavar="rms=PX,scale=F,rotation=DEG",
+                   help="store positions with scan errors (noise, scale, rotation about the "
+                        "centre) and keep the true ones in truth/; without values: "
+                        + ", ".join(f"{k}={v:g}" for k, v in POSITION_ERRORS.items()))
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at OUT")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar or summary")
     return p
@@ -92,6 +131,12 @@ def run(args) -> int:
     kwargs = {}
     if hasattr(args, "dose"):  # absent: the preset's dose
         kwargs["dose"] = args.dose
+    electron = {dest: getattr(args, dest) for dest in ELECTRON_FLAGS if getattr(args, dest) is not None}
+    if args.preset == "electron":
+        kwargs.update({ELECTRON_FLAGS[dest]: value for dest, value in electron.items()})
+    elif electron:
+        flags = ", ".join("--" + dest.replace("_", "-") for dest in electron)
+        raise ValueError(f"{flags} apply to --preset electron only")
     start = time.perf_counter()
     data = simulate(args.out, args.preset, scan=args.scan, grid=args.grid,
                     n_patterns=args.n_patterns, step=args.step, probe_size=args.probe_size,
@@ -100,6 +145,10 @@ def run(args) -> int:
                     n_workers=args.workers, progress=not args.quiet, overwrite=args.overwrite,
                     **kwargs)
     elapsed = time.perf_counter() - start
+    if args.preset == "electron":
+        if not args.quiet:
+            _electron_summary(args.out, data, elapsed)
+        return 0
     if not args.quiet:
         n = data.n_patterns
         h, w = data.pattern_shape
@@ -117,3 +166,20 @@ def run(args) -> int:
               f"counts/pattern")
         sys.stdout.flush()
     return 0
+
+
+def _electron_summary(out: str, data, elapsed: float) -> None:
+    """What was written, and the flags that reconstruct it."""
+    sim = data.metadata.get("simulation", {})
+    h, w = data.pattern_shape
+    errors = sim.get("position_errors")
+    scan = (f"positions off by {sim['position_error_rms_px']:.2f} px rms (noise {errors['rms']:g} px, "
+            f"scale {errors['scale']:+g}, rotation {errors['rotation']:+g} deg; true ones in truth/)"
+            if errors else "exact positions")
+    print(f"wrote {out}: {data.n_patterns} patterns of {h}x{w} {data.dtype}, "
+          f"{sim['energy_ev'] / 1e3:g} kV electrons, {sim['slices']} slices "
+          f"{sim['slice_spacing_m']:g} m apart, object pixel {sim['object_pixel_size_m'] * 1e10:g} A, "
+          f"{scan}; {elapsed:.1f} s")
+    print(f"reconstruct it with: daskpty reconstruct {out} -o RECON.zarr --slices "
+          f"{sim['slices']} --slice-spacing {sim['slice_spacing_m']:g}")
+    sys.stdout.flush()

@@ -143,6 +143,8 @@ def probe_from_geometry(geometry, *, power: float = 1.0, **kwargs):
     n, dx, lam = geometry.pattern_size, geometry.object_pixel_size_m, geometry.wavelength_m
     if hasattr(geometry, "voltage_v"):
         if geometry.convergence_semiangle_rad is None:
-            raise ValueError("an electron probe needs the geometry's convergence_semiangle_mrad")
+            raise ValueError("an electron probe needs the convergence semi-angle: import the data with "
+                             "--convergence-semiangle MRAD (Python: convergence_semiangle_rad= of from_arrays, "
+                             "or ElectronGeometry(convergence_semiangle_mrad=))")
         return electron_probe(n, dx, lam, geometry.convergence_semiangle_rad, power=power, **kwargs)
     return xray_probe(n, dx, lam, power=power, **kwargs)

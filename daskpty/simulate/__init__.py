@@ -14,7 +14,8 @@ are imported when :func:`simulate` runs.
 The package's other simulators build small data sets in memory, for tests, examples and
 benchmarks: :mod:`.multislice` (thick samples: K weak-phase slices, an electron probe) and
 :mod:`.variable_probe` (a probe drifting and flickering along the scan, for OPR); both are
-re-exported here.
+re-exported here. :mod:`.electron` writes the ``electron`` preset: a multislice scan with its
+electron geometry, optional scan errors and the ground truth, as a store.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import numpy as np
 
 from ..io.scan import linear_overlap, morton_order, nearest_neighbour_steps, probe_diameter
 from ..physics import model_intensities, orthogonalize_modes, split_positions
+from .electron import simulate_electron
 from .multislice import simulate_multislice
 from .variable_probe import simulate_variable_probe
 
@@ -354,11 +356,14 @@ def simulate(path, preset: str = "small", *, scan: str | None = None, grid=None,
              detector_distance_m: float | None = None, detector_pixel_size_m: float | None = None,
              object="star", initial_probe: bool = True, shard_bytes: int | None = None,
              seed: int = 0, client=None, n_workers: int | None = None, progress: bool = False,
-             overwrite: bool = False):
+             overwrite: bool = False, **electron):
     """Simulate a ptychography data set into a new store at ``path``; return it (``PtychoData``).
 
     Presets: ``small`` (24×24 raster, 64² patterns), ``medium`` (40×40, 128²), ``large``
-    (512×512, 128², 8 GiB as uint16). Overrides: ``scan`` ("raster" with jitter, or "fermat"
+    (512×512, 128², 8 GiB as uint16), ``electron`` (a 3-slice 4D-STEM scan, 12×12 × 64²:
+    :mod:`.electron`; it takes ``grid``, ``step``, ``probe_size``, ``dose``, ``seed`` and, as
+    further keywords, ``slices``, ``slice_spacing_m``, ``energy_ev``,
+    ``convergence_semiangle_mrad``, ``defocus_m``, ``position_errors``). Overrides: ``scan`` ("raster" with jitter, or "fermat"
     spiral), ``grid`` (rows, cols) or ``n_patterns``, ``step`` in pixels (default: from the
     probe diameter for a linear ``overlap`` of 0.72), ``jitter`` (fraction of the step),
     ``probe_size`` n, ``modes`` and ``mode_powers``, ``dose`` (mean photons per pattern, Poisson
@@ -368,6 +373,20 @@ def simulate(path, preset: str = "small", *, scan: str | None = None, grid=None,
     ``seed``. Runs on ``client``, the current client, or an embedded LocalCluster
     (``n_workers``); the ground truth goes into ``truth/``.
     """
+    if preset == "electron":
+        given = {k: v for k, v in dict(scan=scan, n_patterns=n_patterns, jitter=jitter, overlap=overlap,
+                                       modes=modes, mode_powers=mode_powers, dtype=dtype,
+                                       wavelength_m=wavelength_m, detector_distance_m=detector_distance_m,
+                                       detector_pixel_size_m=detector_pixel_size_m).items() if v is not None}
+        if given or not isinstance(object, str) or object != "star":
+            raise ValueError(f"the electron preset does not take {', '.join(given) or 'object'}; it "
+                             "takes grid, step, probe_size, dose, seed and the electron settings")
+        return simulate_electron(path, grid=grid, step=step, probe_size=probe_size,
+                                 dose=None if dose is _UNSET else dose, noise_free=dose is None,
+                                 seed=seed, shard_bytes=shard_bytes, overwrite=overwrite, client=client,
+                                 **electron)
+    if electron:
+        raise ValueError(f"{', '.join(sorted(electron))} apply to the electron preset only")
     from ..execution.cluster import client_context
     from ..io.progress import TextProgress
     from ..io.metadata import Truth, make_metadata
@@ -479,4 +498,4 @@ def simulate(path, preset: str = "small", *, scan: str | None = None, grid=None,
 
 
 __all__ = ["DEFAULTS", "PRESETS", "SimulationConfig", "make_object", "make_positions",
-           "make_probe", "simulate", "simulate_multislice", "simulate_patterns", "simulate_variable_probe"]
+           "make_probe", "simulate", "simulate_electron", "simulate_multislice", "simulate_patterns", "simulate_variable_probe"]

@@ -37,12 +37,12 @@ def weak_phase_slices(shape, n_slices: int, rng, *, phase: float = 0.4, absorpti
     return out
 
 
-def simulate_multislice(*, n: int = 32, n_slices: int = 2, grid: int = 10, step: float = 3.0,
+def simulate_multislice(*, n: int = 32, n_slices: int = 2, grid: int | tuple[int, int] = 10, step: float = 3.0,
                         voltage_v: float = 300e3, pixel_size_m: float = 0.25e-10,
                         spacing_m: float = 2e-9, convergence_semiangle_rad: float = 25e-3,
                         defocus_m: float = 6e-9, photons: float = 1e6, noise: bool = False,
                         jitter: float = 0.5, seed: int = 0) -> SimpleNamespace:
-    """Simulate a raster scan over a K-slice object.
+    """Simulate a raster scan (``grid`` × ``grid`` positions, or ``(rows, cols)``) over a K-slice object.
 
     Returns a namespace: ``intensities`` (N, n, n) float32 with DC at the centre (as recorded),
     ``positions`` (N, 2) object pixels, ``geometry`` (:class:`SliceGeometry`), ``kernel`` (n, n),
@@ -54,10 +54,11 @@ def simulate_multislice(*, n: int = 32, n_slices: int = 2, grid: int = 10, step:
     geometry = SliceGeometry(n_slices, spacing_m, lam, pixel_size_m)
     probe = electron_probe(n, pixel_size_m, lam, convergence_semiangle_rad, defocus_m=defocus_m, power=photons)
     margin = 4
-    size = int(np.ceil((grid - 1) * step)) + n + 2 * margin
-    slices = weak_phase_slices((size, size), n_slices, rng)
-    g = np.arange(grid) * step
-    positions = np.stack(np.meshgrid(g, g, indexing="ij"), -1).reshape(-1, 2) + n / 2 + margin
+    rows, cols = (grid, grid) if np.ndim(grid) == 0 else grid
+    shape = tuple(int(np.ceil((g - 1) * step)) + n + 2 * margin for g in (rows, cols))
+    slices = weak_phase_slices(shape, n_slices, rng)
+    gy, gx = np.arange(rows) * step, np.arange(cols) * step
+    positions = np.stack(np.meshgrid(gy, gx, indexing="ij"), -1).reshape(-1, 2) + n / 2 + margin
     positions = positions + rng.uniform(-jitter, jitter, positions.shape)
     kernel = geometry.kernel(n)
     clean = multislice_intensities(slices, probe, positions, kernel)

@@ -64,6 +64,9 @@ class Geometry:
     ``focus_to_sample_m``, the divergent beam's focus-to-sample distance z1): a near-field
     (holographic) scan, ``distance_m`` the sample-to-detector distance z2; the object pixel size
     is then the binned pixel / M, M = (z1 + z2) / z1 (Fresnel scaling; M = 1 without z1).
+    Electrons: ``convergence_semiangle_mrad`` (the condenser aperture's semi-angle α, stored in
+    radians as ``convergence_semiangle_rad``) and ``defocus_m`` (the probe's defocus, any sign)
+    describe the probe that ``reconstruct(probe="aperture")`` and the store's start probe follow.
     """
 
     wavelength_m: float | None = None
@@ -74,14 +77,22 @@ class Geometry:
     radiation: str = "xray"
     focus_to_sample_m: float | None = None
     near_field: bool = False
+    convergence_semiangle_mrad: float | None = None
+    defocus_m: float | None = None
 
     def __post_init__(self):
         if self.radiation not in RADIATIONS:
             fail(f"radiation must be one of {RADIATIONS}, got {self.radiation!r}")
+        if self.radiation == "xray" and (self.convergence_semiangle_mrad, self.defocus_m) != (None, None):
+            fail("--convergence-semiangle and --defocus describe an electron probe; import with "
+                 "--radiation electron (Python: Geometry(radiation='electron'))")
+        if self.defocus_m is not None and not (isinstance(self.defocus_m, (int, float, np.floating, np.integer))
+                                               and math.isfinite(float(self.defocus_m))):
+            fail(f"the defocus must be a finite number of metres, got {self.defocus_m!r}")
         if self.focus_to_sample_m is not None:
             object.__setattr__(self, "near_field", True)
         for name in ("wavelength_m", "energy_ev", "distance_m", "pixel_size_m",
-                     "object_pixel_size_m", "focus_to_sample_m"):
+                     "object_pixel_size_m", "focus_to_sample_m", "convergence_semiangle_mrad"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float, np.floating, np.integer))
                                       and math.isfinite(float(v)) and float(v) > 0):

@@ -21,6 +21,7 @@ from ..metadata import make_metadata
 from ..store import open_data
 from ..writing import DEFAULT_SHARD_BYTES, atomic_store, create_store, guarded_write, shard_layout
 from ..validate import fail
+from ...physics.probes import electron_probe
 from .geometry import Geometry, positions_to_pixels
 from .preprocess import Plan, Preprocess, center_of_mass
 from .source import check_frames
@@ -73,7 +74,31 @@ def _meta_geometry(geometry: Geometry, pre: Preprocess) -> dict:
         out.update(detector="near_field", focus_to_sample_m=geometry.focus_to_sample_m)
     if geometry.radiation == "electron" and geometry.energy_ev is not None and geometry.wavelength_m is None:
         out["electron_voltage_v"] = geometry.energy_ev
+    if geometry.convergence_semiangle_mrad is not None:
+        out["convergence_semiangle_rad"] = geometry.convergence_semiangle_mrad * 1e-3
     return out
+
+
+def _optics(geometry: Geometry, meta: dict, size: int):
+    """``(extra metadata, start probe or None)`` of an electron probe's optics: the defocus as
+    ``defocus_m`` and, when the convergence semi-angle is known, the aperture's probe (unit power
+    until the data's mean counts are known) — checked before anything is written."""
+    extra = {} if geometry.defocus_m is None else {"defocus_m": float(geometry.defocus_m)}
+    alpha = meta.get("convergence_semiangle_rad")
+    if alpha is None:
+        return extra, None
+    if meta.get("electron_voltage_v") is None:
+        fail("an electron probe needs the beam energy: give --energy EV (the accelerating voltage, "
+             "e.g. 300e3) rather than --wavelength")
+    if meta.get("object_pixel_size_m") is None:
+        fail("an electron probe needs the object pixel size: give --distance and --pixel-size "
+             "(camera length and detector pixel) or --object-pixel-size")
+    try:
+        probe = electron_probe(size, meta["object_pixel_size_m"], meta["wavelength_m"], alpha,
+                               defocus_m=geometry.defocus_m or 0.0)
+    except ValueError as exc:
+        fail(f"the probe of --convergence-semiangle and --defocus: {exc}")
+    return extra, probe
 
 
 def import_source(source, output, *, scan: Scan, geometry: Geometry,
@@ -114,6 +139,7 @@ def import_source(source, output, *, scan: Scan, geometry: Geometry,
     size = plan.size
     meta_geometry = _meta_geometry(geometry, pre)
     probe_meta = make_metadata(pattern_size=size, **meta_geometry)
+    optics, probe = _optics(geometry, probe_meta, size)
     positions = positions_to_pixels(values, units=scan.units,
                                     object_pixel_size_m=probe_meta["object_pixel_size_m"],
                                     motion=scan.motion, columns=scan.columns,
@@ -124,10 +150,10 @@ def import_source(source, output, *, scan: Scan, geometry: Geometry,
     per = max(1, PIECE_BYTES // ((y1 - y0) * (x1 - x0) * 8))
     with atomic_store(output, overwrite=overwrite) as tmp:
         arr = create_store(tmp, shape=shape, dtype=plan.dtype, shard_len=shard, inner_len=inner,
-                           positions=positions, mask=np.ones((size, size), bool),
+                           positions=positions, mask=np.ones((size, size), bool), probe=probe,
                            metadata=make_metadata(pattern_size=size, **meta_geometry))
         bar = TextProgress(-(-n_frames // shard), "import", enabled=progress)
-        pending = None
+        pending, total = None, 0.0
         with ThreadPoolExecutor(1) as pool:
             try:
                 for s0 in range(0, n_frames, shard):
@@ -135,6 +161,7 @@ def import_source(source, output, *, scan: Scan, geometry: Geometry,
                     block = np.empty((s1 - s0, size, size), plan.dtype)
                     for a, b in _pieces(s0, s1, per):
                         block[a - s0:b - s0] = plan.apply(source.read(a, b, plan.window))
+                    total += float(block.sum(dtype=np.float64))
                     if pending is not None:
                         bar.update(1, pending.result())
                     pending = pool.submit(guarded_write, arr, tmp, s0, block)
@@ -147,6 +174,8 @@ def import_source(source, output, *, scan: Scan, geometry: Geometry,
         record = plan.record()
         group = zarr.open_group(tmp, mode="r+")
         group["mask"][...] = mask
+        if probe is not None and total > 0:  # the start probe's power: the mean counts per pattern
+            group["probe"][...] = probe * np.float32(np.sqrt(total / n_frames))
         summary = (f"imported from {os.path.abspath(source.name)} ({fmt}): {plan.summary()}; "
                    f"positions from {scan.origin or 'the file'} ({scan.units}, {scan.motion} "
                    f"motion)")
@@ -157,5 +186,5 @@ def import_source(source, output, *, scan: Scan, geometry: Geometry,
                               "positions": {"origin": scan.origin, "units": scan.units,
                                             "motion": scan.motion, "columns": scan.columns,
                                             "basis_applied": scan.basis is not None},
-                              "preprocess": record, **(details or {})}}))
+                              "preprocess": record, **(details or {})}, **optics}))
     return open_data(output)
