@@ -151,23 +151,52 @@ def _run_options(engine, epochs, seed, execution, options, positions, model, sam
     return run
 
 
-def _result_maker(layout, adapter, thick, frame_positions, origin, run_options):
+def _result_maker(layout, adapter, thick, frame_positions, origin, run_options, fixed_positions=None):
     """``make_result(state, history)``: the :class:`Reconstruction` of a state (for checkpoints
-    and the end), per-pattern state gathered from the chunks' layout."""
+    and the end), per-pattern state gathered from the chunks' layout. ``fixed_positions``: the
+    positions a run without refinement used when they are not the nominal ``frame_positions``
+    (a refined store resumed: :func:`_fixed_positions`); the nominal ones stay recorded."""
+    fixed = frame_positions if fixed_positions is None else fixed_positions
+    moved = fixed is not frame_positions
+
     def make_result(state, history):
         refined, pattern_state = layout.result_arrays(state)
         engine_state = {**adapter.engine_state(state), **pattern_state}
         weights = engine_state.get("pattern_opr_weights")
         return Reconstruction(object=thick.public(state.object), probe=state.probe,
-                              positions=frame_positions if refined is None else refined,
+                              positions=fixed if refined is None else refined,
                               origin=origin, illumination=thick.public(state.illumination), history=history,
                               options=run_options, epoch=state.epoch,
                               engine_state=engine_state,
-                              nominal_positions=None if refined is None else frame_positions,
+                              nominal_positions=frame_positions if refined is not None or moved else None,
                               probe_weights=None if weights is None else
                               effective_weights(weights, engine_state.get("opr_weight_transform")))
 
     return make_result
+
+
+def _resumed_execution(execution: ExecutionOptions, stored: dict, given) -> ExecutionOptions:
+    """The execution settings of a resumed run: :data:`~daskpty.io.inputs.RESUMED_SETTINGS` and
+    ``tiles`` left unset (not in ``given``) take the store's values, so a run resumed without
+    ``--tiles`` keeps the tiled layout it was started with (and its bit-identity); one given and
+    different is followed, with a warning that the result will not be bit-identical."""
+    settings = {k: getattr(execution, k) for k in RESUMED_SETTINGS}
+    settings["tiles"] = execution.tiles if "tiles" in given else None
+    kept = resume_settings(stored, **settings)
+    kept["tiles"] = bool(execution.tiles if kept["tiles"] is None else kept["tiles"])
+    return execution.replace(**kept)
+
+
+def _fixed_positions(resumed, refining, frame_positions):
+    """The positions a run uses when it does not refine them: the nominal ``frame_positions``,
+    or, when it resumes a store whose positions were refined, those refined positions, held
+    fixed. A user who resumes without ``refine_positions`` asks to stop moving the positions,
+    not to discard where refinement put them (up to a few pixels from the nominal ones, with
+    the object reconstructed for them); passing ``refine_positions`` again refines on."""
+    if resumed is None or refining is not None or resumed.nominal_positions is None:
+        return frame_positions
+    refined = np.asarray(resumed.positions, dtype=np.float64)
+    return refined if refined.shape == frame_positions.shape else frame_positions
 
 
 def _callbacks(checkpointer, callback, data_path, progress) -> list:
@@ -392,26 +421,28 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
     if adapter.valid is not None and not thick.near_field:  # far field: DC at index 0
         adapter.valid = np.fft.ifftshift(adapter.valid)
 
-    resumed = resumed_store(resume, positions, n) if resume is not None else None
+    resumed = resumed_store(resume, positions, n, probe_modes) if resume is not None else None
     if resumed is not None and resumed.epochs >= epochs:  # say so: no epoch runs
         warnings.warn(f"daskpty: {resume} already holds epoch {resumed.epochs} (epochs={epochs} counts "
                       f"the resumed epochs too): no epoch runs; pass epochs > {resumed.epochs} to "
                       f"continue", UserWarning, stacklevel=2)
-    if resumed is not None:  # the stored chunking and rounds keep resume bit-identical
-        kept = resume_settings(resumed.options, **{k: getattr(execution, k) for k in RESUMED_SETTINGS})
-        execution = execution.replace(**kept)
+    if resumed is not None:  # the stored chunking, rounds and layout keep resume bit-identical
+        execution = _resumed_execution(execution, resumed.options, opts.execution_given)
+        if execution.tiles:  # (a tiled store resumed without tiles given)
+            check_tiles_supported(adapter)
     check_rounds(execution.rounds_per_epoch, len(positions))
     execution = execution.replace(chunk_length=clamp_chunk_length(execution.chunk_length, len(positions)))
     obj, origin = _initial_object(object, resumed, thick, positions, n)
     frame_positions = positions + origin
-    check_windows_inside(split_positions(frame_positions, n)[0], n, obj.shape)
+    run_positions = _fixed_positions(resumed, adapter.positions, frame_positions)
+    check_windows_inside(split_positions(run_positions, n)[0], n, obj.shape)
     if checkpoint is not None:
         check_free_space(checkpoint, reconstruction_bytes(obj.shape, (probe_modes or 1, n, n), len(positions)))
 
     run_options = _run_options(engine, epochs, eng.seed, execution, options, adapter.positions, model,
                                sample if thick.multislice else None)
     layout = PatternLayout()
-    make_result = _result_maker(layout, adapter, thick, frame_positions, origin, run_options)
+    make_result = _result_maker(layout, adapter, thick, frame_positions, origin, run_options, run_positions)
     previous_history = resumed.history if resumed is not None else []
     checkpointer = Checkpointer(checkpoint, make_result, every=run.checkpoint_every, history=previous_history,
                                 check=check_finite_result)
@@ -457,7 +488,7 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
         # out of core: each chunk's task reads its own patterns from the store, in the run's order
         reader = data.intensities_in_chunks if hasattr(data, "intensities_in_chunks") and not execution.persist \
             else None
-        chunked = prepare_data(c, intensities, frame_positions, chunk_length=execution.chunk_length,
+        chunked = prepare_data(c, intensities, run_positions, chunk_length=execution.chunk_length,
                                modes=state.probe.shape[0], sort=execution.sort, persist=execution.persist,
                                device=execution.device, shift=not thick.near_field, row_bands=execution.tiles,
                                reader=reader)

@@ -266,6 +266,9 @@ class Options:
     sample: SampleOptions
     execution: ExecutionOptions
     run: RunOptions
+    #: the execution settings the caller set (a dict's keys, an instance's non-defaults, shortcuts
+    #: not None): a resumed run keeps the store's value of the others (``tiles``)
+    execution_given: frozenset = frozenset()
 
 
 def resolve(engine="lsqml", *, refine_positions=False, probe_model=None, sample=None, execution=None,
@@ -318,7 +321,9 @@ def resolve(engine="lsqml", *, refine_positions=False, probe_model=None, sample=
     spec.check_features(positions=positions is not None, probe_model=model is not None)
     return Options(engine=engine_options,
                    positions=None if positions is None else positions.for_engine(engine_options.name),
-                   probe_model=model, sample=merged["sample"], execution=merged["execution"], run=merged["run"])
+                   probe_model=model, sample=merged["sample"], execution=merged["execution"], run=merged["run"],
+                   execution_given=frozenset(_set_fields(ExecutionOptions, execution, "execution"))
+                   | frozenset(by_group["execution"]))
 
 
 __all__ = ["DEFAULT_EPOCHS", "GROUPS", "SHORTCUTS", "EngineOptions", "ExecutionOptions", "OptionError", "Options",

@@ -110,6 +110,9 @@ def check_rounds(rounds_per_epoch, n_patterns: int) -> None:
 
 
 RESUMED_SETTINGS = ("chunk_length", "rounds_per_epoch", "split_every")
+#: the command-line flags of the settings a resumed run reuses (named in the warning)
+RESUMED_FLAGS = {"chunk_length": "--chunk-length", "rounds_per_epoch": "--rounds-per-epoch",
+                 "split_every": "--split-every", "tiles": "--tiles"}
 
 
 def resume_settings(stored: dict, **given) -> dict:
@@ -125,8 +128,13 @@ def resume_settings(stored: dict, **given) -> dict:
         elif value != kept:
             warnings.warn(f"{name}={value} differs from the {name}={kept} of the resumed store; "
                           f"the result will not be bit-identical to an uninterrupted run (leave "
-                          f"{name} unset to reuse the store's)", UserWarning, stacklevel=3)
+                          f"{name} unset{_cli_flag(name)} to reuse the store's)", UserWarning, stacklevel=3)
     return out
+
+
+def _cli_flag(name: str) -> str:
+    flag = RESUMED_FLAGS.get(name)
+    return f" (CLI: drop {flag})" if flag else ""
 
 
 def load_data(data):
@@ -184,20 +192,40 @@ def checked_data(data):
     return data, intensities, positions
 
 
-def resumed_store(path, positions, n):
-    """The reconstruction store at ``path`` to resume from, refused when it does not fit the data."""
+def resumed_store(path, positions, n, probe_modes=None):
+    """The reconstruction store at ``path`` to resume from, refused when it does not fit the data
+    (positions, the probe's field: (modes, n, n)) or the run (``probe_modes`` given and not the
+    stored count: :func:`check_resumed_modes`)."""
     rec = Reconstruction.from_zarr(path)
     nominal = rec.positions if rec.nominal_positions is None else rec.nominal_positions
     if nominal.shape != positions.shape or not np.allclose(nominal - rec.origin, positions,
                                                                   atol=1e-6):
         raise ValueError(f"the resume store {path} does not match the data: its positions differ; "
                          "resume with the data set it was made from")
-    if rec.probe.shape[-1] != n:
-        raise ValueError(f"the resume store {path} has a {rec.probe.shape[-1]}-pixel probe but the data "
-                         f"have {n}-pixel patterns; resume with the data set it was made from")
+    shape = tuple(np.shape(rec.probe))
+    if len(shape) != 3 or shape[-2:] != (n, n) or shape[0] < 1:
+        size = f"has a {shape[-1]}-pixel probe" if len(shape) == 3 and shape[-1] != n else \
+            f"holds a probe of shape {shape}"
+        raise ValueError(f"the resume store {path} {size} but the data have {n}-pixel patterns (its "
+                         f"field 'probe' must be (modes, {n}, {n})); resume with the data set it was "
+                         f"made from, or start afresh without resuming")
+    check_resumed_modes(path, shape[0], probe_modes)
     return rec
 
 
-__all__ = ["check_initial_object", "check_initial_probe", "check_object_size", "check_positions_bulk",
+def check_resumed_modes(path, stored: int, asked) -> None:
+    """Refuse ``probe_modes`` that differ from a resumed store's probe modes. Refused rather than
+    followed: the stored engine state (momentum, eigen-probes, optimiser moments) is shaped by
+    the modes, so more or fewer of them make a new reconstruction, not a continued one; the
+    line says how to get either."""
+    if asked is None or int(asked) == int(stored):
+        return
+    modes = "mode" if stored == 1 else "modes"
+    raise ValueError(f"the checkpoint {path} holds {stored} probe {modes}; probe_modes={asked} "
+                     f"(--probe-modes {asked}) asks for {asked}: drop it to resume with {stored}, "
+                     f"or start afresh without resuming (CLI: --overwrite instead of --resume)")
+
+
+__all__ = ["check_initial_object", "check_initial_probe", "check_resumed_modes", "check_object_size", "check_positions_bulk",
            "check_rounds", "check_scan", "checked_data", "load_data", "position_outliers", "resume_settings",
            "resumed_store"]

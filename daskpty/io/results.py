@@ -230,11 +230,25 @@ class Reconstruction:
         a = read_store_arrays(root, path, every_chunk=bool(meta.get(EVERY_CHUNK)),
                               lazy=("object", "illumination") if lazy else ())
         engine_state = {k.split("/", 1)[1]: v for k, v in a.items() if k.startswith("engine_state/")}
-        return cls(object=a["object"], probe=a["probe"], positions=a["positions"],
+        probe = a["probe"][None] if np.ndim(a["probe"]) == 2 else a["probe"]  # (n, n): one mode
+        return cls(object=a["object"], probe=probe, positions=a["positions"],
                    origin=np.asarray(root.attrs["origin"], dtype=np.float64), illumination=a.get("illumination"),
                    history=list(root.attrs.get("history", [])), options=dict(root.attrs.get("options", {})),
-                   epoch=int(root.attrs.get("epoch", 0)), engine_state=engine_state,
+                   epoch=_stored_epoch(root.attrs.get("epoch", 0), path), engine_state=engine_state,
                    nominal_positions=a.get("nominal_positions"), probe_weights=a.get("probe_weights"))
+
+
+def _stored_epoch(value, path) -> int:
+    """The ``epoch`` attribute of the store at ``path`` as a count of epochs, or one line naming the
+    store and the field (a hand-edited or damaged store: -5 would make a resumed run count from
+    -4, "abc" would fail deep inside ``int()``)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{path}: its 'epoch' attribute (zarr.json) is {value!r}, not a count of epochs "
+                         f"(an integer >= 0); the store was edited or damaged: restore it from a copy, or "
+                         f"start afresh without resuming from it")
+    return value
 
 
 def _discard(tmp: str, timeout: float = 2.0) -> None:
