@@ -22,10 +22,14 @@ def _interrupted_while_starting(signum, frame):  # pragma: no cover - exercised 
 # The ``daskpty`` command (or ``python -m daskpty``) takes about a second to import; a Ctrl-C,
 # SIGTERM or SIGHUP meanwhile ends it with one line (it gave a KeyboardInterrupt traceback or an
 # exit status of -15) until daskpty.cli.main installs its own handlers. Library imports: untouched.
+# A worker process started by multiprocessing re-imports the command's ``__main__`` with the
+# command's ``sys.argv`` before it knows its parent, and must not install these handlers: its
+# interpreter's own command line (``sys.orig_argv``) tells it apart
+# (it runs ``python -c "from multiprocessing.spawn import spawn_main; ..."``; the forkserver too).
 _orig = list(getattr(_sys, "orig_argv", ()))
-if ((_os.path.basename(_sys.argv[0]) if _sys.argv else "") == "daskpty" or any(
-        a == "-m" and b == "daskpty" for a, b in zip(_orig, _orig[1:]))) \
-        and __import__("multiprocessing").parent_process() is None:  # (not its worker processes)
+_pairs = list(zip(_orig, _orig[1:]))
+_command = (_os.path.basename(_sys.argv[0]) if _sys.argv else "") == "daskpty" or ("-m", "daskpty") in _pairs
+if _command and not any(a == "-c" and "multiprocessing" in b for a, b in _pairs):
     for _name in ("SIGINT", "SIGTERM", "SIGHUP"):
         try:
             if _signal.getsignal(getattr(_signal, _name)) is not _signal.SIG_IGN:

@@ -34,6 +34,8 @@ INTERRUPTED = 130
 #: the signals the guard counts: Ctrl-C, SIGTERM and SIGHUP (handled like SIGTERM)
 _INTERRUPTS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
+_HANGUP = getattr(signal, "SIGHUP", None)
+
 _STOP = 0  # the byte that ends the guard's thread (no signal has number 0)
 
 _exit_note: Callable[[], str | None] | None = None
@@ -65,6 +67,7 @@ class InterruptGuard:
         os.set_blocking(write_fd, False)
         self._previous_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         self._fds = (read_fd, write_fd)
+        self._terminals = [fd for fd in (1, 2) if _isatty(fd)]
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         self._thread = threading.Thread(target=self._watch, args=(read_fd,), name="daskpty-interrupt-guard",
                                         daemon=True)
@@ -97,6 +100,8 @@ class InterruptGuard:
                 if not data or _STOP in data:
                     return
                 for number in data:
+                    if number == _HANGUP:
+                        _quiet_hung_up_terminal(self._terminals)
                     if number in _INTERRUPTS:
                         interrupts += 1
                         if interrupts == 1:
@@ -147,6 +152,29 @@ def forget_handled_interrupt() -> None:
         ctypes.c_int.in_dll(ctypes.pythonapi, "_Py_UnhandledKeyboardInterrupt").value = 0
     except (AttributeError, ValueError, OSError):
         pass
+
+
+def _isatty(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False
+
+
+def _quiet_hung_up_terminal(terminals: list[int]) -> None:
+    """After SIGHUP: point stdout / stderr at /dev/null where they were a terminal that has hung
+    up (closed: no longer a terminal, and every write to it fails with EIO), so that the stop
+    checkpoint is written and the command exits 130 as it does with a terminal still open,
+    instead of failing on its last line of output."""
+    gone = [fd for fd in terminals if not _isatty(fd)]
+    if not gone:
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in gone:
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 def _say(line: str) -> None:

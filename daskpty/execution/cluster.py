@@ -95,7 +95,8 @@ def start_local_cluster(n_workers: int | None = None, threads_per_worker: int = 
 
         if "interface" not in kwargs:  # an interface (e.g. ib0 for UCX) names the address itself
             kwargs.setdefault("ip", "127.0.0.1")
-        return LocalCUDACluster(n_workers=n_workers, dashboard_address=address, **kwargs)
+        with terminal_signals_kept_from_workers():
+            return LocalCUDACluster(n_workers=n_workers, dashboard_address=address, **kwargs)
     if n_workers is None:
         n_workers = max(1, (os.cpu_count() or 1) // threads_per_worker)
     if processes and not main_module_importable():
@@ -107,9 +108,44 @@ def start_local_cluster(n_workers: int | None = None, threads_per_worker: int = 
     if processes:
         kwargs.setdefault("host", "127.0.0.1")
         kwargs.setdefault("preload", ["daskpty.execution.worker_noise"])  # handled losses: INFO there too
-    return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
-                        processes=processes, memory_limit=memory_limit,
-                        dashboard_address=address, **kwargs)
+    with terminal_signals_kept_from_workers():
+        return LocalCluster(n_workers=n_workers, threads_per_worker=threads_per_worker,
+                            processes=processes, memory_limit=memory_limit,
+                            dashboard_address=address, **kwargs)
+
+
+#: what a terminal sends to its whole foreground process group: Ctrl-C and its hang-up
+TERMINAL_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGHUP") if hasattr(signal, n))
+
+
+@contextlib.contextmanager
+def terminal_signals_kept_from_workers():
+    """Start an embedded cluster whose worker processes never see a terminal's Ctrl-C or hang-up.
+
+    A terminal delivers SIGINT (Ctrl-C) and SIGHUP (closed) to its whole foreground process
+    group, worker processes included; a worker that dies of it takes the state of the epoch
+    with it, and the run cannot write its stop checkpoint. The process that owns the cluster
+    handles them (stop checkpoint, then it closes its workers). Here they are blocked in the
+    calling thread while the cluster starts: the cluster's event-loop thread, the threads it
+    makes later (a nanny restarting a worker) and every process they start inherit the blocked
+    set (a signal mask survives fork and exec), and this thread's mask is restored after. SIGTERM
+    stays deliverable, as the nannies stop their workers with it.
+
+    multiprocessing's resource tracker is started first, from here: starting it unblocks SIGINT
+    in the thread that does so (which would otherwise be the one spawning the workers), and
+    started here it inherits SIGHUP blocked (it ignores SIGINT itself)."""
+    if not hasattr(signal, "pthread_sigmask") or not TERMINAL_SIGNALS:
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
+    try:
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, TERMINAL_SIGNALS)
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def main_module_importable() -> bool:
