@@ -139,7 +139,7 @@ def test_summary_figure_multimode_and_no_pixel_size(ds):
     assert plot.panel_names(fig) == plot.summary_panels(3, True)
     assert _scalebar_texts(fig) == []  # no pixel size: axes in pixels, no bar
     titles = [ax.get_title() for ax in _panel_axes(fig) if ax.get_label().endswith("probe mode 1")]
-    assert re.fullmatch(r"mode 1: \d+\.\d %", titles[0]), titles
+    assert re.fullmatch(r"mode 1\n\d+\.\d %", titles[0]), titles
 
 
 def test_frc_uses_truth_frame(ds, rec):

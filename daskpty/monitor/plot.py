@@ -227,8 +227,10 @@ def plot_probe(axes, probe, pixel_size_m=None, *, phase=True):
             ax.imshow(complex_to_rgb(mode), origin="upper", interpolation="nearest")
         else:
             ax.imshow(np.abs(mode), cmap="magma", origin="upper", interpolation="nearest")
-        label = "probe" if n_modes == 1 else f"mode {k + 1}"
-        ax.set_title(f"{label}: {100 * powers[k]:.1f} %", fontsize=9)
+        if n_modes == 1:
+            ax.set_title(f"probe: {100 * powers[k]:.1f} %", fontsize=9)
+        else:  # two short lines: narrow panels side by side keep their titles apart
+            ax.set_title(f"mode {k + 1}\n{100 * powers[k]:.1f} %", fontsize=8)
         ax.set_xticks([])
         ax.set_yticks([])
         if pixel_size_m:
@@ -282,16 +284,16 @@ def plot_positions(ax, rec, *, max_arrows: int = 4000):
     ax.set_xlabel("x [px]")
     ax.set_ylabel("y [px]")
     last = rec.history[-1] if rec.history else {}
-    title = f"positions: rms moved {np.sqrt(np.mean(distance ** 2)):.2f} px (arrows ×{gain:.0f})"
+    lines = [f"positions: moved {np.sqrt(np.mean(distance ** 2)):.2f} px rms", f"(arrows ×{gain:.0f})"]
     if "affine_scale_x" in last:
-        title += (f"\naffine: scale {last['affine_scale_y']:.4f}/{last['affine_scale_x']:.4f}, "
-                  f"rotation {last['affine_rotation_deg']:.2f}°")
+        lines[1] += f", affine rotation {last['affine_rotation_deg']:.2f}°"
+        lines.append(f"affine scale {last['affine_scale_y']:.4f} / {last['affine_scale_x']:.4f}")
     # what the windows still asked for at their last sums (AD takes them every 2nd epoch)
     windows = next((h for h in reversed(rec.history) if "affine_window_scale" in h), None)
     if windows is not None:
-        title += (f"; windows ask {100 * windows['affine_window_scale']:+.2f} %, "
-                  f"{windows['affine_window_rotation_deg']:+.3f}°")
-    ax.set_title(title, fontsize=9)
+        lines.append(f"windows ask {100 * windows['affine_window_scale']:+.2f} %, "
+                     f"{windows['affine_window_rotation_deg']:+.3f}°")
+    ax.set_title("\n".join(lines), fontsize=8)  # short lines: the panel is narrow
     return distance
 
 
@@ -323,16 +325,15 @@ def plot_frc(ax, rec, truth, pixel_size_m=None, *, fraction=COMPARE_FRACTION):
     ax.set_xlabel("spatial frequency [cycles / pixel]")
     ax.set_ylabel("FRC")
     ax.grid(True, alpha=0.3)
-    title = "FRC vs truth"
     if res.resolution is not None:
         ax.axvline(res.resolution, color="C3", lw=0.8)
         period_px = 1.0 / res.resolution
         where = (f"{format_length(period_px * pixel_size_m)}" if pixel_size_m
                  else f"{period_px:.3g} px")
-        title += f": period {where}"
+        detail = f"½-bit at period {where}"
     else:
-        title += ": above ½-bit to Nyquist"
-    ax.set_title(title)
+        detail = "above ½-bit to Nyquist"
+    ax.set_title(f"FRC vs truth\n{detail}", fontsize=10)  # two lines: it sits between narrow panels
     ax.legend(loc="lower left", fontsize=8)
     return res
 
@@ -342,6 +343,8 @@ def plot_frc(ax, rec, truth, pixel_size_m=None, *, fraction=COMPARE_FRACTION):
 
 #: most object slices drawn one by one (a multislice object's further slices are left out)
 MAX_SLICE_PANELS = 6
+#: height of the row of slice panels in :func:`summary_figure`, inches, at most
+SLICE_ROW_INCHES = 3.2
 
 
 def summary_panels(n_modes: int, has_truth: bool, has_positions: bool = False, n_slices: int = 1) -> list[str]:
@@ -382,8 +385,10 @@ def summary_figure(rec, truth=None, pixel_size_m=None, *, figsize=None):
     p_rows = 1 if n_probe <= 2 else 2
     p_cols = math.ceil(n_probe / p_rows)
 
-    fig = Figure(figsize=figsize or ((12.0, 11.5) if slice_names else (12.0, 8.5)), layout="constrained")
-    outer = fig.add_gridspec(3, 1, height_ratios=[1.25, 0.9, 1.0]) if slice_names else \
+    # the slice row is as high as its square panels are wide (at most SLICE_ROW_INCHES)
+    slice_row_in = min(SLICE_ROW_INCHES, 10.5 / len(slice_names)) if slice_names else 0.0
+    fig = Figure(figsize=figsize or (12.0, 8.5 + slice_row_in), layout="constrained")
+    outer = fig.add_gridspec(3, 1, height_ratios=[1.25, slice_row_in / 3.78, 1.0]) if slice_names else \
         fig.add_gridspec(2, 1, height_ratios=[1.25, 1.0])
     slice_row = None
     if slice_names:  # a row of slice phases between the projected object and the probe
@@ -427,6 +432,9 @@ def summary_figure(rec, truth=None, pixel_size_m=None, *, figsize=None):
     if n_probe < probe.shape[0]:
         modes += f", first {n_probe} shown"
     bits = [f"{epochs} epoch(s)", f"object {obj.shape[0]}×{obj.shape[1]}", modes]
+    if n_slices > 1:
+        bits.insert(2, f"{n_slices} slices" + (f", first {len(slice_names)} shown"
+                                               if len(slice_names) < n_slices else ""))
     if pixel_size_m:
         bits.append(f"pixel {format_length(pixel_size_m)}")
     fig.suptitle("daskpty reconstruction — " + ", ".join(bits), fontsize=11)

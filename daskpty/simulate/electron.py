@@ -3,9 +3,10 @@
 :func:`.multislice.simulate_multislice` makes K weak-phase slices, a probe focused through a
 condenser aperture with defocus, a raster scan with jitter and (with a dose) Poisson noise; the
 store then holds what a measured electron scan would: the patterns, the scan positions, the
-geometry (``electron_voltage_v``, ``convergence_semiangle_rad``, the object pixel size; the
-slice spacing and defocus under ``simulation``) and a start probe from the nominal optics with a
-10 % defocus error. ``truth/`` holds the K slices, the probe and the true positions.
+geometry (``electron_voltage_v``, ``convergence_semiangle_rad``, the object pixel size, the
+nominal ``defocus_m``, 10 % off the true one; the slice spacing and the true values under
+``simulation``) and a start probe from those nominal optics. ``truth/`` holds the K slices, the
+probe and the true positions.
 
 Scan errors (``position_errors``): the stored positions are the true ones turned by ``rotation``
 degrees and stretched by ``1 + scale`` about the scan's centre, plus Gaussian noise of ``rms`` px
@@ -144,13 +145,13 @@ def simulate_electron(path, *, grid=None, step=None, probe_size=None, slices=Non
               "wavelength_m": lam, "n_patterns": len(true), "seed": seed,
               "position_errors": errors,
               "position_error_rms_px": float(np.sqrt((offset ** 2).sum(axis=1).mean())),
-              "start_probe_defocus_m": GUESS_DEFOCUS * p["defocus_m"],
               "object_shape": list(sim.truth.slices.shape)}
     provenance = (f"simulated by daskpty simulate: preset=electron patterns={len(true)} n={n} "
                   f"slices={p['slices']} dose={record['dose']} seed={seed}")
     data = from_arrays(intensities, nominal, probe=guess, object_pixel_size_m=p["object_pixel_size_m"],
                        electron_voltage_v=p["energy_ev"], convergence_semiangle_rad=alpha,
-                       provenance=provenance, metadata={"simulation": record},
+                       provenance=provenance,
+                       metadata={"simulation": record, "defocus_m": GUESS_DEFOCUS * p["defocus_m"]},
                        truth={"object": sim.truth.slices, "probe": sim.truth.probe, "positions": true})
     kw = {} if shard_bytes is None else {"shard_bytes": int(shard_bytes)}
     return data.to_zarr(path, overwrite=overwrite, client=client, **kw)
