@@ -141,6 +141,7 @@ def simulate_electron(path, *, grid=None, step=None, probe_size=None, slices=Non
     if not noise_free:
         intensities = intensities.astype(np.uint32 if intensities.max() > 65535 else np.uint16)
     offset = nominal - true
+    offset = offset - offset.mean(axis=0)  # a common shift is only the object frame's origin
     record = {"preset": "electron", **p, "grid": list(p["grid"]), "dose": None if noise_free else p["dose"],
               "wavelength_m": lam, "n_patterns": len(true), "seed": seed,
               "position_errors": errors,
