@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
+import re
 import sys
 
+from ..engines.sample_options import MAX_SLICES
 from ..execution.options import DEVICES
 from ..options import (DEFAULT_EPOCHS, GROUPS, EngineOptions, ExecutionOptions, PositionOptions, ProbeModelOptions,
                        RunOptions, SampleOptions, default_of, defaults_text)
@@ -78,11 +81,12 @@ def add_parser(subparsers):
                         f"settings' defaults: {_percent(defaults_text(PositionOptions))})")
 
     g = p.add_argument_group(title["sample"])
-    g.add_argument("--slices", type=int, default=None, metavar="K",
-                   help="K object slices (needs the data's wavelength and object pixel size; "
-                        f"default: {default_of(SampleOptions, 'slices')}, a thin sample)")
-    g.add_argument("--slice-spacing", type=float, default=None, metavar="METRES",
-                   help="distance between neighbouring slices, m (default: none; required with --slices > 1)")
+    g.add_argument("--slices", type=_slices, default=None, metavar="K",
+                   help=f"K object slices, at most {MAX_SLICES} (needs the data's wavelength and object "
+                        f"pixel size; default: {default_of(SampleOptions, 'slices')}, a thin sample)")
+    g.add_argument("--slice-spacing", type=_spacing, default=None, metavar="METRES",
+                   help="distance between neighbouring slices, m (default: none; required with --slices > 1, "
+                        "refused without it)")
 
     g = p.add_argument_group(title["execution"])
     g.add_argument("--workers", type=int, default=None, metavar="W",
@@ -129,7 +133,35 @@ def add_parser(subparsers):
     g.add_argument("--no-check-data", dest="check_data", action="store_false",
                    help="skip the pass that reads every intensity once before the run and refuses bad "
                         "values (default: the check runs)")
+    p._negative_number_matcher = NEGATIVE_NUMBER  # "--slice-spacing -1e-6" is a value (then refused)
     return p
+
+
+#: what argparse takes for a negative number rather than an option: also ``-1e-6`` and ``-.5``
+#: (argparse's own pattern takes only ``-1`` and ``-1.5``); no option of ``reconstruct`` looks like one
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _slices(text):
+    """``--slices``: an integer 1 … :data:`MAX_SLICES` (:mod:`daskpty.engines.sample_options`)."""
+    try:
+        k = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer number of slices, got {text!r}") from None
+    if not 1 <= k <= MAX_SLICES:
+        raise argparse.ArgumentTypeError(f"expected 1 to {MAX_SLICES} slices, got {k}")
+    return k
+
+
+def _spacing(text):
+    """``--slice-spacing``: a positive, finite number of metres."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of metres, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"the slice spacing must be positive and finite (metres), got {text}")
+    return value
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -216,6 +248,10 @@ def run(args) -> int:
             raise ValueError(str(exc)) from None
     if args.fft_backend is not None:
         _choose_fft_backend(args.fft_backend)
+    if args.slice_spacing is not None and (args.slices or 1) == 1:
+        raise ValueError(f"--slice-spacing {args.slice_spacing:g} is the distance between object slices but "
+                         f"the run has one slice; add --slices K (K > 1) for a thick sample, or drop "
+                         f"--slice-spacing")
     if args.engine != "ad" and any(v is not None for v in (args.loss, args.optimizer, args.lr, args.probe_lr)):
         raise ValueError("--loss, --optimizer, --lr and --probe-lr apply to --engine ad only")
     from daskpty.options import resolve

@@ -30,6 +30,15 @@ from ..physics.propagation import near_field_kernel
 from .initial import probe_diameter_from_scan
 
 DETECTORS = ("far_field", "near_field")
+#: most object slices taken: an epoch's cost grows faster than K (25 patterns of 32²: 100
+#: slices 0.8 s, 200 slices 4.3 s, 400 slices 35 s per epoch on one CPU core), and thick
+#: samples are cut into tens of slices, not thousands
+MAX_SLICES = 256
+#: least Fresnel phase, radians, that the propagation over one slice spacing gives the highest
+#: spatial frequency of the object grid (π λ Δz / (4 Δx²)): below it neighbouring slices are
+#: indistinguishable in the data (e.g. 10 nm spacings at a 129 nm X-ray pixel: 7e-5 rad) and the
+#: spacing is most likely in the wrong unit
+MIN_SLICE_PHASE = 1e-3
 
 
 def _positive_or_none(name: str, value, unit: str = "m"):
@@ -67,6 +76,10 @@ class SampleOptions:
         k = self.slices
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
             raise ValueError(f"slices must be an integer >= 1, got {k!r}")
+        if k > MAX_SLICES:
+            raise ValueError(f"slices={k} (CLI: --slices) is more than the {MAX_SLICES} daskpty takes: an "
+                             f"epoch's cost grows faster than the number of slices; cut the sample into "
+                             f"fewer, thicker slices")
         if self.slice_spacing_m is not None:
             v = self.slice_spacing_m
             if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)) \
@@ -91,6 +104,8 @@ class SampleOptions:
         detector = self.detector_of(meta)
         lam = self.wavelength_m if self.wavelength_m is not None else meta.get("wavelength_m")
         dx = self.object_pixel_size_m if self.object_pixel_size_m is not None else meta.get("object_pixel_size_m")
+        if self.slices > 1 and lam is not None and dx is not None:
+            check_slice_spacing(self.slice_spacing_m, float(lam), float(dx))
         geometry = SliceGeometry(int(self.slices), self.slice_spacing_m, lam, dx)
         near = None
         if detector == "near_field":
@@ -108,6 +123,20 @@ class SampleOptions:
         return {"slices": int(self.slices), "slice_spacing_m": self.slice_spacing_m,
                 "detector": self.detector, "wavelength_m": self.wavelength_m,
                 "object_pixel_size_m": self.object_pixel_size_m, "aperture": dict(self.aperture)}
+
+
+def check_slice_spacing(spacing: float, wavelength: float, pixel: float) -> None:
+    """Refuse a slice spacing so small against the data's depth resolution (about 4 Δx² / λ for
+    the object pixel Δx) that the propagation between slices is below :data:`MIN_SLICE_PHASE`
+    at every frequency: the slices could not be told apart, and the run would only be slower."""
+    phase = math.pi * wavelength * spacing / (4.0 * pixel ** 2)
+    if phase < MIN_SLICE_PHASE:
+        least = MIN_SLICE_PHASE * 4.0 * pixel ** 2 / (math.pi * wavelength)
+        depth = 4.0 * pixel ** 2 / wavelength
+        raise ValueError(f"slice spacing {spacing:g} m (CLI: --slice-spacing) is far below the data's depth "
+                         f"resolution (about 4·dx²/λ = {depth:.3g} m for dx = {pixel:.3g} m, λ = "
+                         f"{wavelength:.3g} m): the slices could not be told apart; give the spacing in "
+                         f"metres, at least {least:.2g} m, or use fewer, thicker slices")
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ def stored_epoch(path) -> int | None:
     if store_format(path) != "daskpty-reconstruction":
         return None
     epoch = ((_root_attrs(path) or {}).get("attributes") or {}).get("epoch")
-    return int(epoch) if isinstance(epoch, int) else None
+    return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) and epoch >= 0 else None
 
 
 def is_own_leftover(path) -> bool:
@@ -116,10 +116,25 @@ def newer_format(path) -> int | None:
     return None
 
 
+def check_not_link(path, what: str = "the output") -> None:
+    """Refuse a symbolic link as a path to replace: replacing it would swap the link for a new
+    store and leave the store it points to (perhaps another run's) as it was, and deleting through
+    it would reach outside the named path. The line names the target and what to pass instead."""
+    path = os.fspath(path)
+    if os.path.islink(path):
+        target = os.readlink(path)
+        real = os.path.realpath(path)
+        raise FileExistsError(f"{path} ({what}) is a symbolic link to {target}; daskpty does not "
+                              f"replace links: pass the target {real} itself, or remove the link "
+                              f"({path}) and write there")
+
+
 def check_replaceable(path, what: str = "the output") -> None:
     """Refuse to replace ``path`` unless it is absent, an empty directory or a daskpty store of a
-    format version this daskpty writes (or an older one)."""
+    format version this daskpty writes (or an older one); a symbolic link is refused as one
+    (:func:`check_not_link`)."""
     path = os.fspath(path)
+    check_not_link(path, what)
     if os.path.lexists(path) and not (_empty_dir(path) or is_daskpty_store(path)):
         kind = "a file" if not os.path.isdir(path) else "a directory that is not a daskpty store"
         raise FileExistsError(f"{path} ({what}) is {kind}; daskpty replaces only stores it wrote: "
@@ -285,7 +300,7 @@ def check_checkpoint_target(path, data_path=None) -> None:
 
 
 __all__ = ["STORE_FORMATS", "StoreWriteError", "WRITE_ERRNOS", "check_checkpoint_target",
-           "check_free_space", "check_replaceable", "check_separate", "check_writable", "clean_stale",
+           "check_free_space", "check_not_link", "check_replaceable", "check_separate", "check_writable", "clean_stale",
            "interrupted_copy", "intact_note", "is_daskpty_store", "is_own_leftover", "newer_format",
            "reconstruction_bytes", "remove_own", "stale_leftovers", "store_format",
            "stored_epoch", "write_error"]

@@ -84,6 +84,37 @@ def check_geometry(meta: dict) -> None:
 
 # --------------------------------------------------------------------------- shapes and dtypes
 
+def refuse_objects(dtype, where: str, option: str) -> None:
+    """Refuse an array of Python objects: reading one would unpickle (run) code from the file,
+    which daskpty never does. The line names the file (``where``) and the option it came from."""
+    if np.dtype(dtype).hasobject:
+        fail(f"{where} ({option}) holds Python objects (dtype {np.dtype(dtype)}), which daskpty never "
+             f"loads (reading them would run pickled code); save it as a numeric array, e.g. "
+             f"numpy.save(path, numpy.asarray(values, dtype=numpy.float32))")
+
+
+def npy_dtype(path, member: str | None = None) -> np.dtype | None:
+    """The dtype in the header of the ``.npy`` file ``path``, or of the member ``member`` (e.g.
+    ``"positions.npy"``) of the ``.npz`` archive ``path``, read without loading the array; None
+    when there is no such header (the loader then says what is wrong)."""
+    import zipfile
+
+    try:
+        if member is None:
+            with open(path, "rb") as fh:
+                return _npy_header_dtype(fh)
+        with zipfile.ZipFile(path) as zf, zf.open(member) as fh:
+            return _npy_header_dtype(fh)
+    except (OSError, ValueError, KeyError, SyntaxError, zipfile.BadZipFile):
+        return None
+
+
+def _npy_header_dtype(fh) -> np.dtype:
+    version = np.lib.format.read_magic(fh)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    return np.dtype(read(fh)[2])
+
+
 def check_intensity_layout(shape, dtype) -> None:
     shape = tuple(int(s) for s in shape)
     if len(shape) != 3:

@@ -27,7 +27,7 @@ from .lock import StoreLock, check_unlocked
 from .integrity import EVERY_CHUNK, WRITE_ALL
 from .metadata import Truth, jsonable
 from .progress import TextProgress
-from .safety import (check_replaceable, clean_stale, intact_note, interrupted_copy, is_daskpty_store,
+from .safety import (check_not_link, check_replaceable, clean_stale, intact_note, interrupted_copy, is_daskpty_store,
                      remove_own, write_error)
 
 MiB = 2**20
@@ -105,6 +105,7 @@ def check_target(path: str, overwrite: bool) -> None:
     if not overwrite:
         raise FileExistsError(f"{path} already exists; pass overwrite=True (CLI: --overwrite) to "
                               f"replace it, or choose another path")
+    check_not_link(path, "the target")  # not "not a daskpty store": it may link to one
     if os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path):
         return
     if not is_daskpty_store(path):

@@ -6,9 +6,11 @@ import os
 
 import numpy as np
 
-from ..validate import fail
+from ..validate import fail, npy_dtype, refuse_objects
 from .h5util import open_hdf5, require
 
+#: the command-line option of each kind of frame (named in errors)
+OPTIONS = {"dark frame": "--dark", "mask": "--mask"}
 #: frames averaged at a time when a dark stack is given
 BATCH = 64
 
@@ -27,6 +29,7 @@ def read_frame(spec: str, what: str) -> np.ndarray:
         raise FileNotFoundError(f"{path}: no such {what} file")
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".npy":
+        refuse_objects(npy_dtype(path) or np.float32, path, OPTIONS.get(what, what))
         arr = np.load(path, mmap_mode="r")
     elif suffix in (".tif", ".tiff"):
         import tifffile  # lazy: optional dependency (daskpty[hdf5])

@@ -7,13 +7,16 @@ import zipfile
 
 import numpy as np
 
-from ..validate import fail
+from ..validate import fail, npy_dtype, refuse_objects
 from .geometry import Geometry
 from .positions import is_file_spec, read_positions_file
 from .preprocess import Preprocess
 from .source import ArraySource, Source
 from .writer import Scan, import_source
 
+#: where the imported array comes from, as the command line names it
+SOURCE_OPTION = "SRC"
+MEMBER_OPTION = "SRC, the member chosen by --data"
 #: member names tried, in order, when no ``data`` key is given
 DATA_KEYS = ("intensities", "data", "patterns", "diffraction")
 
@@ -38,6 +41,7 @@ class _StreamedMember(Source):
         self._zip = zipfile.ZipFile(self.path)
         self._fh = self._zip.open(self.member)
         shape, fortran, dtype = _header(self._fh)
+        refuse_objects(dtype, self.name, MEMBER_OPTION)
         if fortran or len(shape) != 3:
             fail(f"{self.name} must be a C-ordered (N, H, W) array, got shape {shape}")
         self._shape, self._dtype, self._pos = tuple(shape), np.dtype(dtype), 0
@@ -88,6 +92,7 @@ def _npz_member(path, key) -> Source:
         fh.seek(offset)
         shape, fortran, dtype = _header(fh)
         start = fh.tell()
+    refuse_objects(dtype, name, MEMBER_OPTION)
     if fortran:
         fail(f"{name} is Fortran-ordered; save it C-ordered (numpy.ascontiguousarray)")
     return ArraySource(np.memmap(path, dtype=dtype, mode="r", offset=start, shape=shape),
@@ -100,6 +105,7 @@ def numpy_source(path, key=None) -> Source:
         raise FileNotFoundError(f"{path}: no such file")
     if path.lower().endswith(".npz"):
         return _npz_member(path, key)
+    refuse_objects(npy_dtype(path) or np.float32, path, SOURCE_OPTION)
     try:
         arr = np.load(path, mmap_mode="r")
     except ValueError as exc:

@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from ..validate import fail
+from ..validate import fail, npy_dtype, refuse_objects
 from .geometry import attr_units
 from .h5util import open_hdf5, require
 from .writer import Scan
@@ -27,6 +27,7 @@ def read_positions_file(spec: str) -> tuple[np.ndarray, str | None]:
         raise FileNotFoundError(f"{path}: no such positions file")
     suffix = os.path.splitext(path)[1].lower()
     if suffix == ".npy":
+        refuse_objects(npy_dtype(path) or np.float64, path, "--positions")
         return np.load(path), None
     if suffix == ".npz":
         with np.load(path) as z:
@@ -36,6 +37,7 @@ def read_positions_file(spec: str) -> tuple[np.ndarray, str | None]:
                 key = z.files[0]
             if key not in z.files:
                 fail(f"{path} has no array {key!r}; it holds {', '.join(z.files)}")
+            refuse_objects(npy_dtype(path, f"{key}.npy") or np.float64, f"{path}::{key}", "--positions")
             return z[key], None
     if suffix in HDF5_SUFFIXES:
         if not key:
