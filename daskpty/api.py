@@ -223,7 +223,7 @@ def _progress(progress, epochs: int, resumed, n_patterns: int, loss: str):
 
 
 def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, object_shape, modes_hint,
-                                thick, per_pattern_probe: bool = False) -> ExecutionOptions:
+                                thick) -> ExecutionOptions:
     """``persist="auto"``: a worker's share of the data plus one step and the state under the
     spill target; ``rounds_per_epoch="auto"``: :func:`~daskpty.execution.data.auto_rounds`."""
     persist, rounds = execution.persist, execution.rounds_per_epoch
@@ -234,7 +234,7 @@ def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, ob
         persist = should_persist(client, data_bytes, working_bytes=working)
     if rounds == "auto":
         rounds = auto_rounds(n_patterns, n, modes_hint, bool(persist), working_factor=thick.working_factor,
-                             slices=thick.n_slices, per_pattern_probe=per_pattern_probe)
+                             slices=thick.n_slices)
     return execution.replace(persist=bool(persist), rounds_per_epoch=rounds)
 
 
@@ -360,7 +360,9 @@ def reconstruct(data, engine="lsqml", epochs: int = DEFAULT_EPOCHS, *, probe=Non
         How the run is kept and watched (`daskpty.options.RunOptions`). Shortcuts:
         ``checkpoint`` (a reconstruction store updated atomically every ``checkpoint_every``
         epochs (default 10), at the end and on Ctrl-C / SIGTERM); ``resume`` (a store to continue
-        from; the same settings give a result bit-identical to an uninterrupted run);
+        from; the same settings give a result bit-identical to an uninterrupted run: chunking,
+        rounds, fan-in and ``tiles`` left unset are the store's, ``probe_modes`` other than the
+        store's are refused, and refined positions stay, fixed, without ``refine_positions``);
         ``progress`` (epoch, loss, patterns/s and ETA on stderr, a tqdm bar when tqdm is
         installed and the session is interactive, else one line per epoch; default None: on
         when attached to a terminal or a notebook; with ``noise="poisson"`` the loss is the
@@ -461,8 +463,7 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
         halo_reach = tile_halo.reach(adapter, n) + tile_halo.margin(adapter)  # (refined windows move)
         execution = _resolve_persist_and_rounds(c, execution, intensities.nbytes, len(positions), n,
                                                 held_shape(obj.shape, n, tiles_of, halo_reach),
-                                                _probe_modes_hint(probe, probe_modes, resumed), thick,
-                                                per_pattern_probe=model is not None and model.per_pattern)
+                                                _probe_modes_hint(probe, probe_modes, resumed), thick)
         run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist)
         publisher = None
         if run.dashboard:
