@@ -1,12 +1,17 @@
 """Electron scans from the command line: ``simulate --preset electron`` → ``reconstruct --slices
 --refine-positions`` → ``show``, and ``import`` flags that give ``--probe aperture`` what it needs.
 
-Real stores, the real CLI (``daskpty.cli.main``) and the session's LocalCluster (2 workers); the
-reconstruction is judged against the store's truth/ (K slices, true positions).
+The commands are read from docs/howto/electron.md and run as written (through ``daskpty.cli.main``,
+in a fresh directory, on the session's LocalCluster of 2 workers); the reconstruction is judged
+against the store's truth/ (K slices, true positions). Real stores, the real CLI.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
+import re
+import shlex
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +23,23 @@ from daskpty.physics.geometry import electron_wavelength_m
 from daskpty.physics.multislice import SliceGeometry, multislice_intensities
 from daskpty.physics.probes import electron_probe
 
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "howto" / "electron.md"
 SPACING = "2e-9"
-RECON = ["--slices", "3", "--slice-spacing", SPACING, "--engine", "ad", "--epochs", "30", "--quiet"]
+
+
+def _commands(marker: str) -> list[list[str]]:
+    """The ``.venv/bin/daskpty`` command lines of the block after ``<!-- test: marker -->``, as
+    argument lists of ``main``."""
+    found = re.search(rf"<!-- test: {re.escape(marker)} -->\n```bash\n(.*?)```", PAGE.read_text(), re.S)
+    assert found, f"{PAGE.name} has no block marked {marker!r}"
+    lines = [shlex.split(line) for line in found.group(1).splitlines() if line.strip()]
+    assert all(line[0] == ".venv/bin/daskpty" for line in lines), lines
+    return [line[1:] for line in lines]
+
+
+def _run(args: list[str], where) -> int:
+    with contextlib.chdir(where):
+        return main(args)
 
 
 def _position_error(positions, truth) -> float:
@@ -52,21 +72,27 @@ def _slice_errors(rec, data) -> list[float]:
 
 @pytest.fixture(scope="module")
 def scan(tmp_path_factory):
-    """The preset with scan errors (``--position-errors``: 0.5 px noise, 1 % scale, 1°)."""
-    path = str(tmp_path_factory.mktemp("electron") / "e.zarr")
-    assert main(["simulate", path, "--preset", "electron", "--position-errors", "--quiet"]) == 0
-    return daskpty.open_data(path)
+    """The how-to's scan: the preset with scan errors (0.5 px noise, 1 % scale, 1°)."""
+    where = tmp_path_factory.mktemp("electron")
+    simulate = _commands("electron recipe")[0]
+    assert simulate[:4] == ["simulate", "e.zarr", "--preset", "electron"] and "--position-errors" in simulate
+    assert _run(simulate, where) == 0
+    return daskpty.open_data(str(where / "e.zarr"))
 
 
 @pytest.fixture(scope="module")
 def runs(scan, client):
-    """The scan reconstructed from its nominal positions without and with position refinement."""
-    where = scan.path.rsplit("/", 1)[0]
-    plain, refined = f"{where}/plain.zarr", f"{where}/r.zarr"
+    """The how-to's reconstructions from the nominal positions: without and with refinement."""
+    where = Path(scan.path).parent
+    refined, plain = _commands("electron recipe")[1], _commands("electron without refinement")[0]
+    assert refined[0] == "reconstruct" and "--refine-positions" in refined and "--slices" in refined
+    # the same run into plain.zarr, refinement left out
+    assert [a for a in refined if a != "--refine-positions"] == [{"plain.zarr": "r.zarr"}.get(a, a) for a in plain]
     with client.as_current():
-        assert main(["reconstruct", scan.path, "-o", plain, *RECON]) == 0
-        assert main(["reconstruct", scan.path, "-o", refined, *RECON, "--refine-positions"]) == 0
-    return daskpty.Reconstruction.from_zarr(plain), daskpty.Reconstruction.from_zarr(refined), refined
+        assert _run(plain, where) == 0
+        assert _run(refined, where) == 0
+    return (daskpty.Reconstruction.from_zarr(str(where / "plain.zarr")),
+            daskpty.Reconstruction.from_zarr(str(where / "r.zarr")))
 
 
 def test_the_preset_stores_an_electron_scan_with_its_truth(tmp_path, capsys):
@@ -101,7 +127,7 @@ def test_reconstructing_the_preset_beats_its_nominal_start(scan, runs):
     """Through the CLI with 3 slices: the refined positions are far closer to the true ones than
     the nominal positions the run started from, and every slice is closer to its true slice than
     the same run's slices without refinement."""
-    data, (plain, refined, _) = scan, runs
+    data, (plain, refined) = scan, runs
     nominal = _position_error(data.positions, data.truth.positions)
     moved = _position_error(refined.positions, data.truth.positions)
     assert moved < 0.5 * nominal, (nominal, moved)
@@ -177,15 +203,17 @@ def _texts(fig):
 
 
 @pytest.mark.slow
-def test_show_lays_out_the_slices_without_overlapping_labels(scan, runs, tmp_path, capsys):
+def test_show_lays_out_the_slices_without_overlapping_labels(scan, runs, capsys):
     """``daskpty show`` of the refined 3-slice run writes its figure; the figure it draws has a
     panel per slice, and no two labels — nor a label and another panel — overlap, all inside the
     figure."""
     from daskpty.monitor.plot import panel_names, summary_figure
 
-    data, (_, refined, path) = scan, runs
-    png = tmp_path / "r.png"
-    assert main(["show", path, "-o", str(png), "--data", data.path]) == 0
+    data, (_, refined) = scan, runs
+    show = _commands("electron recipe")[2]
+    assert show[:2] == ["show", "r.zarr"] and "--data" in show
+    assert _run(show, Path(data.path).parent) == 0
+    png = Path(data.path).parent / show[show.index("-o") + 1]
     assert png.stat().st_size > 10_000 and "with FRC vs truth" in capsys.readouterr().out
     fig = summary_figure(refined, truth=data.truth, pixel_size_m=data.metadata["object_pixel_size_m"])
     names = panel_names(fig)
