@@ -195,8 +195,9 @@ class SubmittedEpoch:
 
 
 class StaleRoundState(RuntimeError):
-    """A fused round task did not find the state it continues on its worker (the task was moved
-    to another worker or recomputed); the driver restarts the epoch with the split graph."""
+    """A fused round task did not find the state it continues on its worker (its worker was
+    lost and one came back under the same address, or the task ran elsewhere); the driver
+    restarts the epoch with the split graph."""
 
 
 class _HandledStaleRounds(logging.Filter):
@@ -314,10 +315,16 @@ class EpochGraph:
     work). The end of an epoch is not a level of its own either: the next epoch's first round
     tasks end it themselves from the last round's partial sums (the end tasks, which the client
     may gather, compute the same state; whichever runs first on a worker hands it to the other).
-    Should a round task not find its state (dask moved it to another worker or recomputed
-    it after a lost worker), it raises :class:`StaleRoundState` and the driver restarts the epoch
-    with ``fused=False``: chunk tasks and round-end tasks that pass the state as a task result
-    (two levels per round). Both give the same bits; the sum does not depend on the placement.
+    These tasks are pinned to their worker strictly: a loosely pinned task is placed on another
+    worker when it becomes ready while its own is paused at its memory limit, and dask's work
+    stealing moves one queued behind a long task to an idle worker; either found no state there
+    and restarted the epoch with every worker alive. A lost worker takes the state with it: the
+    epoch's tasks are cancelled (their inputs cannot be recomputed) and the driver restarts the
+    epoch on a new graph. Should a round task still not find its state, it raises
+    :class:`StaleRoundState` and the driver restarts the epoch with ``fused=False``: chunk tasks
+    and round-end tasks that pass the state as a task result (two levels per round). Both give
+    the same bits; the sum does not depend on the placement. Without a worker to pin them to
+    (none connected when the graph is built) the graph is not fused.
 
     The graph is written out as a task dictionary (no ``dask.delayed`` per task: that cost 5–13 ms
     of the client's time per epoch, time the scheduler in the same process lost). :meth:`submit`
@@ -332,7 +339,6 @@ class EpochGraph:
                  split_every: int | None = None, fused: bool = True):
 
         self.client = client
-        self.fused = fused
         self.keeps_local = bool(adapter.local_state)
         self.rounds = int(rounds)
         if split_every is None:
@@ -346,10 +352,14 @@ class EpochGraph:
         self.replicas = placed.workers
         self.adapter_key, self.position_keys, self.inputs = placed.adapter_key, placed.position_keys, placed.inputs
         self._placed = placed
+        # fused round tasks must run where their state is kept: only with a worker to pin them to
+        self.fused = fused and None not in self.replicas
         self.count = 0
 
-    def _on_replica(self, w: int) -> dict:
-        return self._placed.on(w)
+    def _on_replica(self, w: int, keeps_state: bool = False) -> dict:
+        """Where replica ``w``'s tasks run; ``keeps_state``: tasks that read a state kept in the
+        worker's memory (fused rounds, epoch ends) run there and nowhere else (see the class)."""
+        return self._placed.on(w, strict=keeps_state and self.fused)
 
     def submit(self, start) -> SubmittedEpoch:
         """Submit one epoch. ``start``: the state to start from — one future of an
@@ -381,7 +391,8 @@ class EpochGraph:
         summary = (f"daskpty-summary-{tag}", 0)
         layers = {"inputs": MaterializedLayer(inputs)}
         for w in range(copies):
-            layers[f"daskpty-epoch-{tag}-{w}"] = MaterializedLayer(tasks[w], annotations=self._on_replica(w) or None)
+            layers[f"daskpty-epoch-{tag}-{w}"] = MaterializedLayer(tasks[w],
+                                                                  annotations=self._on_replica(w, True) or None)
         # No priority over the next epoch's first round task, which becomes ready on the same
         # worker at the same moment and so usually runs first: the summary comes a round late,
         # but that round starts ~3 ms sooner (measured with priority=1 at 576 × 64²).

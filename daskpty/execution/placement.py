@@ -52,13 +52,23 @@ def _run_stuck_loose_tasks(dask_scheduler=None) -> int:
     names has left: a joining worker only takes unrunnable tasks whose valid workers include it,
     and the loose flag is consulted only when a task is first scheduled. Chunks persisted on a
     worker (:func:`~.data.persist_balanced`) need exactly that recomputation after all workers
-    are lost and their nannies start new ones, under new addresses.
+    are lost and their nannies start new ones, under new addresses. Does nothing before a worker
+    is running (:func:`running_workers`).
     """
-    stuck = [ts for ts in dask_scheduler.unrunnable
-             if ts.loose_restrictions and dask_scheduler.workers and not dask_scheduler.valid_workers(ts)]
+    if not dask_scheduler.running:  # (a worker that has just registered is not running yet:
+        return 0  # a task sent to processing now would stay in no-worker)
+    stuck = [ts for ts in dask_scheduler.unrunnable if ts.loose_restrictions and not dask_scheduler.valid_workers(ts)]
     if stuck:
         dask_scheduler.transitions({ts.key: "processing" for ts in stuck}, stimulus_id="daskpty-unstick")
     return len(stuck)
+
+
+def running_workers(client) -> list:
+    """Addresses of the scheduler's workers that run tasks: registered and neither starting nor
+    paused (a worker registers before it runs, so the scheduler places nothing on it yet)."""
+    from .cluster import live_workers
+
+    return sorted(a for a, w in live_workers(client).items() if str(w.get("status", "")).endswith("running"))
 
 
 def run_stuck_loose_tasks(client) -> int:
@@ -138,7 +148,9 @@ class GraphInputs:
         self.position_keys = [f.key for f in computed[1:]]
         self.inputs = {f.key: f for f in futures_of(data.intensities) + computed}
 
-    def on(self, w: int) -> dict:
-        """The annotation that keeps a task on worker ``w`` (loosely: it may move if w is lost)."""
+    def on(self, w: int, strict: bool = False) -> dict:
+        """The annotation that keeps a task on worker ``w``: loosely (it may move if w is lost,
+        paused, or busy while another worker idles: dask's work stealing), or ``strict``ly (it
+        runs on w or nowhere: a task that reads state kept in w's memory)."""
         worker = self.workers[w]
-        return {} if worker is None else {"workers": [worker], "allow_other_workers": True}
+        return {} if worker is None else {"workers": [worker], "allow_other_workers": not strict}
