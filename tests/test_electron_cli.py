@@ -149,7 +149,8 @@ def test_import_flags_fill_what_the_aperture_probe_needs(scan, use_client, tmp_p
     data = scan
     args = _electron_npz(data, tmp_path / "e.npz")
     out = str(tmp_path / "i.zarr")
-    assert main([*args, "-o", out, "--convergence-semiangle", "25", "--defocus", "6e-9"]) == 0
+    assert main([*(a for a in args if a != "--quiet"), "-o", out, "--convergence-semiangle", "25", "--defocus", "6e-9"]) == 0
+    assert "300 kV electrons, convergence semi-angle 25 mrad, defocus 6 nm" in capsys.readouterr().out
     imported = daskpty.open_data(out)
     assert imported.metadata["convergence_semiangle_rad"] == pytest.approx(0.025)
     assert imported.metadata["electron_voltage_v"] == 300e3 and imported.metadata["defocus_m"] == 6e-9
@@ -179,6 +180,9 @@ def test_the_aperture_error_names_the_flag(scan, use_client, tmp_path, capsys):
     assert main([*args, "-o", str(tmp_path / "x.zarr"), "--radiation", "xray",
                  "--convergence-semiangle", "25"]) == 2
     assert "--radiation electron" in capsys.readouterr().err
+    by_wavelength = [{"--energy": "--wavelength", "300e3": "1.97e-12"}.get(a, a) for a in args]
+    assert main([*by_wavelength, "-o", str(tmp_path / "x.zarr"), "--convergence-semiangle", "25"]) == 2
+    assert "give --energy EV" in capsys.readouterr().err
 
 
 def _texts(fig):

@@ -167,8 +167,15 @@ def run(args) -> int:
         raise ValueError(f"--shard-mib must be positive, got {args.shard_mib}")
     data = import_file(args.source, args.output, **options(args))
     if not args.quiet:
-        px = data.metadata.get("object_pixel_size_m")
+        meta = data.metadata
+        px = meta.get("object_pixel_size_m")
         where = f", object pixel {px * 1e9:.4g} nm" if px else ""
+        if meta.get("electron_voltage_v"):
+            where += f", {meta['electron_voltage_v'] / 1e3:g} kV electrons"
+        if meta.get("convergence_semiangle_rad"):
+            where += f", convergence semi-angle {meta['convergence_semiangle_rad'] * 1e3:g} mrad"
+        if meta.get("defocus_m") is not None:
+            where += f", defocus {meta['defocus_m'] * 1e9:g} nm"
         print(f"wrote {args.output}: {data.n_patterns} patterns of {data.pattern_shape[0]}x"
               f"{data.pattern_shape[1]} {data.dtype}{where}", file=sys.stdout)
 
