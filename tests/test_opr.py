@@ -35,7 +35,7 @@ def test_orthonormalize_keeps_every_patterns_probe():
     w = np.c_[1 + 0.1 * rng.standard_normal(20), rng.standard_normal((20, 2))]
     new, t = ep.orthonormalize(p0, eigen)
     # every pattern's probe is kept, but for its parts along the changes the data do not see
-    unseen = ep.unseen_directions(p0).reshape(3, -1)
+    unseen = ep.unseen_directions(p0).reshape(5, -1)
     basis = np.linalg.qr(np.concatenate([unseen.real, unseen.imag], 1).T)[0]
     flat = eigen.reshape(2, -1).astype(np.complex128)
     real = np.concatenate([flat.real, flat.imag], 1)
@@ -60,8 +60,9 @@ def test_orthonormalize_keeps_every_patterns_probe():
 
 def test_the_unseen_probe_changes_leave_every_patterns_intensities():
     """The directions orthonormalize drops are the derivatives of changes the data cannot tell
-    from the object: a pattern's own phase (its intensities do not change) and a probe tilt
-    exp(i g y) (the same intensities as the untilted probe over the object times exp(i g y))."""
+    from the object or the positions: a pattern's own phase (its intensities do not change), a
+    probe tilt exp(i g y) (the same intensities as the untilted probe over the object times
+    exp(i g y)) and a probe moved (its window moved)."""
     from daskpty.physics import model_intensities
     from daskpty.simulate.variable_probe import disc_probe
 
@@ -69,7 +70,11 @@ def test_the_unseen_probe_changes_leave_every_patterns_intensities():
     p0 = disc_probe(16, 2.0).astype(np.complex128)
     obj = np.exp(1j * rng.uniform(0, 1, (40, 40)))
     pos = np.array([[20.0, 20.0], [17.0, 23.0]])  # whole pixels: windows are plain crops
-    phase, tilt_y, tilt_x = ep.unseen_directions(p0)
+    phase, tilt_y, tilt_x, shift_y, shift_x = ep.unseen_directions(p0)
+    k = np.fft.fftfreq(16)
+    for axis, shift in ((0, shift_y), (1, shift_x)):   # the derivatives of a probe moved by h
+        ramp_k = np.exp(2j * np.pi * 1e-6 * (k[:, None] if axis == 0 else k[None, :]))
+        np.testing.assert_allclose((np.fft.ifft2(ramp_k * np.fft.fft2(p0)) - p0) / 1e-6, shift, atol=1e-4)
     power = np.abs(p0) ** 2
     c = np.arange(16) - 7.5
     yc = c[:, None] - (power * c[:, None]).sum() / power.sum()

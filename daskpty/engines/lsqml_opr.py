@@ -30,6 +30,7 @@ from .probe_model import (
     WEIGHT_TRUST,
     ProbeModelOptions,
     check_finite,
+    flatten_model_local,
     model_local,
     smooth_eigen_weights,
     solve_weight_steps,
@@ -42,7 +43,8 @@ from .probe_model import (
 def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: int, positions=None) -> dict:
     """The patterns' weights (with their momentum) and intensity factors after the step's
     least-squares updates (the eigen-probe weights then smoothed over ``positions`` when
-    ``model.weight_smoothing``)."""
+    ``model.weight_smoothing``; the brightness's smooth part over ``positions`` removed,
+    :func:`~.probe_model.flatten_model_local`)."""
     new = {}
     amp = variable._amp(slice(0, variable.n_patterns))
     if variable.weights is not None:
@@ -73,6 +75,8 @@ def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: in
             if v is not None:
                 new["intensity_velocity"] = v
         new["intensity_scale"] = (s * s)[:, None]
+    if variable.want_weights or variable.want_intensity:
+        new = flatten_model_local(new, positions, model, variable.n)
     check_finite(new, model, epoch)
     return new
 

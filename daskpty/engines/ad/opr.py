@@ -22,8 +22,8 @@ import numpy as np
 from ...physics import get_noise_model, ifft2
 from ..eigen_probes import EIGEN_TRUST, centred_eigen_terms, limit_eigen_step
 from ..pattern_probes import PatternProbes
-from ..probe_model import (WEIGHT_TRUST, ProbeModelOptions, check_finite, model_local, smooth_eigen_weights,
-                           solve_weight_steps, step_factors, step_weights)
+from ..probe_model import (WEIGHT_TRUST, ProbeModelOptions, check_finite, flatten_model_local, model_local,
+                           smooth_eigen_weights, solve_weight_steps, step_factors, step_weights)
 from .gradient import chunk_gradient, refining_chunk_gradient
 
 
@@ -96,6 +96,9 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
                 if v is not None:
                     new["intensity_velocity"] = v
             new["intensity_scale"] = c[:, None]
+        if grads:
+            where = part.local.get("positions", (local or {}).get("positions", nominal))
+            new = flatten_model_local(new, where, model, variable.n)
         check_finite(new, model, epoch)
         part.local = {**part.local, **new}
     return part
