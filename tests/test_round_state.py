@@ -96,3 +96,42 @@ def test_a_paused_worker_keeps_its_round_tasks(limited_workers, caplog):
     assert len(history) == 6
     np.testing.assert_array_equal(paused.object, undisturbed.object)
     np.testing.assert_array_equal(paused.probe, undisturbed.probe)
+
+
+@pytest.mark.slow
+def test_a_lost_worker_restarts_the_epoch_at_once(limited_workers, caplog, monkeypatch):
+    """One worker process SIGKILLed between epochs (its nanny starts a new one): the fused tasks
+    pinned to it are run elsewhere, find no state and restart the epoch within seconds (they
+    waited for the watchdog's whole floor), to the result of an undisturbed run."""
+    import os
+    import signal
+
+    monkeypatch.setenv("DASKPTY_STALL_SECONDS", "60")
+    client = limited_workers
+    ds = make_dataset(grid=10, seed=5)
+    data = prepare_data(client, ds.intensities, ds.positions, chunk_length=25, persist=True)
+    adapter = LSQMLAdapter(lsqml.LSQMLOptions(noise="poisson"))
+
+    def run(callbacks=()):
+        state = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
+        return run_epochs(client, data, adapter, state, epochs=6, rounds_per_epoch=3, callbacks=callbacks)
+
+    undisturbed, _ = run()
+    worker, pid = sorted(client.run(os.getpid).items())[1]
+    killed = []
+
+    def kill_after_epoch_2(epoch, state, metrics):
+        if epoch == 2 and not killed:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(worker)
+
+    kill_after_epoch_2.takes_epoch_state = True
+    start = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="daskpty"):
+        recovered, history = run([kill_after_epoch_2])
+    took = time.monotonic() - start
+    assert killed and "restarting epoch" in caplog.text  # the loss was seen
+    assert took < 30, (took, caplog.text)  # a stall waits 60 s at least
+    assert len(history) == 6
+    np.testing.assert_array_equal(recovered.object, undisturbed.object)
+    np.testing.assert_array_equal(recovered.probe, undisturbed.probe)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 import time
 from concurrent.futures import CancelledError
 
@@ -30,7 +31,7 @@ from .fetch import BLOCK_BYTES, fetch_state
 from .engine_protocol import RunsOwnRounds, UpdatesInPlace
 from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals, with_local
-from .placement import run_stuck_loose_tasks
+from .placement import run_stuck_loose_tasks, running_workers
 from .rounds import ChunkedData, default_split_every, map_reduce
 from .tile_epochs import tiled_epochs
 from .tile_graph import check_tiles_supported
@@ -244,6 +245,55 @@ def _replica_lost(client, graph) -> bool:
     return any(worker is not None and worker not in alive for worker in graph.replicas)
 
 
+#: After a loss, how long a restart waits for as many running workers as the run started with
+#: once one runs (nannies restart a killed worker within about 2 s): an epoch graph built
+#: earlier would keep the state and all chunks on the first worker back for the rest of the run.
+REJOIN_SECONDS = 10.0
+
+
+def _await_running(client, expected: int, timeout: float) -> None:
+    """Wait for a worker to run tasks (one only registered does not yet: tasks given to it stay
+    stuck), then up to :data:`REJOIN_SECONDS` for ``expected`` of them. :class:`ClusterUnavailable`
+    when none is there within ``timeout``."""
+    wait_for_workers(client, timeout=timeout, lost=True)
+    deadline = time.monotonic() + timeout
+    rejoin = None
+    while time.monotonic() < deadline:
+        running = len(running_workers(client))
+        if running:
+            rejoin = rejoin or time.monotonic() + REJOIN_SECONDS
+            if running >= expected or time.monotonic() >= rejoin:
+                return
+        time.sleep(0.1)
+
+
+#: How often, while epochs run, the scheduler is asked to run tasks stuck on workers that are gone.
+UNSTICK_SECONDS = 1.0
+
+
+class _Unsticker:
+    """A thread that runs :func:`~.placement.run_stuck_loose_tasks` (``pinned``) on the scheduler
+    every :data:`UNSTICK_SECONDS` while the driver waits for epochs: a task stuck on a worker that
+    died (a fused round task pinned to it, chunks persisted on it) is otherwise noticed only by
+    the watchdog, minutes later. Errors are left to the driver's own calls (a lost scheduler)."""
+
+    def __init__(self, client):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(client,), name="daskpty-unstick", daemon=True)
+        self._thread.start()
+
+    def _run(self, client) -> None:
+        while not self._stop.wait(UNSTICK_SECONDS):
+            try:
+                run_stuck_loose_tasks(client, pinned=True)
+            except Exception:  # the scheduler is gone or closing: the driver says so
+                pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
     """Epochs as graphs on the workers, each submitted before the previous one is finished, so the
     client's work between epochs (callbacks, checkpoints) overlaps the next epoch. Yields
@@ -281,7 +331,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
 
     def start(carry_state):
         """Submit an epoch from a state on the client once a worker is there to take it."""
-        wait_for_workers(client, timeout=watchdog.bound(), lost=True)
+        _await_running(client, len(started_with), watchdog.bound())
         run_stuck_loose_tasks(client)  # chunks pinned to workers that are gone: recompute anywhere
         return graph.submit(client.scatter(_carry_of(carry_state), hash=False))
 
@@ -292,6 +342,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
     reaches = 1  # the epoch count (since the start of this run) the pending epoch reaches
     following = None
     done = restarts = 0
+    unsticker = _Unsticker(client)
     try:
         while done < epochs:
             if following is None and reaches < epochs:
@@ -305,7 +356,9 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
             except (CancelledError, StaleRoundState, TimeoutError, OSError) as exc:
                 # OSError: the comm to a dying worker closed (distributed's CommClosedError)
                 restarts += 1
+                lost = _replica_lost(client, graph)
                 reason = (f"no epoch finished within {watchdog.bound():.0f} s" if isinstance(exc, TimeoutError)
+                          else "a worker that held its state was lost" if lost and isinstance(exc, StaleRoundState)
                           else f"{type(exc).__name__}: {exc}".rstrip(": "))
                 if restarts > MAX_EPOCH_RESTARTS:
                     if isinstance(exc, StaleRoundState):
@@ -317,19 +370,22 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                                                 f"{MAX_EPOCH_RESTARTS} restarts of epoch {done + 1} "
                                                 f"(last: {' '.join(reason.split())}){hint}") from None
                 logger.warning("daskpty: restarting epoch %d (%s)", done + 1, " ".join(reason.split()))
-                if isinstance(exc, StaleRoundState):  # a round task moved: keep states in the graph
-                    graph.close()
-                    graph.fused = False
                 survivor = _state_of_any(finished)
                 if survivor is not None:
                     base, base_done = survivor, finished_reached
                 release(pending, following)
                 following = None
                 try:
-                    if _replica_lost(client, graph):  # place the state copies on the workers there are
+                    # the new graph is placed on the workers that are back, never on none (then
+                    # unpinned: its fused tasks could run away from their state)
+                    _await_running(client, len(started_with), watchdog.bound())
+                    if lost or _replica_lost(client, graph):  # place the state copies on the workers there are
                         graph.close()
                         graph = EpochGraph(client, data, adapter, rounds=rounds, split_every=split_every,
                                            fused=graph.fused)
+                    elif isinstance(exc, StaleRoundState):  # a round task ran elsewhere: states in the graph
+                        graph.close()
+                        graph.fused = False
                     pending = start(base)
                 except OSError as lost:  # the scatter's comm closed under us: try again next turn
                     raise ReconstructionStalled(f"could not restart epoch {done + 1}: {lost}") from None
@@ -354,6 +410,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
             pending, following = following, None
             reaches += 1
     finally:  # stopped early (a callback, an interrupt): drop the epochs still held
+        unsticker.stop()
         release(finished, pending, following)
         graph.close()
 

@@ -44,9 +44,14 @@ def balanced_annotations(workers: list, n_chunks: int) -> list:
             for i in range(n_chunks)]
 
 
-def _run_stuck_loose_tasks(dask_scheduler=None) -> int:
+#: The key names of the tasks :func:`_run_stuck_loose_tasks` may free from a strict restriction.
+PINNED_PREFIX = "daskpty-"
+
+
+def _run_stuck_loose_tasks(dask_scheduler=None, pinned: bool = False) -> int:
     """On the scheduler: send ``no-worker`` tasks whose worker restrictions are loose but name only
-    workers that are gone to any worker (returns how many).
+    workers that are gone to any worker (returns how many); with ``pinned`` also daskpty's tasks
+    pinned strictly to workers that have all left the cluster (not merely paused).
 
     distributed (2025.x–2026.x) leaves such a task in ``no-worker`` for good once every worker it
     names has left: a joining worker only takes unrunnable tasks whose valid workers include it,
@@ -54,10 +59,23 @@ def _run_stuck_loose_tasks(dask_scheduler=None) -> int:
     worker (:func:`~.data.persist_balanced`) need exactly that recomputation after all workers
     are lost and their nannies start new ones, under new addresses. Does nothing before a worker
     is running (:func:`running_workers`).
+
+    A task pinned strictly to a worker that has left waits for it for good: the fused round
+    tasks of an epoch graph (:mod:`.epoch_graph`) whose worker died with their state. Made loose
+    and run elsewhere, they raise ``StaleRoundState`` at once, so the driver restarts the epoch
+    instead of waiting for its watchdog.
     """
     if not dask_scheduler.running:  # (a worker that has just registered is not running yet:
         return 0  # a task sent to processing now would stay in no-worker)
     stuck = [ts for ts in dask_scheduler.unrunnable if ts.loose_restrictions and not dask_scheduler.valid_workers(ts)]
+    if pinned:
+        orphans = [ts for ts in dask_scheduler.unrunnable
+                   if not ts.loose_restrictions and ts.worker_restrictions
+                   and str(ts.key[0] if isinstance(ts.key, tuple) else ts.key).startswith(PINNED_PREFIX)
+                   and not any(w in dask_scheduler.workers for w in ts.worker_restrictions)]
+        for ts in orphans:
+            ts.loose_restrictions = True
+        stuck += orphans
     if stuck:
         dask_scheduler.transitions({ts.key: "processing" for ts in stuck}, stimulus_id="daskpty-unstick")
     return len(stuck)
@@ -71,9 +89,9 @@ def running_workers(client) -> list:
     return sorted(a for a, w in live_workers(client).items() if str(w.get("status", "")).endswith("running"))
 
 
-def run_stuck_loose_tasks(client) -> int:
+def run_stuck_loose_tasks(client, pinned: bool = False) -> int:
     """Run :func:`_run_stuck_loose_tasks` on the scheduler of ``client``."""
-    return client.run_on_scheduler(_run_stuck_loose_tasks)
+    return client.run_on_scheduler(_run_stuck_loose_tasks, pinned=pinned)
 
 
 class StoredChunk:

@@ -1,0 +1,107 @@
+"""An external cluster (``dask scheduler`` and ``dask worker`` with nannies, real processes) whose
+worker processes are SIGKILLed while ``daskpty reconstruct --scheduler ... --persist yes`` runs:
+the data held in the workers' memory are read again from the store onto the workers the nannies
+start, and the run goes on within seconds, to the result of an undisturbed run. It stalled for
+the watchdog's whole wait (300 s by default) on every try."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+import daskpty
+from synthetic import make_dataset
+
+#: the watchdog's floor for these runs: a stall waits this long, a recovery must not
+STALL_SECONDS = 60
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dask(*args):
+    dask = shutil.which("dask", path=os.path.dirname(sys.executable)) or "dask"
+    return subprocess.Popen([dask, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+@pytest.fixture
+def nanny_cluster():
+    """A scheduler and one ``dask worker --nworkers 2`` (two nanny-managed worker processes);
+    yields the scheduler's address; everything is killed at the end."""
+    port = _free_port()
+    address = f"tcp://127.0.0.1:{port}"
+    procs = [_dask("scheduler", "--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0"),
+             _dask("worker", address, "--nworkers", "2", "--nthreads", "1", "--memory-limit", "500MiB",
+                   "--no-dashboard")]
+    try:
+        with Client(address, timeout=60) as c:
+            c.wait_for_workers(2, timeout=120)
+        yield address
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the process and the workers it spawned
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=30)
+
+
+def _reconstruct(store, out, address, kill_after_checkpoint: bool):
+    """``daskpty reconstruct --scheduler --persist yes``; with ``kill_after_checkpoint``, every
+    worker process is SIGKILLed once the first checkpoint is written. Returns (stderr, killed)."""
+    with Client(address, timeout=30, set_as_default=False) as c:
+        pids = list(c.run(os.getpid).values())
+    proc = subprocess.Popen([sys.executable, "-m", "daskpty", "reconstruct", str(store), "-o", str(out),
+                             "--scheduler", address, "--persist", "yes", "--epochs", "60",
+                             "--checkpoint-every", "2", "--chunk-length", "32", "--quiet"],
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "DASKPTY_STALL_SECONDS": str(STALL_SECONDS)})
+    killed = False
+    if kill_after_checkpoint:
+        deadline = time.monotonic() + 120
+        while not (out / "zarr.json").exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if proc.poll() is None:
+            for pid in pids:
+                os.kill(pid, signal.SIGKILL)
+            killed = True
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    return err, killed
+
+
+def _epoch_seconds(out) -> list:
+    with open(out / "zarr.json") as f:
+        return [h["seconds"] for h in json.load(f)["attributes"]["history"]]
+
+
+@pytest.mark.slow
+def test_killed_workers_with_persisted_data_recover_in_seconds(tmp_path, nanny_cluster):
+    ds = make_dataset(grid=16, seed=7)
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as c:
+        daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(tmp_path / "s.zarr", client=c)
+    _reconstruct(tmp_path / "s.zarr", tmp_path / "u.zarr", nanny_cluster, kill_after_checkpoint=False)
+    err, killed = _reconstruct(tmp_path / "s.zarr", tmp_path / "k.zarr", nanny_cluster, kill_after_checkpoint=True)
+    assert killed, "the run ended before its workers were killed"
+    assert "restarting epoch" in err  # the loss was seen and handled
+    slowest = max(_epoch_seconds(tmp_path / "k.zarr"))  # the epoch that waited for the recovery
+    assert slowest < 20, (slowest, err)  # a stall waits STALL_SECONDS (60 s) at least
+    undisturbed = daskpty.Reconstruction.from_zarr(tmp_path / "u.zarr")
+    recovered = daskpty.Reconstruction.from_zarr(tmp_path / "k.zarr")
+    assert recovered.epochs == undisturbed.epochs == 60
+    np.testing.assert_array_equal(recovered.object, undisturbed.object)
+    np.testing.assert_array_equal(recovered.probe, undisturbed.probe)
