@@ -306,9 +306,10 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
 
     A worker that dies takes data dask cannot recompute (the scattered start state, an epoch's
     result once its graph is forgotten, or the state a fused round task keeps in its worker);
-    dask then cancels the epoch or a round task raises :class:`~.epoch_graph.StaleRoundState`,
-    and the epoch is restarted (at most ``MAX_EPOCH_RESTARTS`` times; after a stale state, with
-    the state kept as task results) from the last finished epoch's state on a surviving worker
+    dask then cancels the epoch, or a round task pinned to that worker, run elsewhere by
+    :class:`_Unsticker`, raises :class:`~.epoch_graph.StaleRoundState`, and the epoch is
+    restarted (at most ``MAX_EPOCH_RESTARTS`` times; after a stale state with no worker lost,
+    with the state kept as task results) from the last finished epoch's state on a surviving worker
     (every worker holding chunks keeps a copy until the next epoch is finished), else from the
     last state on the client, recomputing the epochs since then. Recomputation is
     deterministic, so the result equals an undisturbed run. An epoch that does not finish within
@@ -356,9 +357,9 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
             except (CancelledError, StaleRoundState, TimeoutError, OSError) as exc:
                 # OSError: the comm to a dying worker closed (distributed's CommClosedError)
                 restarts += 1
-                lost = _replica_lost(client, graph)
+                replica_lost = _replica_lost(client, graph)
                 reason = (f"no epoch finished within {watchdog.bound():.0f} s" if isinstance(exc, TimeoutError)
-                          else "a worker that held its state was lost" if lost and isinstance(exc, StaleRoundState)
+                          else "a worker that held its state was lost" if replica_lost and isinstance(exc, StaleRoundState)
                           else f"{type(exc).__name__}: {exc}".rstrip(": "))
                 if restarts > MAX_EPOCH_RESTARTS:
                     if isinstance(exc, StaleRoundState):
@@ -379,7 +380,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                     # the new graph is placed on the workers that are back, never on none (then
                     # unpinned: its fused tasks could run away from their state)
                     _await_running(client, len(started_with), watchdog.bound())
-                    if lost or _replica_lost(client, graph):  # place the state copies on the workers there are
+                    if replica_lost or _replica_lost(client, graph):  # place the state copies on the workers there are
                         graph.close()
                         graph = EpochGraph(client, data, adapter, rounds=rounds, split_every=split_every,
                                            fused=graph.fused)
