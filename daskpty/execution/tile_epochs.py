@@ -86,18 +86,39 @@ def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds:
         return TileGraph(client, data, adapter, height, rounds=rounds, split_every=split_every)
 
     graph = layout()
-    if initialise:
-        state = graph.initialise(state)
     watchdog = Watchdog(data_bytes=data.intensities.nbytes)
+    started_with = set(live_workers(client))
+
+    def on_live_workers(action):
+        """``action(graph)`` once a worker is there, on a layout for the workers there are then.
+        A worker can die between the layout and the scatter of its tile (workers coming back one
+        by one after all were lost): the scatter then fails (the connection closed, or the
+        scheduler no longer knows the worker), and the action is tried again on the workers
+        there are then, up to ``MAX_EPOCH_RESTARTS`` more times."""
+        nonlocal graph, started_with
+        for attempt in range(MAX_EPOCH_RESTARTS + 1):
+            wait_for_workers(client, timeout=watchdog.bound(), lost=True)
+            run_stuck_loose_tasks(client)  # chunks pinned to workers that are gone: recompute anywhere
+            if set(live_workers(client)) != started_with:  # tiles for the workers there are now
+                graph, started_with = layout(), set(live_workers(client))
+            try:
+                return action(graph)
+            except (CancelledError, TimeoutError, OSError, KeyError) as exc:  # (CommClosedError: an OSError)
+                reason = " ".join(f"{type(exc).__name__}: {exc}".split())
+                logger.info("daskpty: the tiles could not be sent to their workers (%s); trying again", reason)
+                started_with = set()  # a new layout next time, whatever the workers are
+                time.sleep(min(0.5 * 2 ** attempt, 4.0))
+        raise ReconstructionStalled(f"the tiles could not be sent to the cluster's workers after "
+                                    f"{MAX_EPOCH_RESTARTS + 1} tries (last: {reason})")
+
+    if initialise:
+        state = on_live_workers(lambda g: g.initialise(state, timeout=watchdog.bound()))
 
     def start(from_state):
-        """Submit an epoch from a state on the client once a worker is there to take it."""
-        wait_for_workers(client, timeout=watchdog.bound(), lost=True)
-        run_stuck_loose_tasks(client)  # chunks pinned to workers that are gone: recompute anywhere
-        return graph.submit(graph.scatter_tiles(from_state))
+        """Submit an epoch from a state on the client."""
+        return on_live_workers(lambda g: g.submit(g.scatter_tiles(from_state)))
 
     base, base_done = state, 0  # the latest state on the client, and the epochs done to reach it
-    started_with = set(live_workers(client))
     last_end = time.time()
     pending, following = start(base), None
     reaches = 1  # the epoch count (since the start of this run) the pending epoch reaches
@@ -107,7 +128,8 @@ def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds:
             if following is None and reaches < epochs:
                 following = graph.submit(pending[0])
             try:
-                epoch, scalars, ended_at, _ = pending[1].result(timeout=watchdog.bound())
+                graph.wait([pending[1]], timeout=watchdog.bound())
+                epoch, scalars, ended_at, _ = pending[1].result()
             except (CancelledError, TimeoutError, OSError) as exc:
                 restarts += 1
                 reason = (f"no epoch finished within {watchdog.bound():.0f} s" if isinstance(exc, TimeoutError)
@@ -120,8 +142,6 @@ def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds:
                                reason)
                 _release(pending, following)
                 following = None
-                if set(live_workers(client)) != started_with:  # tiles for the workers there are now
-                    graph, started_with = layout(), set(live_workers(client))
                 pending, reaches = start(base), base_done + 1
                 continue
             if reaches > done:  # (else an epoch recomputed after a restart: already reported)

@@ -44,11 +44,16 @@ from ..engines.tile_frame import TileFrame, with_frame
 from .device_state import follow_partials, has_device_arrays, resident, to_host
 from .engine_protocol import RunsOnTiles
 from .epoch_graph import EpochCarry
-from .placement import GraphInputs, read_chunk
+from .placement import GraphInputs, read_chunk, run_stuck_loose_tasks
 from .rounds import ChunkedData, FixedTree, count_reduced, default_split_every, run_chunk
 from . import tile_halo
 from .tiles import TileLayout
 from .tuning import release_memory
+
+
+class TileWorkerLost(ConnectionError):
+    """A worker that holds a tile of the running epoch left the cluster (its tasks, pinned to
+    it, would wait for it forever): the epoch is started again on the workers there are."""
 
 
 class TilesUnsupported(ValueError):
@@ -454,9 +459,10 @@ class TileGraph:
             layers[f"{next(iter(own))[0]}-{w}"] = MaterializedLayer(own, annotations=self._on(w) or None)
         return HighLevelGraph(layers, {name: set() for name in layers})
 
-    def initialise(self, state):
+    def initialise(self, state, timeout: float | None = None):
         """The adapter's first-epoch set-up (the probe's intensity rescale) from sums formed on
-        the tiles, so no worker receives the whole object for it; returns the new state."""
+        the tiles, so no worker receives the whole object for it; returns the new state. Raises
+        as :meth:`wait` does when a tile's worker is lost."""
         starts = self.scatter_tiles(state)
         tree = FixedTree(len(self.block_keys), self.split_every)
         tasks = [{(f"daskpty-tile-sums-{self.token}", w): (
@@ -466,6 +472,7 @@ class TileGraph:
         keys = [next(iter(t)) for t in tasks]
         futures = self.client.get(self._graph(tasks, {**self.inputs, **{f.key: f for f in starts}}), keys, sync=False)
         try:
+            self.wait(futures, timeout)
             nodes = {}
             for group in self.client.gather(futures):
                 nodes.update(group)
@@ -473,6 +480,32 @@ class TileGraph:
             for f in (*futures, *starts):
                 f.release()
         return self.adapter.tile_initialise(state, tree.reduce(nodes)[tree.root])
+
+    def wait(self, futures: list, timeout: float | None = None, poll_s: float = 1.0) -> None:
+        """Wait for ``futures`` while checking every ``poll_s`` seconds that the workers holding
+        this layout's tiles are still there. A task pinned to a worker that is gone waits for it
+        forever, so a lost tile worker raises :class:`TileWorkerLost` at once rather than after
+        ``timeout`` seconds (``TimeoutError``); a data chunk whose workers left as its epoch
+        started is sent to the workers there are (:func:`~.placement.run_stuck_loose_tasks`)."""
+        from distributed import wait
+
+        from .cluster import live_workers
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = poll_s if deadline is None else min(poll_s, max(deadline - time.monotonic(), 0.0))
+            try:
+                with self.client.as_current():  # (wait uses the current client)
+                    wait(futures, timeout=step)
+                return
+            except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+            gone = {w for w in self.workers if w is not None} - set(live_workers(self.client))
+            run_stuck_loose_tasks(self.client)  # chunks to read again once the workers they named left
+            if gone:
+                raise TileWorkerLost(f"the worker{'s' if len(gone) > 1 else ''} of {len(gone)} tile"
+                                     f"{'s' if len(gone) > 1 else ''} left the cluster")
 
     def fetch(self, ends: list):
         """The whole state from the tiles of an epoch (their own rows, stitched on the client)."""
@@ -494,4 +527,4 @@ class TileGraph:
                 p.release()
 
 
-__all__ = ["TileGraph", "TilesUnsupported", "check_tiles_supported", "crop_state", "stitch_states"]
+__all__ = ["TileGraph", "TileWorkerLost", "TilesUnsupported", "check_tiles_supported", "crop_state", "stitch_states"]
