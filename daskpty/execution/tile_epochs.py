@@ -21,7 +21,7 @@ from ..io.epoch_handle import StateLost
 from .cluster import live_workers, wait_for_workers
 from .placement import run_stuck_loose_tasks
 from .rounds import ChunkedData
-from .tile_graph import TileGraph
+from .tile_graph import TileGraph, TileWorkerLost
 from .tile_results import lazy_object_bytes, lazy_state
 from .watchdog import MAX_EPOCH_RESTARTS, ReconstructionStalled, Watchdog
 
@@ -133,7 +133,8 @@ def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds:
             except (CancelledError, TimeoutError, OSError) as exc:
                 restarts += 1
                 reason = (f"no epoch finished within {watchdog.bound():.0f} s" if isinstance(exc, TimeoutError)
-                          else " ".join(f"{type(exc).__name__}: {exc}".split()))
+                          else f"a worker was lost: {exc}" if isinstance(exc, TileWorkerLost)
+                          else f"a worker was lost ({type(exc).__name__})")
                 if restarts > MAX_EPOCH_RESTARTS:
                     raise ReconstructionStalled(f"the tiled reconstruction made no progress after "
                                                 f"{MAX_EPOCH_RESTARTS} restarts of epoch {done + 1} (last: {reason})"
