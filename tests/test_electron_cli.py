@@ -166,6 +166,23 @@ def test_import_flags_fill_what_the_aperture_probe_needs(scan, use_client, tmp_p
     assert daskpty.Reconstruction.from_zarr(rec).object.shape[0] == 3
 
 
+def test_the_aperture_probe_takes_the_stored_defocus():
+    """``--probe aperture`` on an electron store with ``defocus_m`` is that defocused aperture's
+    probe (it was the in-focus one, whatever the import stored)."""
+    from daskpty.engines.sample_options import aperture_probe
+
+    meta = {"electron_voltage_v": 300e3, "wavelength_m": electron_wavelength_m(300e3), "object_pixel_size_m": 2.5e-11,
+            "convergence_semiangle_rad": 0.025, "defocus_m": 6e-9}
+    probe = aperture_probe(meta, 64, power=1.0)[0]
+    for defocus, same in ((6e-9, True), (0.0, False)):
+        ref = electron_probe(64, 2.5e-11, meta["wavelength_m"], 0.025, defocus_m=defocus)[0]
+        overlap = abs(np.vdot(probe, ref)) / (np.linalg.norm(probe) * np.linalg.norm(ref))
+        assert (overlap > 0.9999) == same, (defocus, overlap)
+    focused = aperture_probe(meta, 64, power=1.0, aperture={"defocus_m": 0.0})[0]  # the caller's own wins
+    ref = electron_probe(64, 2.5e-11, meta["wavelength_m"], 0.025, defocus_m=0.0)[0]
+    assert abs(np.vdot(focused, ref)) / (np.linalg.norm(focused) * np.linalg.norm(ref)) > 0.9999
+
+
 def test_the_aperture_error_names_the_flag(scan, use_client, tmp_path, capsys):
     """Without the convergence semi-angle, ``--probe aperture`` stops with one line that names the
     import flag; the flag on an X-ray import is refused, naming the flag that fits."""

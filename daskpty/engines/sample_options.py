@@ -192,7 +192,8 @@ class ResolvedSample:
 
 def aperture_probe(metadata: dict, n: int, *, power: float, positions=None, aperture: dict | None = None):
     """``probe="aperture"``: :func:`daskpty.physics.probes.probe_from_geometry` from the data's
-    geometry (electrons when the metadata hold ``electron_voltage_v``, else X-rays)."""
+    geometry (electrons when the metadata hold ``electron_voltage_v``, with the stored
+    ``defocus_m`` unless ``aperture`` names one; else X-rays)."""
     meta = metadata or {}
     kwargs = dict(aperture or {})
     lam, dx = meta.get("wavelength_m"), meta.get("object_pixel_size_m")
@@ -205,6 +206,8 @@ def aperture_probe(metadata: dict, n: int, *, power: float, positions=None, aper
         geometry.voltage_v = meta["electron_voltage_v"]
         geometry.convergence_semiangle_rad = kwargs.pop("convergence_semiangle_rad",
                                                         meta.get("convergence_semiangle_rad"))
+        if meta.get("defocus_m") is not None:  # the scan's own defocus (import --defocus)
+            kwargs.setdefault("defocus_m", float(meta["defocus_m"]))
     elif "diameter_m" not in kwargs:
         kwargs["diameter_m"] = probe_diameter_from_scan(positions, n) * float(dx)
     return probe_from_geometry(geometry, power=power, **kwargs)
