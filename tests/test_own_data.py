@@ -34,8 +34,10 @@ def block(marker: str, lang: str = "bash") -> str:
 
 
 def commands(marker: str) -> list[str]:
-    return [ln.split("  #")[0].strip() for ln in block(marker).splitlines()
-            if ln.startswith("daskpty ")]
+    """The block's command lines; each calls the README's ``.venv/bin/daskpty``."""
+    lines = [ln.split("  #")[0].strip() for ln in block(marker).splitlines() if ln.strip()]
+    assert all(ln.startswith(".venv/bin/daskpty ") for ln in lines), lines
+    return lines
 
 
 def run(line: str, cwd: Path) -> subprocess.CompletedProcess:
