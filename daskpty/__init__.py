@@ -53,6 +53,8 @@ _LAZY = {
     "open_data": ("daskpty.io.store", "open_data"),
     "from_arrays": ("daskpty.io.store", "from_arrays"),
     "PtychoData": ("daskpty.io.store", "PtychoData"),
+    "ScanWriter": ("daskpty.io.live", "ScanWriter"),
+    "LiveStore": ("daskpty.io.live", "LiveStore"),
     "DataError": ("daskpty.io.validate", "DataError"),
     "check_values": ("daskpty.io.validate", "check_values"),
     "reconstruct": ("daskpty.api", "reconstruct"),

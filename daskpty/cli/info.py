@@ -109,11 +109,14 @@ def describe(data) -> dict:
         "path": data.path,
         "format": meta.get("daskpty"),
         "n_patterns": n,
+        "frames_committed": n,
+        "live": _live(data),
         "pattern_shape": [h, w],
         "dtype": str(data.dtype),
         "uncompressed_bytes": raw,
         "disk_bytes": disk,
         "compression_ratio": raw / disk if disk else None,
+        "sharded": arr.shards is not None,
         "shard_shape": list(shard),
         "shard_bytes": int(np.prod(shard)) * itemsize,
         "inner_chunk_shape": list(inner),
@@ -143,9 +146,23 @@ def describe(data) -> dict:
             k: {"shape": list(s), "dtype": d} for k, (s, d) in data.truth.shapes().items()},
         "other_metadata": {k: v for k, v in meta.items() if k not in (
             "daskpty", "wavelength_m", "detector_distance_m", "detector_pixel_size_m",
-            "object_pixel_size_m", "units", "provenance")},
+            "object_pixel_size_m", "units", "provenance", "live")},
     }
     return out
+
+
+def _live(data) -> dict | None:
+    """Where a live store stands (None for an ordinary store): frames committed, the plan,
+    whether the scan ended, and a one-line description."""
+    from daskpty.io.live import LiveStore
+    from daskpty.io.live_format import is_live
+
+    if not is_live(data.metadata):
+        return None
+    status = LiveStore(data.path).status()
+    return {"frames_committed": status.frames_committed, "planned_frames": status.planned_frames,
+            "ended": status.ended, "blocks": status.blocks, "updated_unix": status.updated_unix,
+            "writer": status.writer or None, "text": status.describe()}
 
 
 def _fmt_num(v, fmt=".4g"):
@@ -160,9 +177,11 @@ def format_text(d: dict) -> str:
         f"store        {d['path']}  ({fmt.get('format')} v{fmt.get('version')})",
         f"patterns     {d['n_patterns']:,} x {d['pattern_shape'][0]} x {d['pattern_shape'][1]}  "
         f"{d['dtype']}",
-        f"chunking     shards {tuple(d['shard_shape'])} ({human_bytes(d['shard_bytes'])}) = "
-        f"dask chunks, {d['n_shards']} shard(s); inner chunks {tuple(d['inner_chunk_shape'])} "
-        f"({human_bytes(d['inner_chunk_bytes'])})",
+        (f"chunking     shards {tuple(d['shard_shape'])} ({human_bytes(d['shard_bytes'])}) = "
+         f"dask chunks, {d['n_shards']} shard(s); inner chunks {tuple(d['inner_chunk_shape'])} "
+         f"({human_bytes(d['inner_chunk_bytes'])})" if d.get("sharded", True) else
+         f"chunking     chunks {tuple(d['shard_shape'])} ({human_bytes(d['shard_bytes'])}) = "
+         f"dask chunks, {d['n_shards']} chunk(s), not sharded"),
         f"size         {human_bytes(d['uncompressed_bytes'])} uncompressed, "
         f"{human_bytes(d['disk_bytes'])} on disk"
         + (f" (ratio {d['compression_ratio']:.2f})" if d["compression_ratio"] else ""),
@@ -189,6 +208,8 @@ def format_text(d: dict) -> str:
             f"{k} {tuple(v['shape'])} {v['dtype']}" for k, v in d["truth"].items())),
         f"provenance   {d['provenance'] or '—'}",
     ]
+    if d.get("live"):
+        lines.insert(2, f"live         {d['live']['text'].removeprefix('live: ')}")
     for key, value in d["other_metadata"].items():
         if key == "import" and isinstance(value, dict):  # the provenance line says what was done
             value = f"{value.get('format')} file {value.get('source')} (details: --json)"
@@ -207,7 +228,7 @@ def format_text(d: dict) -> str:
 
 def run(args) -> int:
     from daskpty.io.store import open_data  # lazy: dask, zarr stay out of the CLI's start
-    data = open_data(args.store, validate="metadata")
+    data = open_data(args.store, validate="metadata", frames="committed")
     d = describe(data)
     report = None
     if args.check:

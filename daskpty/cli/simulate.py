@@ -50,6 +50,17 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected frames per second, got {text!r}") from None
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"the rate must be a positive number of frames per second, "
+                                         f"got {text!r}")
+    return value
+
+
 def _powers(text: str):
     try:
         return [float(v) for v in text.split(",")]
@@ -121,6 +132,11 @@ def add_parser(subparsers):
                    help="store positions with scan errors (noise, scale, rotation about the "
                         "centre) and keep the true ones in truth/; without values: "
                         + ", ".join(f"{k}={v:g}" for k, v in POSITION_ERRORS.items()))
+    p.add_argument("--rate", type=_rate, metavar="HZ",
+                   help="an acquisition stand-in: write the frames in scan order at HZ frames/s, "
+                        "a quarter second per block, into a live store other commands can read "
+                        "while it grows (computed in this process; not with --workers or the "
+                        "electron preset)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing store at OUT")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar or summary")
     return p
@@ -137,6 +153,11 @@ def run(args) -> int:
     elif electron:
         flags = ", ".join("--" + dest.replace("_", "-") for dest in electron)
         raise ValueError(f"{flags} apply to --preset electron only")
+    if args.rate is not None:
+        if args.preset == "electron" or args.workers is not None:
+            raise ValueError("--rate writes the scan from this process; it does not take "
+                             + ("--preset electron" if args.preset == "electron" else "--workers"))
+        kwargs["rate"] = args.rate
     start = time.perf_counter()
     data = simulate(args.out, args.preset, scan=args.scan, grid=args.grid,
                     n_patterns=args.n_patterns, step=args.step, probe_size=args.probe_size,
@@ -148,6 +169,14 @@ def run(args) -> int:
     if args.preset == "electron":
         if not args.quiet:
             _electron_summary(args.out, data, elapsed)
+        return 0
+    if args.rate is not None:
+        if not args.quiet:
+            print(f"wrote {data.path}: {data.n_patterns} frames of {data.pattern_shape[0]}x"
+                  f"{data.pattern_shape[1]} {data.dtype} at {args.rate:g} frames/s into a live "
+                  f"store, now ended; {elapsed:.1f} s ({data.n_patterns / elapsed:,.1f} frames/s "
+                  f"with the start)")
+            sys.stdout.flush()
         return 0
     if not args.quiet:
         n = data.n_patterns

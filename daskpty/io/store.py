@@ -27,6 +27,7 @@ import zarr
 from .integrity import (EVERY_CHUNK, NamedReader, check_json_files, check_present, check_shards,
                         chunk_files, missing_files)
 from .gather import gathered
+from .live_format import check_committed_files, committed_length, committed_reader, live_view
 from .metadata import Truth, check_truth, check_truth_shapes, make_metadata
 from .safety import interrupted_copy, store_bytes
 from .validate import (FORMAT_NAME, FORMAT_VERSION, DataError, ValueReport, check_format_attrs,
@@ -189,7 +190,7 @@ def _stored_dtype(x):
 _VALIDATE = (None, "metadata", "full")
 
 
-def open_data(path, validate: str | None = "metadata", client=None) -> PtychoData:
+def open_data(path, validate: str | None = "metadata", client=None, frames: str = "all") -> PtychoData:
     """Open a data-set store lazily.
 
     ``validate``: ``"metadata"`` (default) checks format, shapes, dtypes, positions, and that
@@ -197,6 +198,10 @@ def open_data(path, validate: str | None = "metadata", client=None) -> PtychoDat
     ``"full"`` also reads every intensity once (NaN / infinite / negative values, on ``client``
     or the current client or local threads); ``None`` checks only the format marker.
     Problems raise :class:`DataError`.
+
+    ``frames``: a live store still being written (:mod:`.live`) is refused with ``"all"``;
+    ``"committed"`` reads the frames its writer has committed so far (all frames of any other
+    store).
     """
     if validate not in _VALIDATE:
         raise ValueError(f"validate must be one of {_VALIDATE}, got {validate!r}")
@@ -214,6 +219,7 @@ def open_data(path, validate: str | None = "metadata", client=None) -> PtychoDat
         fail(f"{where} is not a Zarr store ({type(exc).__name__}); pass a daskpty data set "
              f"(a .zarr directory made by daskpty)")
     check_format_attrs(group.attrs, where)
+    live = live_view(group.attrs, where, frames)  # before the arrays: they are at least this long
     if group.metadata.zarr_format != 3:
         fail(f"{where} is a Zarr v{group.metadata.zarr_format} store; daskpty data sets are "
              f"Zarr v3, rewrite it with daskpty.from_arrays(...).to_zarr(path)")
@@ -225,21 +231,29 @@ def open_data(path, validate: str | None = "metadata", client=None) -> PtychoDat
                  f"re-create it with daskpty.from_arrays(...).to_zarr(path)")
         arrays[name] = node
     inten = arrays["intensities"]
-    if validate is not None:
-        check_intensity_layout(inten.shape, inten.dtype)
-        _check_shards(group, inten, where)
-    chunks = inten.shards or inten.chunks
-    x = _dask_array(inten, where, chunks)
+    n_live = committed_length(where, live, inten.shape[0])  # None: every frame
+    if n_live is None:
+        if validate is not None:
+            check_intensity_layout(inten.shape, inten.dtype)
+            _check_shards(group, inten, where)
+        x = _dask_array(inten, where, inten.shards or inten.chunks)
+        positions = arrays["positions"][...]
+    else:
+        if validate is not None:
+            check_intensity_layout((n_live, *inten.shape[1:]), inten.dtype)
+            for arr in arrays.values():
+                check_committed_files(arr, where, n_live)
+        x = _dask_array(committed_reader(inten, where, n_live), where, inten.chunks)
+        positions = arrays["positions"][:n_live]
     if len(x.chunks[1]) > 1 or len(x.chunks[2]) > 1:
         x = x.rechunk({1: -1, 2: -1})
-    positions = arrays["positions"][...]
     mask = group["mask"][...] if isinstance(group.get("mask"), zarr.Array) else None
     probe = group["probe"][...] if isinstance(group.get("probe"), zarr.Array) else None
     truth_group = group.get("truth")
     truth = Truth(group=truth_group) if isinstance(truth_group, zarr.Group) else None
     pattern_shape = tuple(int(s) for s in inten.shape[1:])
     if validate is not None:
-        positions = check_positions(positions, inten.shape[0])
+        positions = check_positions(positions, int(x.shape[0]))
         mask = check_mask(mask, pattern_shape)
         probe = check_probe(probe, pattern_shape)
         check_geometry(dict(group.attrs))

@@ -150,8 +150,10 @@ def make_probe(n: int, modes: int = 1, mode_powers=None, defocus_scale: float = 
 
 # --------------------------------------------------------------------------- scan
 
-def make_positions(scan: str, n_patterns: int, grid, step: float, jitter: float, n: int, rng):
-    """Scan positions (N, 2) float64 in object pixels, in a spatially compact (Morton) order,
+def make_positions(scan: str, n_patterns: int, grid, step: float, jitter: float, n: int, rng,
+                   acquisition_order: bool = False):
+    """Scan positions (N, 2) float64 in object pixels, in a spatially compact (Morton) order
+    (``acquisition_order``: as an instrument visits them, row by row or along the spiral),
     shifted so every probe window starts at least MARGIN pixels inside the object."""
     if scan == "raster":
         rows, cols = grid
@@ -167,7 +169,7 @@ def make_positions(scan: str, n_patterns: int, grid, step: float, jitter: float,
     if jitter:
         pos = pos + rng.uniform(-jitter * step, jitter * step, size=pos.shape)
     pos += (n / 2.0 + MARGIN) - pos.min(axis=0)
-    return pos[morton_order(pos, step)]
+    return pos if acquisition_order else pos[morton_order(pos, step)]
 
 
 def object_shape_for(positions, n: int) -> tuple[int, int]:
@@ -356,7 +358,7 @@ def simulate(path, preset: str = "small", *, scan: str | None = None, grid=None,
              detector_distance_m: float | None = None, detector_pixel_size_m: float | None = None,
              object="star", initial_probe: bool = True, shard_bytes: int | None = None,
              seed: int = 0, client=None, n_workers: int | None = None, progress: bool = False,
-             overwrite: bool = False, **electron):
+             overwrite: bool = False, rate: float | None = None, **electron):
     """Simulate a ptychography data set into a new store at ``path``; return it (``PtychoData``).
 
     Presets: ``small`` (24×24 raster, 64² patterns), ``medium`` (40×40, 128²), ``large``
@@ -372,6 +374,11 @@ def simulate(path, preset: str = "small", *, scan: str | None = None, grid=None,
     ``initial_probe`` (also write a slightly wrong single-mode ``probe`` guess), ``shard_bytes``,
     ``seed``. Runs on ``client``, the current client, or an embedded LocalCluster
     (``n_workers``); the ground truth goes into ``truth/``.
+
+    ``rate`` (frames per second): an acquisition stand-in instead. The frames are computed in
+    this process in the order the scan visits them and written at that rate, a quarter of a
+    second per block, through :class:`daskpty.ScanWriter` into a live store that other
+    processes can read while it grows (:mod:`.acquire`).
     """
     if preset == "electron":
         given = {k: v for k, v in dict(scan=scan, n_patterns=n_patterns, jitter=jitter, overlap=overlap,
@@ -387,6 +394,11 @@ def simulate(path, preset: str = "small", *, scan: str | None = None, grid=None,
                                  **electron)
     if electron:
         raise ValueError(f"{', '.join(sorted(electron))} apply to the electron preset only")
+    if rate is not None and not (math.isfinite(float(rate)) and float(rate) > 0):
+        raise ValueError(f"rate must be a positive number of frames per second, got {rate}")
+    if rate is not None and (client is not None or n_workers is not None):
+        raise ValueError("a simulation at a frame rate computes in its own process; drop the "
+                         "client / workers")
     from ..execution.cluster import client_context
     from ..io.progress import TextProgress
     from ..io.metadata import Truth, make_metadata
@@ -405,7 +417,7 @@ def simulate(path, preset: str = "small", *, scan: str | None = None, grid=None,
         cfg.step_px = round((1.0 - overlap) * cfg.probe_diameter_px, 3)
     rng_pos = np.random.default_rng(np.random.SeedSequence([cfg.seed, _STREAM_POSITIONS]))
     positions = make_positions(cfg.scan, cfg.n_patterns, cfg.grid, cfg.step_px, cfg.jitter, n,
-                               rng_pos)
+                               rng_pos, acquisition_order=rate is not None)
 
     shape = object_shape_for(positions, n)
     if isinstance(object, str):
@@ -449,6 +461,13 @@ def simulate(path, preset: str = "small", *, scan: str | None = None, grid=None,
     data_shape = (cfg.n_patterns, n, n)
     shard, inner = shard_layout(data_shape, cfg.dtype, shard_bytes or DEFAULT_SHARD_BYTES)
     truth = Truth(object=obj, probe=probe, positions=positions)
+    if rate is not None:
+        from .acquire import acquire
+
+        meta["simulation"]["rate_hz"] = float(rate)
+        acquire(path, cfg, meta, obj, probe, guess, positions, truth, float(rate),
+                overwrite=overwrite, progress=progress)
+        return open_data(path)
 
     with atomic_store(path, overwrite=overwrite) as tmp:
         arr = create_store(tmp, shape=data_shape, dtype=cfg.dtype, shard_len=shard,
