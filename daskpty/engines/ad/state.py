@@ -62,9 +62,8 @@ class ADOptions:
     momentum, nesterov: SGD momentum. None: :data:`SGD_MOMENTUM` (0.9) for one slice; for K
         slices μ_K = max(0, 1 − K (1 − 0.9)) (0.8, 0.7, ... ; :meth:`for_slices`): the slices'
         updates add up in the low spatial frequencies they share, so K of them at one slice's
-        momentum take about K times its step. On abTEM's 3-slab SrTiO3 scan (576 × 64², true
-        positions) 0.9 diverged within 20 epochs (also at lr 0.083); 0.7 reached NRMSE 0.073
-        at 150 epochs, 0.5 0.087, Adam 0.091 (twenty-fourth session).
+        momentum take about K times its step (on a 3-slab electron scan 0.9 diverges and 0.7
+        converges: docs/benchmarks.md, bench_electron.py).
     cg_c1, cg_backtrack, cg_max_evaluations: Armijo constant, backtracking factor, loss evaluations
         (map-reduces) allowed per CG iteration.
     orthogonalize: SVD-orthogonalise probe modes after each epoch (optimiser memory is rotated too).
