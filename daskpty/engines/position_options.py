@@ -19,7 +19,7 @@ class PositionsDiverged(ValueError):
 
 
 #: Each engine's defaults of the settings left None (:meth:`PositionOptions.for_engine`),
-#: measured on the 576 × 64² scan of benchmarks/bench_positions.py (see ``affine_gain``).
+#: measured on the 576 × 64² scan of benchmarks/bench_positions.py (docs/benchmarks.md).
 ENGINE_DEFAULTS = {"lsqml": {"affine_gain": 6.0, "start_epoch": "auto", "window_every": 1},
                    "ad": {"affine_gain": 2.0, "start_epoch": 5, "window_every": 2}}
 ENGINE_DEFAULTS["rpie"] = ENGINE_DEFAULTS["epie"] = ENGINE_DEFAULTS["lsqml"]   # the same shift, momentum and fits
@@ -41,40 +41,28 @@ AUTO_LATEST = 10
 class PositionOptions:
     """Settings of position refinement (both engines).
 
+    The defaults and the measurements behind them: docs/benchmarks.md, bench_positions.py.
+
     start_epoch: first epoch whose chunk steps move positions (epochs count from 0), or
         ``"auto"``: the epoch after the probe has settled (:data:`PROBE_SETTLED`, between epochs
         :data:`AUTO_EARLIEST` and :data:`AUTO_LATEST`). None: the engine's own
         (:data:`ENGINE_DEFAULTS`: LSQML ``"auto"``, AD 5). LSQML waits until the object and
-        probe have roughly formed: its updates from a blurred object over-step
-        (benchmarks/bench_positions.py, 576 × 64² with 1 px random errors, started from the
-        store's probe guess, 50 epochs: 0.60 px left starting at 20 with 0.1 px steps, 0.54 px
-        starting at 10 with 0.2 px steps), and from a probe still far off the windows' scale
-        follows the probe's size; how soon that is depends on the start probe (see
-        :data:`AUTO_START`). AD's Adam steps with the window correction gain from
-        an earlier start (1 px + 1.5 % + 0.5° errors, 150 epochs, three noise draws, calibration
-        probe: NRMSE 1.13 / 1.16 / 1.11× the true-position run from epoch 10, 1.12 / 1.14 / 1.11×
-        from epoch 5, with ``affine_gain`` 2).
+        probe have roughly formed: its shifts from a blurred object over-step, and from a probe
+        still far off the windows' scale follows the probe's size; how soon that is depends on
+        the start probe (:data:`AUTO_START`). AD's Adam steps with the window correction gain
+        from an earlier start.
     max_step: largest move of one pattern per epoch, pixels per axis (default 0.3; LSQML's
-        momentum-driven steps reach it in the first epochs of refinement:
-        576 × 64², 50 epochs, 0.2 → 0.3 px took 1 px + 1.5 % + 0.5° errors 0.627 → 0.611 px,
-        1 px random 0.280 → 0.267 px, 1 px + −1.5 % 0.484 → 0.480 px, NRMSE −1.5 … −2.2 %
-        in each; 0.6 gains nothing more; AD's Adam steps of about ``lr`` are clipped to it).
-    momentum: LSQML heavy-ball memory of the position update (0 disables; default 0.8: the
+        momentum-driven steps reach it in the first epochs of refinement; AD's Adam steps of
+        about ``lr`` are clipped to it).
+    momentum: LSQML heavy-ball memory of the position update (0 disables; default 0.8): the
         one-step LSQML shift under-steps about 5× at 1 px errors, and momentum lets consistent
-        shifts add up — 1 px random case, 50 epochs: 0.54 px left with 0, 0.41 with 0.5, 0.28
-        with 0.8; 1 px + 1.5 % + 0.5°: 1.22, 1.07, 0.88 px).
+        shifts add up.
     gain: LSQML fraction of the computed shift applied per epoch (0 < gain ≤ 2).
     regularization: LSQML Tikhonov term of the shift's denominator, relative to its chunk mean:
         patterns whose object patch has weak gradients (flat or still blurred) move less.
     optimizer / lr: AD only: ``"adam"`` (default; steps of about ``lr`` pixels whatever the
-        gradient's scale, within ``max_step``; default lr 0.5 — same 576 × 64² scan, 150 epochs,
-        from a calibration scan's probe, before AD had the window correction: 1 px + 1.5 % +
-        0.5° errors 0.330 → 0.073 px and NRMSE 2.57 → 1.16× the true-position run with lr
-        0.1 → 0.5 (0.3: 0.102 px, 0.8: 0.094 px); 1 px random 0.114 → 0.051 px; 1 px + −1.5 %
-        0.251 → 0.050 px; lr 0.2 or a decaying lr are slower, a second moment pooled over the
-        chunk or β₂ 0.9 / 0.99 gain nothing; see ``window_gain`` for what it then left) or
-        ``"momentum"`` (gradient descent with momentum, ``lr`` in px² per
-        unit gradient).
+        gradient's scale, within ``max_step``; default lr 0.5) or ``"momentum"`` (gradient
+        descent with momentum, ``lr`` in px² per unit gradient).
     affine: after every epoch fit the best affine map from nominal to refined positions; in the
         next epoch move every position by ``affine_gain − 1`` times the map's change over the
         epoch and pull it ``affine_blend`` of the way to the map.
@@ -82,17 +70,11 @@ class PositionOptions:
         refinement. Per-pattern updates fix random errors within a few tens of epochs but move
         the global part only slowly (the object stretches to follow it). The extra move is one
         affine map for every pattern, so the random part is untouched. None: the engine's own
-        (:data:`ENGINE_DEFAULTS`: LSQML 6, AD 2). On 576 × 64² with 1 px + 1.5 % + 0.5° errors,
-        from the store's probe (docs/benchmarks.md): LSQML 3 / 6 / 10 leave 0.72 / 0.63 / 1.60 px
-        after 50 epochs (0.40 / 0.32 px after 150; 1 px random errors only: 0.28 px either;
-        −1.5 % scale: 0.59 / 0.48 px). AD with its window correction, 150 epochs from a
-        calibration probe, starting at epoch 5: 2 and 3 tie on three noise draws of that case
-        (NRMSE 1.12–1.14× against 1.11–1.13× the true-position run), but 3 leaves 1.24× on
-        1 px random errors only (2: 1.11×) and 1.28× from the store's probe (2: 1.15×).
+        (:data:`ENGINE_DEFAULTS`: LSQML 6, AD 2); much larger gains oscillate.
     affine_blend: fraction of the way to the affine map each epoch (0 … 1; the classical affine
         constraint). Default 0: it pulls the random part of the errors back towards the map of
-        the nominal positions (same benchmark: 0.94 px left with 0.1, 0.60 px with 0). Raise it
-        when the scan is known to be an affine map of the nominal one plus little noise.
+        the nominal positions. Raise it when the scan is known to be an affine map of the
+        nominal one plus little noise.
     window_gain: fraction of the scan's global rotation, as seen inside the windows, corrected
         after each epoch (both engines; 0 disables). A global rotation (or scale) error of the
         positions makes the object turn (or stretch) with them, which the per-pattern shifts
@@ -100,35 +82,22 @@ class PositionOptions:
         the window's content (:class:`~daskpty.engines.window_deformation.WindowDeformation`, tiny additive
         sums; AD forms them from its loss gradient). The positions then move by (I + g L)⁻¹
         about their centroid and the object is resampled with them (:func:`window_correction`).
-        LSQML, 576 × 64², 1 px + 1.5 % + 0.5° errors, 50 epochs: 0.88 → 0.74 px (0.63 px with
-        LSQML's affine_gain 6; rotation 0.22° → 0.04° left), NRMSE 1.97 → 1.34× (1.30×) the
-        true-position run; 1 px-only scans unharmed. AD (with ``window_scale``, twelfth
-        session), 150 epochs from a calibration probe: 0.073 → 0.057 px and NRMSE 1.16 →
-        1.13×; on two other noise draws 0.52 / ~0.5 px → 0.06 px, where a global shear of
-        ~0.008 and a patch of edge windows had stayed wrong without it. The intensity loss
-        has no window correction (its gradient is not a constant multiple of the exit-wave
-        update). Above 1 it runs away.
+        The intensity loss has no window correction (its gradient is not a constant multiple
+        of the exit-wave update). Above 1 it runs away.
     window_every: take the windows' sums and correct in every this many epochs of refinement
         (its first, then every ``window_every``-th; 1 … 10), each correction ``window_every``
         times ``window_gain``, so the correction per epoch stays ``window_gain``. None: the
         engine's (:data:`ENGINE_DEFAULTS`: LSQML 1, AD 2). The sums are most of what refinement
-        costs in a chunk step; AD, 576 × 64², 150 epochs (fourteenth session), every 1st / 2nd
-        epoch: 1 px + 1.5 % + 0.5° errors from a calibration probe 1.12 / 1.12× the
-        true-position NRMSE, 0.057 / 0.057 px (second noise draw 1.14 / 1.14×, 0.056 / 0.056 px),
-        1 px random errors 1.11 / 1.11×, from the store's probe 1.13 / 1.12×, 0.061 / 0.059 px;
-        extra time per epoch +29 % / +15 … +19 %. Every 2nd epoch at the gain of every epoch
-        instead left 1.27× / 0.100 px from the store's probe.
+        costs in a chunk step; AD loses no accuracy taking them every 2nd epoch, LSQML's noise
+        draws do.
     window_scale: also correct the symmetric part of L (scale and shear; both engines). The probe's size
         decides what scale the windows ask for, so only with a probe of the right size (from
-        the optics or the store, not guessed from the mean pattern, which made it rescale a
-        scan by 2 % the wrong way): same case 0.88 → 0.51 px, NRMSE 1.24×; −1.5 % scale
-        error: 0.59 → 0.30 px. None (default): on when the run starts from a given probe (the
+        the optics or the store, not guessed from the mean pattern, which makes it rescale a
+        scan the wrong way). None (default): on when the run starts from a given probe (the
         ``probe`` argument or the store's), off when it is guessed from the data
-        (:meth:`for_start_probe`). From a calibration scan's probe (eleventh session, 50
-        epochs): 1 px + 1.5 % + 0.5° errors 0.470 → 0.322 px, NRMSE 1.23 → 1.15× the
-        true-position run; 1 px random errors 0.262 → 0.268 px. It costs nothing extra: the
-        windows' sums are the same either way (first moments on every pattern, the normal
-        matrix on every 4th). Unresolved (None), the chunk steps treat it as False.
+        (:meth:`for_start_probe`). It costs nothing extra: the windows' sums are the same
+        either way (first moments on every pattern, the normal matrix on every 4th).
+        Unresolved (None), the chunk steps treat it as False.
     remove_drift: also remove the mean displacement (the fitted map keeps the nominal centroid).
     max_displacement: refinement stops with :class:`PositionsDiverged` when a pattern drifts
         farther than this from its nominal position, pixels (default: a quarter of the probe size).
