@@ -64,10 +64,8 @@ class LSQMLOptions:
     delta: illumination-preconditioner regularisation, relative to max illumination. None:
         0.1 for one slice, 0.5 for K > 1 slices (:meth:`for_slices`; read as
         :attr:`object_delta`). Through slices the larger floor keeps the deeper slices, lit by
-        a spread beam, from taking noisy steps where they are barely lit: per-slice NRMSE −15 …
-        −20 % on every multislice set tried (abTEM SrTiO3 in 3 slabs, 50 epochs: 0.081 → 0.070,
-        finer-sliced 0.161 → 0.135; weak-phase 2 and 3 slices, 60 epochs: 0.067 → 0.060, 0.066
-        → 0.056; twenty-fourth session).
+        a spread beam, from taking noisy steps where they are barely lit (per-slice NRMSE
+        15–20 % lower on four of five multislice sets: docs/benchmarks.md).
     tikhonov: relative regularisation of the 2 × 2 step system.
     probe_start_epoch: first epoch in which the probe is updated (None: never).
     momentum: heavy-ball momentum on the object's per-epoch change (0 disables).
