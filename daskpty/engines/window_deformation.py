@@ -17,20 +17,17 @@ from ..physics.backend import get_xp, to_numpy
 from .positions import central_gradients
 
 #: The normal matrix (the curvature, no data residual in it) takes every GRAM_STRIDE-th pattern,
-#: scaled to all of them: it is a smooth average (every 1st / 2nd pattern left LSQML's three noise
-#: draws at 1.10 / 1.11 / 1.01× the true-position NRMSE, every 4th at 1.08 / 1.10 / 1.02×, every
-#: 8th at 1.13 / 1.12 / 1.01×; thirteenth session).
+#: scaled to all of them: it is a smooth average (on LSQML's three noise draws of
+#: bench_positions.py every 4th is as good as every pattern; every 8th is worse).
 GRAM_STRIDE = 4
 
 
 def wants_window_sums(positions, epoch: int) -> bool:
     """Whether a refining chunk step of ``epoch`` forms the window sums (both engines): with the
     window correction on (``window_gain`` > 0), in the first epoch of refinement and every
-    ``window_every``-th after it. They take every pattern's right-hand side: on every 2nd
-    pattern (with ``window_scale``, twelfth and thirteenth sessions) AD from the store's probe
-    reached 1.20× / 0.081 px against 1.15× / 0.070 and LSQML's three noise draws 1.30 / 1.20 /
-    1.17× against 1.08 / 1.10 / 1.02× (576 × 64², 1 px + 1.5 % + 0.5°): the estimate's noise is
-    applied every epoch (``window_gain``), so its global warps add up. Every 2nd *epoch* with
+    ``window_every``-th after it. They take every pattern's right-hand side: the estimate's
+    noise is applied every epoch (``window_gain``), so its global warps add up, and a sample of
+    the patterns costs accuracy (docs/benchmarks.md, bench_positions.py). Every 2nd *epoch* with
     twice the gain keeps AD's figures (``PositionOptions.window_every``)."""
     if not positions.window_gain or not positions.active(epoch):
         return False
