@@ -101,6 +101,7 @@ class ScanWriter:
                 _create(tmp, (capacity, h, w), dtype, chunk, attrs, check_mask(mask, (h, w)),
                         check_probe(probe, (h, w)), check_truth(truth, (h, w)))
                 write_record(tmp, new_record(planned))
+            _fsync_tree(path)
             fsync_path(os.path.dirname(path))
             self._attach(path)
         except BaseException:
@@ -351,6 +352,14 @@ def _create(root, shape, dtype, chunk, attrs, mask, probe, truth) -> None:
     group.create_array("positions", shape=(n, 2), dtype=np.float64, chunks=(chunk, 2),
                        fill_value=np.nan, dimension_names=("pattern", "axis"), config=WRITE_ALL,
                        overwrite=True)
+
+
+def _fsync_tree(root: str) -> None:
+    """fsync every file and directory of a newly created store (a few small files)."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            fsync_path(os.path.join(dirpath, name))
+        fsync_path(dirpath)
 
 
 def _remove_leftovers(root: str) -> None:

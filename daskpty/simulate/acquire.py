@@ -55,7 +55,7 @@ def acquire(path, cfg, meta: dict, obj, probe, guess, positions, truth, rate: fl
         _record_stats(path, stats, n_total)
         elapsed = time.monotonic() - start
     achieved = n_total / elapsed if elapsed > 0 else float("inf")
-    if achieved < 0.9 * rate:
+    if elapsed > 1.1 * n_total / rate + BLOCK_SECONDS:  # more than a block's lag behind the rate
         warnings.warn(f"the scan was written at {achieved:,.0f} frames/s, below the requested "
                       f"{rate:g}: computing the frames is slower than that here; lower --rate or "
                       f"the pattern size", UserWarning, stacklevel=3)
