@@ -1,6 +1,6 @@
 """Where a tile of the object lies in the whole object, for the parts that need to know.
 
-A worker that holds a row tile of the object (the execution layer's tiles, issue 34) runs the
+A worker that holds a row tile of the object (the execution layer's tiles) runs the
 same chunk steps as one that holds all of it, with positions moved into the tile's frame by
 whole rows (the sub-pixel fractions stay the same bits). Position refinement is the exception:
 its per-pattern positions, the affine fit's normal equations and the window correction's centre
