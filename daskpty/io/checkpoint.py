@@ -82,8 +82,8 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if 
 def sigterm_as_interrupt():
     """Inside the block, SIGTERM and SIGHUP raise KeyboardInterrupt (main thread only), so a job
     killed by a batch system's wall-time limit, or whose terminal closed, writes its checkpoint
-    like Ctrl-C does (SIGHUP used to end the run with no stop checkpoint). A signal that is
-    ignored (``nohup``) stays ignored."""
+    like Ctrl-C does (SIGHUP would otherwise end the run with no stop checkpoint). A signal that
+    is ignored (``nohup``) stays ignored."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
