@@ -1,12 +1,12 @@
 """Patterns in any order, read straight from their Zarr store, chunk by chunk.
 
-The execution layer orders the patterns (compact chunks for replicas, bands of rows for tiles) and, for
-data read from their store every round, used to apply the order as a dask fancy index. dask
-(2024+) takes such an index by a shuffle: every output chunk reads, decompresses and splits
-each whole source chunk it touches. A 120-pattern chunk by row of a Morton-ordered store
-decompressed 24 source chunks (0.12 s; the patterns it needs sit in 16 of the store's inner
-chunks). :func:`gathered` instead gives each output chunk one task that reads just the inner
-chunks holding its patterns, each once, by contiguous slices (:func:`read_rows`: 0.01 s). On a
+The execution layer orders the patterns (compact chunks for replicas, bands of rows for tiles);
+data read from their store every round must be read in that order. A dask fancy index would do
+it by a shuffle (dask 2024+): every output chunk reads, decompresses and splits each whole source
+chunk it touches (a 120-pattern chunk by row of a Morton-ordered store: 24 source chunks, 0.12 s,
+where its patterns sit in 16 inner chunks). :func:`gathered` instead gives each output chunk one
+task that reads just the inner chunks holding its patterns, each once, by contiguous slices
+(:func:`read_rows`: 0.01 s). On a
 store in acquisition (raster) order a chunk of a band of rows is then a few contiguous inner
 chunks.
 """
