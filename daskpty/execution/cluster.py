@@ -343,8 +343,8 @@ def wait_for_workers(client, timeout: float | None = None, *, say=None, lost: bo
     Returns at once when workers are there. Otherwise says once (``say``: a function taking one
     line; default stderr) that it waits, polls for up to ``timeout`` seconds (default
     :func:`worker_wait_seconds`) and raises :class:`ClusterUnavailable` naming the scheduler and
-    what to start (``lost``: the run had workers and lost them all). A cluster without workers
-    used to hang the run forever in its first gather.
+    what to start (``lost``: the run had workers and lost them all), so that a cluster without
+    workers does not hang the run in its first gather.
     """
     import sys
     import time
@@ -420,8 +420,9 @@ def _probe_scheduler(host: str, port: int, timeout: float) -> None:
 def connect(address: str, timeout: float = 10.0):
     """A ``Client`` of the scheduler at ``address``, or :class:`ClusterUnavailable` within about
     ``timeout`` seconds: a closed port, an HTTP port (the dashboard's) and an address that does
-    not answer are each one line (a closed port used to give a traceback after 32 s, an HTTP port
-    to hang). TCP addresses are probed first; other protocols go straight to distributed."""
+    not answer are each one line (distributed alone gives a traceback after 32 s for a closed
+    port and hangs on an HTTP port). TCP addresses are probed first; other protocols go straight
+    to distributed."""
     from urllib.parse import urlsplit
 
     text = str(address)
