@@ -27,9 +27,9 @@ MIB = 2**20
 SHORT_STEP = 16
 #: Memory of a worker process besides the data and the step's arrays: 84 MiB with Python, NumPy,
 #: SciPy, dask and daskpty imported, but dask reported 117–151 MiB of unmanaged memory on workers
-#: running chunk steps (FFT plans and scratch, the allocator's arenas; issue 32's 180–220 MiB
-#: workers, which the former 100 MiB let start, then paused at their limit). Counted for worker
-#: processes (with a nanny) only; in-process workers share the client's process.
+#: running chunk steps (FFT plans and scratch, the allocator's arenas: 180–220 MiB workers that
+#: a 100 MiB allowance let start then paused at their limit). Counted for worker processes (with
+#: a nanny) only; in-process workers share the client's process.
 WORKER_PROCESS_BYTES = 150 * MIB
 
 
@@ -56,7 +56,7 @@ def _baseline(client) -> int:
     worker processes with daskpty's engines imported, less the data dask manages there, at least
     :data:`WORKER_PROCESS_BYTES`; 0 for in-process workers (they share the client's process).
     Measured because it varies: 117–151 MiB were seen on workers the constant alone let run,
-    paused at their limit, for a whole run (issue 32)."""
+    paused at their limit, for a whole run."""
     workers = {a: w for a, w in client.scheduler_info(n_workers=-1).get("workers", {}).items() if w.get("nanny")}
     if not workers:
         return 0
@@ -179,8 +179,8 @@ def persist_fits(client, nbytes: int, working_bytes: int = 0, fraction: float = 
 
 
 def clamp_chunk_length(chunk_length: int | None, n_patterns: int) -> int | None:
-    """A ``chunk_length`` longer than the data set is its length, with a warning saying so (it
-    used to be refused for the memory a chunk of that length would take, which it never needs)."""
+    """A ``chunk_length`` longer than the data set is its length, with a warning saying so (not
+    refused for the memory a chunk of that length would take, which it never needs)."""
     if chunk_length is None or chunk_length <= n_patterns:
         return chunk_length
     import warnings
