@@ -4,7 +4,7 @@ Gathering a state whole sends one message of the object's size: the client holds
 shards, their merged buffer and a writeable copy of each array at once (about three object
 sizes: 2.8 GB of client RSS at the end of a run with a 7,615² object). Here the arrays larger than
 :data:`BLOCK_BYTES` travel in row blocks, each copied into one array allocated on the client, and
-the rest of the state travels as before (issue 31.7).
+the rest of the state travels whole.
 """
 from __future__ import annotations
 
