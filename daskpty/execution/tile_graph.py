@@ -2,7 +2,7 @@
 
 The replicated epoch graph (:mod:`.epoch_graph`) keeps the whole state on every worker that
 holds chunks, and every round each of them receives every other worker's partial sums whole.
-Here (issue 34) the state's object-frame arrays (the adapter's ``tile_fields``: object,
+Here the state's object-frame arrays (the adapter's ``tile_fields``: object,
 momentum, illumination) are cut into the row tiles of a :class:`~.tiles.TileLayout`: worker w
 holds rows [``held_start``, ``held_stop``) — its own strip and a halo its chunks' windows reach —
 in a frame that starts at ``held_start``. A round is then:
