@@ -1,5 +1,5 @@
 """Tiles of the object: which worker owns which rows, what it holds around them, and what a
-round's partial sums send where (issue 34; :mod:`.tile_graph` runs epochs on them).
+round's partial sums send where (:mod:`.tile_graph` runs epochs on them).
 
 The chunks are spatially ordered and each worker holds a contiguous run of them
 (:func:`~.placement.balanced_worker`), so the patterns of worker w cover a band of the object's
