@@ -20,6 +20,9 @@ deformation sums), ``OPR`` (3 eigen-probes with per-pattern weights; LSQML and A
 * FFTs: 2-D transforms of n × n (batched calls counted one transform per pattern and mode);
 * calls: element-wise calls of at least one plane per chunk step (on the GPU, kernel launches;
   on the CPU the steps run sub-batches that fit the caches, so there are more);
+* fused: the same with each call of a fused kernel of ``daskpty.physics.kernels`` (the far-field
+  update, the object gradient, the conjugate products, the step-length dots: one CuPy kernel
+  chain each on the GPU) counted as one pass that reads its arguments and writes its results once;
 * floor: seconds per epoch of ``--epoch-patterns`` patterns at ``--bandwidth-gbs`` for the
   element-wise bytes, for the FFTs' bytes (one read and one write per transform), and both.
 
@@ -119,13 +122,15 @@ def step_function(engine: str, part: str, n: int, chunk: int, modes: int, slices
         o, p, yy, q, options=options, position_terms=positions, window_sums=positions)
 
 
-def count_step(engine: str, part: str, n: int = 128, chunk: int = 64, modes: int = 4, slices: int = 3):
-    """(partial, tally) of one counted chunk step, or None where the engine has no such part."""
+def count_step(engine: str, part: str, n: int = 128, chunk: int = 64, modes: int = 4, slices: int = 3,
+               fused: bool = False):
+    """(partial, tally) of one counted chunk step, or None where the engine has no such part;
+    ``fused``: each call of a fused kernel (``daskpty.physics.kernels``) counted as one pass."""
     made = step_function(engine, part, n, chunk, modes, slices)
     if made is None:
         return None
     args, step = made
-    with PassCounter(n * n) as counter:
+    with PassCounter(n * n, fused=fused) as counter:
         part_out = step(*(counter.wrap(a) for a in args))
     return part_out, counter.tally
 
@@ -195,29 +200,35 @@ def main(argv=None) -> int:
     bad = [e for e in engines if e not in ENGINES] + [p for p in parts if p not in PARTS]
     if bad:
         ap.error(f"unknown engine or part {bad}: engines are {', '.join(ENGINES)}; parts {', '.join(PARTS)}")
-    rows = []
+    rows, fused_rows = [], []
     for engine in engines:
         for part in parts:
+            name = part.replace("K", str(a.slices))
             counted = count_step(engine, part, a.probe_size, a.chunk_length, a.modes, a.slices)
             if counted is None:
                 continue
-            r = row(engine, part.replace("K", str(a.slices)), counted[1], a.probe_size, a.chunk_length,
-                    a.bandwidth_gbs, a.epoch_patterns)
+            r = row(engine, name, counted[1], a.probe_size, a.chunk_length, a.bandwidth_gbs, a.epoch_patterns)
             r["cpu_s"] = None if a.no_time else time_step(engine, part, a.probe_size, a.chunk_length, a.modes,
                                                           a.slices)
             rows.append(r)
+            fused = count_step(engine, part, a.probe_size, a.chunk_length, a.modes, a.slices, fused=True)[1]
+            fused_rows.append(row(engine, name, fused, a.probe_size, a.chunk_length, a.bandwidth_gbs,
+                                  a.epoch_patterns))
     if a.json:
-        print(json.dumps(rows, indent=1))
+        print(json.dumps({"numpy": rows, "fused": fused_rows}, indent=1))
         return 0
     print(f"{a.probe_size}² patterns, chunks of {a.chunk_length}, per pattern; modes part: {a.modes} modes; "
           f"floor: {a.epoch_patterns:,} patterns at {a.bandwidth_gbs:g} GB/s")
-    print(HEADER)
-    print("|" + "---|" * (HEADER.count("|") - 1))
-    for r in rows:
-        print(table_line(r))
+    for title, table in (("NumPy path (CPU)", rows), ("fused kernels counted as one pass each", fused_rows)):
+        print(f"\n{title}\n\n{HEADER}")
+        print("|" + "---|" * (HEADER.count("|") - 1))
+        for r in table:
+            print(table_line(r))
     if a.ops:
-        for r in rows:
-            print("\n".join(ops_lines(r)))
+        for title, table in (("NumPy path", rows), ("fused", fused_rows)):
+            print(f"\noperations per pattern, {title}:")
+            for r in table:
+                print("\n".join(ops_lines(r)))
     return 0
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from daskpty.engines import lsqml
-from daskpty.physics import backend, fft2
+from daskpty.physics import backend, fft2, kernels
 from daskpty.physics.counting import PassCounter
 
 from synthetic import make_dataset
@@ -89,17 +89,25 @@ def _same_bits(a, b):
         assert np.asarray(x).dtype == np.asarray(y).dtype
 
 
-def test_a_counted_lsqml_chunk_step_gives_the_same_bits():
+def test_a_counted_lsqml_chunk_step_gives_the_same_bits_and_fused_kernels_count_one_pass_per_call():
     ds = make_dataset(n=N, grid=6, seed=3)
     y = np.fft.ifftshift(ds.intensities, axes=(-2, -1))
     obj, probe = (0.9 * ds.truth.object).astype(np.complex64), ds.truth.probe.astype(np.complex64)
     options = lsqml.LSQMLOptions()
     plain = lsqml.chunk_step(obj, probe, y, ds.positions, options=options, position_terms=True)
-    with PassCounter(N * N) as counter:
-        counted = lsqml.chunk_step(*(counter.wrap(v) for v in (obj, probe, y, ds.positions)), options=options,
-                                   position_terms=True)
-    _same_bits(_bits(plain), _bits(counted))
-    assert counter.tally.transforms(N, N) == 5 * 36 + 2 and counter.tally.passes > 20 * 36
+    tallies = {}
+    for fused in (False, True):
+        with PassCounter(N * N, fused=fused) as counter:
+            counted = lsqml.chunk_step(*(counter.wrap(v) for v in (obj, probe, y, ds.positions)), options=options,
+                                       position_terms=True)
+        _same_bits(_bits(plain), _bits(counted))
+        tallies[fused] = counter.tally
+    assert kernels.far_field_update.__module__ == "daskpty.physics.kernels"   # unbound again
+    assert tallies[False].transforms(N, N) == tallies[True].transforms(N, N) == 5 * 36 + 2
+    update = tallies[True].ops["kernels.far_field_update"]     # reads Ψ and y, writes Ψ', ŷ and the loss
+    assert update.passes == 36 and update.read == 36 * (PLANE + 4 * N * N) and update.written == update.read + 36 * 8
+    assert not any(name.startswith("kernels.") for name in tallies[False].ops)
+    assert 20 * 36 < tallies[True].passes < tallies[False].passes - 5 * 36
 
 
 @pytest.mark.parametrize("engine, part", [("ad", "1 slice"), ("rpie", "positions"), ("lsqml", "OPR"),

@@ -12,6 +12,11 @@ cost nothing. The FFTs are counted at :func:`daskpty.physics.backend._transform`
 size, the number of transforms batched in it and the direction; an FFT's bytes are one read and
 one write of its array (the floor of a batched transform that fits on chip).
 
+``fused=True`` counts each call of the fused-kernel entry points of :mod:`daskpty.physics.kernels`
+(:data:`FUSED_KERNELS`, the CuPy kernels of the GPU path) as one operation that reads its array
+arguments once and writes its array results once, instead of the NumPy expressions they run on
+the CPU: the traffic of the chunk step when each of those calls is a single pass.
+
 Operations nested inside a recorded one (NumPy's own Python code, the FFT backends) are not
 counted again. Smaller operations (per-pattern scalars, step systems) are tallied as calls only.
 Used by ``benchmarks/bench_passes.py``; no dask, no effect on results.
@@ -20,17 +25,21 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import backend
+from . import backend, kernels
 
 COMPLEX64_BYTES = 8
 _ALLOCATORS = ("empty", "zeros", "ones", "full", "asarray", "ascontiguousarray", "array", "empty_like",
                "zeros_like", "ones_like", "full_like")
 _state = {"counter": None, "depth": 0}
+#: the entry points of :mod:`daskpty.physics.kernels` that the GPU runs as fused CuPy kernels
+FUSED_KERNELS = ("mode_intensity", "far_field_update", "far_field_loss", "object_gradient", "conj_product",
+                 "step_dots", "object_step_dots", "poisson_alpha", "poisson_loss")
 
 
 @dataclass
@@ -162,16 +171,19 @@ class PassCounter:
     """Count the passes, bytes and FFTs of the NumPy code run inside ``with PassCounter(plane):``.
 
     ``plane``: elements of one pattern (n_y · n_x); an operation is a pass when its largest
-    operand holds at least that many. :attr:`tally` holds the counts; :meth:`wrap` makes any
-    array counted (arrays allocated inside the block already are).
+    operand holds at least that many. ``fused``: count each :data:`FUSED_KERNELS` call as one
+    pass (see the module). :attr:`tally` holds the counts; :meth:`wrap` makes any array counted
+    (arrays allocated inside the block already are).
     """
 
-    def __init__(self, plane: int):
+    def __init__(self, plane: int, fused: bool = False):
         if plane < 1:
             raise ValueError(f"plane must be the pixels of one pattern (≥ 1), got {plane}")
         self.plane = int(plane)
+        self.fused = bool(fused)
         self.tally = Tally()
         self._saved: dict = {}
+        self._bound: list = []
 
     @staticmethod
     def wrap(a):
@@ -186,13 +198,31 @@ class PassCounter:
         for name in _ALLOCATORS:
             setattr(np, name, _counted_allocator(self._saved[name]))
         backend._transform = _counted_transform(self._saved["_transform"])
+        if self.fused:
+            self._bind_fused_kernels()
         return self
 
     def __exit__(self, *exc) -> None:
         for name in _ALLOCATORS:
             setattr(np, name, self._saved[name])
         backend._transform = self._saved["_transform"]
+        for module, attr, function in self._bound:
+            setattr(module, attr, function)
+        self._bound = []
         _state["counter"] = None
+
+    def _bind_fused_kernels(self) -> None:
+        """Replace every daskpty module's binding of a :data:`FUSED_KERNELS` function (the
+        engines call them as ``kernels.name`` or import the name) by its counting wrapper."""
+        originals = {id(getattr(kernels, name)): name for name in FUSED_KERNELS}
+        wrappers = {}
+        for module in [m for k, m in list(sys.modules.items()) if k.startswith("daskpty") and m is not None]:
+            for attr, value in list(vars(module).items()):
+                name = originals.get(id(value))
+                if name is not None and callable(value):
+                    wrappers.setdefault(name, _fused_kernel(name, value))
+                    self._bound.append((module, attr, value))
+                    setattr(module, attr, wrappers[name])
 
 
 def _counted_allocator(allocate):
@@ -216,6 +246,17 @@ def _counted_transform(transform):
                 batch * n_y * n_x / counter.plane, raw.nbytes, out.nbytes)
         return _wrap(out)
     return counted
+
+
+def _fused_kernel(name: str, function):
+    def fused(*args, **kwargs):
+        with _nested():
+            result = function(*args, **kwargs)
+        ins = _arrays((_unwrap(args), {k: _unwrap(v) for k, v in kwargs.items() if k not in ("out", "work")}))
+        _record(f"kernels.{name}", ins, _arrays(_unwrap(result)))
+        return result
+    fused.__name__ = name
+    return fused
 
 
 @contextlib.contextmanager
