@@ -1,6 +1,7 @@
 """``daskpty info STORE``: describe a data-set store (optionally check every value)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -160,6 +161,9 @@ def _live(data) -> dict | None:
     if not is_live(data.metadata):
         return None
     status = LiveStore(data.path).status()
+    if status.frames_committed != data.n_patterns:  # blocks came after the opened snapshot
+        status = dataclasses.replace(status, frames_committed=data.n_patterns, ended=False,
+                                     writer=status.writer or "the scan ended since")
     return {"frames_committed": status.frames_committed, "planned_frames": status.planned_frames,
             "ended": status.ended, "blocks": status.blocks, "updated_unix": status.updated_unix,
             "writer": status.writer or None, "text": status.describe()}
