@@ -36,6 +36,7 @@ import glob
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import zarr
@@ -255,18 +256,17 @@ class ScanWriter:
             fsync_path(os.path.join(self.path, arr.path, "zarr.json"))
 
     def _sync_rows(self, start: int, stop: int) -> None:
-        """fsync the chunk files holding frames ``start .. stop-1`` and the directories above."""
-        dirs = set()
+        """fsync the chunk files holding frames ``start .. stop-1`` (at once: the file system
+        groups them into one journal commit), then the arrays' directories (the renames)."""
+        files, dirs = [], set()
         for arr in (self._inten, self._pos):
             for row in range(start // self._chunk, (stop - 1) // self._chunk + 1):
                 key = arr.metadata.encode_chunk_key((row,) + (0,) * (arr.ndim - 1))
-                file = os.path.join(self.path, arr.path, key)
-                fsync_path(file)
-                d = os.path.dirname(file)
-                while len(d) > len(self.path):
-                    dirs.add(d)
-                    d = os.path.dirname(d)
-        for d in sorted(dirs, key=len, reverse=True):
+                files.append(os.path.join(self.path, arr.path, key))
+                dirs.add(os.path.dirname(files[-1]))
+        with ThreadPoolExecutor(min(8, len(files))) as pool:
+            list(pool.map(fsync_path, files))
+        for d in dirs:
             fsync_path(d)
 
     def _commit(self, **changes) -> None:
@@ -346,11 +346,12 @@ def _create(root, shape, dtype, chunk, attrs, mask, probe, truth) -> None:
     create_store(root, shape=(1, h, w), dtype=dtype, shard_len=1, inner_len=1,
                  positions=np.zeros((1, 2)), mask=mask, probe=probe, metadata=attrs, truth=truth)
     group = zarr.open_group(root, mode="r+")
+    flat = {"name": "default", "separator": "."}  # chunk files side by side: one directory to fsync
     group.create_array("intensities", shape=(n, h, w), dtype=dtype, chunks=(chunk, h, w),
-                       compressors=_compressor(dtype), fill_value=0,
+                       compressors=_compressor(dtype), fill_value=0, chunk_key_encoding=flat,
                        dimension_names=("pattern", "y", "x"), config=WRITE_ALL, overwrite=True)
     group.create_array("positions", shape=(n, 2), dtype=np.float64, chunks=(chunk, 2),
-                       fill_value=np.nan, dimension_names=("pattern", "axis"), config=WRITE_ALL,
+                       fill_value=np.nan, chunk_key_encoding=flat, dimension_names=("pattern", "axis"), config=WRITE_ALL,
                        overwrite=True)
 
 
@@ -364,7 +365,7 @@ def _fsync_tree(root: str) -> None:
 
 def _remove_leftovers(root: str) -> None:
     """Temporary files a killed writer left: zarr's chunk files being written, the record's."""
-    for pattern in ("intensities/**/*.partial", "positions/**/*.partial", "live.json.tmp-*"):
+    for pattern in ("intensities/*.partial", "positions/*.partial", "live.json.tmp-*"):
         for file in glob.glob(os.path.join(glob.escape(root), pattern), recursive=True):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(file)

@@ -121,7 +121,7 @@ def live_view(attrs, root: str, frames: str) -> tuple[int, bool] | None:
     n, ended = int(record["frames_committed"]), bool(record.get("ended"))
     planned = record.get("planned_frames")
     if not ended and frames == "all":
-        fail(f"{root} is a live store still being written ({of_planned(n, planned)} committed, "
+        fail(f"{root} is a live store whose scan has not ended ({of_planned(n, planned)} committed, "
              f"{writer_note(root)}); read the frames so far with open_data(path, "
              f"frames='committed'), or end the scan first (its writer's close(), or "
              f"daskpty.ScanWriter.resume(path).close() when its writer has stopped)")
