@@ -74,7 +74,8 @@ class ScanWriter:
     :meth:`append` writes one block, :meth:`close` ends the scan. As a context manager the scan
     ends when the block exits normally; on an exception it is left resumable
     (:meth:`resume`), like a writer that was killed. One writer per store: the store's lock is
-    held until :meth:`close` or :meth:`stop`.
+    held until :meth:`close` or :meth:`stop`. Call it from one thread; each append fsyncs, so
+    append batches of frames (a few blocks per second), not single frames at a high rate.
     """
 
     def __init__(self, path, *, pattern_shape, dtype="uint16", planned_frames: int | None = None,
