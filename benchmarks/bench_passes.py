@@ -4,9 +4,9 @@ Usage (not run in CI):
 
     python benchmarks/bench_passes.py [--probe-size 128] [--chunk-length 64] [--modes 4] [--slices 3]
         [--bandwidth-gbs 4800] [--epoch-patterns 262144] [--engines lsqml,ad,rpie] [--parts ...] [--ops]
-        [--json]
+        [--whole-chunk] [--no-time] [--json]
 
-Runs one chunk step (LSQML ``chunk_step``, AD ``chunk_gradient``, rPIE ``chunk_step``) on one
+Runs one chunk step (LSQML ``chunk_step``, AD ``chunk_gradient``, rPIE ``chunk_step``; after an uncounted warm-up) on one
 chunk of simulated patterns, no dask, inside :class:`daskpty.physics.counting.PassCounter`, for
 each part of the forward model: ``1 slice`` (far field, one probe mode), ``K slices``, ``near
 field`` (one slice, Fresnel detector), ``positions`` (position refinement's sums and the windows'
@@ -18,8 +18,10 @@ deformation sums), ``OPR`` (3 eigen-probes with per-pattern weights; LSQML and A
   is one plane);
 * read / written: their bytes, in MB and in complex64 patterns (8 n² bytes);
 * FFTs: 2-D transforms of n × n (batched calls counted one transform per pattern and mode);
-* calls: element-wise calls of at least one plane per chunk step (on the GPU, kernel launches;
-  on the CPU the steps run sub-batches that fit the caches, so there are more);
+* calls: element-wise calls of at least one plane per chunk step (kernel launches on the GPU). The
+  CPU steps run sub-batches that fit the caches and add each window into the box apart (two
+  calls per pattern), so they make more calls; ``--whole-chunk`` steps over the whole chunk at
+  once, as the GPU path does (its box scatter is one call per array there);
 * fused: the same with each call of a fused kernel of ``daskpty.physics.kernels`` (the far-field
   update, the object gradient, the conjugate products, the step-length dots: one CuPy kernel
   chain each on the GPU) counted as one pass that reads its arguments and writes its results once;
@@ -32,6 +34,7 @@ targets. H200: ``--bandwidth-gbs 4800``; H100 SXM: ``3350``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -44,6 +47,7 @@ from daskpty.engines import ad, lsqml, lsqml_opr, pie, pie_multislice  # noqa: E
 from daskpty.engines import multislice as ms  # noqa: E402
 from daskpty.engines import multislice_gradient as msg  # noqa: E402
 from daskpty.engines import probe_model as pm  # noqa: E402
+from daskpty.engines.ad import gradient as ad_gradient  # noqa: E402
 from daskpty.engines.ad import opr as ad_opr  # noqa: E402
 from daskpty.engines.eigen_probes import initial_eigen_probes  # noqa: E402
 from daskpty.physics import model_intensities  # noqa: E402
@@ -122,14 +126,32 @@ def step_function(engine: str, part: str, n: int, chunk: int, modes: int, slices
         o, p, yy, q, options=options, position_terms=positions, window_sums=positions)
 
 
+@contextlib.contextmanager
+def whole_chunks(enabled: bool = True):
+    """Run the CPU chunk steps on the whole chunk at once, as the GPU path does, instead of
+    sub-batches that fit the caches (passes and bytes stay; the calls per step become the GPU's)."""
+    blocks = [(lsqml, "CPU_BLOCK_BYTES"), (ad_gradient, "CPU_BLOCK_BYTES"), (pie, "BLOCK_BYTES")]
+    saved = [getattr(m, name) for m, name in blocks]
+    try:
+        if enabled:
+            for m, name in blocks:
+                setattr(m, name, 1 << 62)
+        yield
+    finally:
+        for (m, name), value in zip(blocks, saved):
+            setattr(m, name, value)
+
+
 def count_step(engine: str, part: str, n: int = 128, chunk: int = 64, modes: int = 4, slices: int = 3,
                fused: bool = False):
     """(partial, tally) of one counted chunk step, or None where the engine has no such part;
-    ``fused``: each call of a fused kernel (``daskpty.physics.kernels``) counted as one pass."""
+    ``fused``: each call of a fused kernel (``daskpty.physics.kernels``) counted as one pass.
+    One uncounted step runs first, so that what the engines cache between steps is not counted."""
     made = step_function(engine, part, n, chunk, modes, slices)
     if made is None:
         return None
     args, step = made
+    step(*args)
     with PassCounter(n * n, fused=fused) as counter:
         part_out = step(*(counter.wrap(a) for a in args))
     return part_out, counter.tally
@@ -182,7 +204,7 @@ def ops_lines(r: dict, top: int = 8) -> list[str]:
     return out
 
 
-def main(argv=None) -> int:
+def arguments(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--probe-size", type=int, default=128)
     ap.add_argument("--chunk-length", type=int, default=64)
@@ -193,16 +215,23 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of: " + ", ".join(PARTS))
     ap.add_argument("--no-time", action="store_true", help="skip the uncounted CPU timing")
+    ap.add_argument("--whole-chunk", action="store_true",
+                    help="no cache-sized sub-batches: each step over the whole chunk, as on the GPU")
     ap.add_argument("--ops", action="store_true", help="each part's operations by name, biggest first")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    engines, parts = a.engines.split(","), a.parts.split(",")
-    bad = [e for e in engines if e not in ENGINES] + [p for p in parts if p not in PARTS]
+    a.engines, a.parts = a.engines.split(","), a.parts.split(",")
+    bad = [e for e in a.engines if e not in ENGINES] + [p for p in a.parts if p not in PARTS]
     if bad:
         ap.error(f"unknown engine or part {bad}: engines are {', '.join(ENGINES)}; parts {', '.join(PARTS)}")
+    return a
+
+
+def tables(a: argparse.Namespace) -> tuple[list, list]:
+    """Rows of the NumPy path and of the fused count for every engine and part asked for."""
     rows, fused_rows = [], []
-    for engine in engines:
-        for part in parts:
+    for engine in a.engines:
+        for part in a.parts:
             name = part.replace("K", str(a.slices))
             counted = count_step(engine, part, a.probe_size, a.chunk_length, a.modes, a.slices)
             if counted is None:
@@ -214,10 +243,18 @@ def main(argv=None) -> int:
             fused = count_step(engine, part, a.probe_size, a.chunk_length, a.modes, a.slices, fused=True)[1]
             fused_rows.append(row(engine, name, fused, a.probe_size, a.chunk_length, a.bandwidth_gbs,
                                   a.epoch_patterns))
+    return rows, fused_rows
+
+
+def main(argv=None) -> int:
+    a = arguments(argv)
+    with whole_chunks(a.whole_chunk):
+        rows, fused_rows = tables(a)
     if a.json:
         print(json.dumps({"numpy": rows, "fused": fused_rows}, indent=1))
         return 0
-    print(f"{a.probe_size}² patterns, chunks of {a.chunk_length}, per pattern; modes part: {a.modes} modes; "
+    print(f"{a.probe_size}² patterns, chunks of {a.chunk_length}"
+          f"{' (whole-chunk steps)' if a.whole_chunk else ''}, per pattern; modes part: {a.modes} modes; "
           f"floor: {a.epoch_patterns:,} patterns at {a.bandwidth_gbs:g} GB/s")
     for title, table in (("NumPy path (CPU)", rows), ("fused kernels counted as one pass each", fused_rows)):
         print(f"\n{title}\n\n{HEADER}")

@@ -148,6 +148,16 @@ def test_k_slices_count_four_transforms_per_slice_and_passes_linear_in_k(engine)
     assert passes[4] - passes[3] > 5
 
 
+def test_whole_chunk_steps_keep_the_passes_and_make_fewer_calls():
+    _, blocked = bench_passes.count_step("lsqml", "1 slice", 64, 48)   # 64²: sub-batches of 16 on the CPU
+    with bench_passes.whole_chunks():
+        _, whole = bench_passes.count_step("lsqml", "1 slice", 64, 48)
+    assert lsqml.CPU_BLOCK_BYTES == 1 << 20                 # restored
+    assert whole.passes == pytest.approx(blocked.passes, rel=0.01)
+    assert whole.transforms() == blocked.transforms() and whole.fft_calls < blocked.fft_calls
+    assert whole.calls < blocked.calls
+
+
 def test_the_benchmark_prints_its_table(capsys):
     assert bench_passes.main(["--probe-size", "32", "--chunk-length", "16", "--engines", "lsqml,rpie",
                               "--parts", "1 slice,OPR", "--no-time", "--ops"]) == 0
