@@ -29,10 +29,24 @@ def _data_chunks_held(dask_worker) -> int:
                if isinstance(v, np.ndarray) and v.ndim == 3 and v.shape[0] > 2 and not np.iscomplexobj(v))
 
 
+def _until_no_chunk_is_held(client, timeout=20.0):
+    """Wait for the chunks an earlier test's persisted run left on the shared workers to be
+    released (their futures are dropped with the client's garbage collection, which a loaded
+    machine delays), so the count below is this run's alone."""
+    import gc
+    import time
+
+    deadline = time.monotonic() + timeout
+    while sum(client.run(_data_chunks_held).values()) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("engine,refine", [("lsqml", None), ("lsqml", PositionOptions(start_epoch=1)),
                                            ("ad", None), ("rpie", None)])
 def test_tiles_out_of_core_equal_persisted_tiles_and_one_worker(tmp_path, three_workers, one_worker, engine, refine):
     ds, path = _store(tmp_path, three_workers)
+    _until_no_chunk_is_held(three_workers)
     held = []
 
     def watch(epoch, state, metrics):
