@@ -465,7 +465,7 @@ def simulate(path, preset: str = "small", *, scan: str | None = None, grid=None,
         from .acquire import acquire
 
         meta["simulation"]["rate_hz"] = float(rate)
-        acquire(path, cfg, meta, obj, probe, guess, positions, truth, float(rate),
+        acquire(path, cfg, meta, obj, probe, guess, positions, truth, float(rate), simulate_patterns,
                 overwrite=overwrite, progress=progress)
         return open_data(path)
 

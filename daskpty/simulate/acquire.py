@@ -20,14 +20,15 @@ def block_frames(rate: float) -> int:
     return max(1, round(rate * BLOCK_SECONDS))
 
 
-def acquire(path, cfg, meta: dict, obj, probe, guess, positions, truth, rate: float, *,
+def acquire(path, cfg, meta: dict, obj, probe, guess, positions, truth, rate: float, simulate_patterns, *,
             overwrite: bool = False, progress: bool = False) -> float:
     """Write the scan ``cfg`` (see :func:`daskpty.simulate`) into a live store at ``path`` at
     ``rate`` frames per second and end it; returns the seconds from the first frame's start to
-    the end. Warns when computing the frames could not keep up with the rate."""
+    the end. ``simulate_patterns(obj, probe, positions, start, seed, dose, dtype)`` makes a
+    block's frames (the simulator's own). Warns when computing the frames could not keep up
+    with the rate."""
     from ..io.live import ScanWriter
     from ..io.progress import TextProgress
-    from . import simulate_patterns
 
     n_total, step = cfg.n_patterns, block_frames(rate)
     bar = TextProgress(math.ceil(n_total / step), "acquire", unit="blocks", item="frames",
