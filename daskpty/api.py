@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -27,14 +28,14 @@ from .execution.scatter import scatter_in_memory
 from .execution import tile_halo
 from .execution.tile_graph import check_tiles_supported
 from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
-from .io.checkpoint import Checkpointer, sigterm_as_interrupt
+from .io.checkpoint import Checkpointer, extended_to, grown_canvas, sigterm_as_interrupt
 from .io.epoch_handle import StateLost
 from .io.identity import DataChanged, DataWatch
 from .io.inputs import (RESUMED_SETTINGS, check_initial_object, check_initial_probe, check_object_size, check_rounds,
-                        checked_data, resume_settings, resumed_store)
+                        check_resumed_modes, checked_data, resume_settings, resumed_store)
 from .io.lock import StoreLock
 from .io.results import Reconstruction
-from .io.safety import check_checkpoint_target, check_free_space, reconstruction_bytes
+from .io.safety import check_checkpoint_target, check_free_space, check_separate, reconstruction_bytes
 from .io.validate import check_values
 from .monitor.progress import interactive, make_progress
 from .options import DEFAULT_EPOCHS, Options, resolve
@@ -151,11 +152,12 @@ def _run_options(engine, epochs, seed, execution, options, positions, model, sam
     return run
 
 
-def _result_maker(layout, adapter, thick, frame_positions, origin, run_options, fixed_positions=None):
+def _result_maker(layout, adapter, thick, frame_positions, origin, run_options, fixed_positions=None, live=None):
     """``make_result(state, history)``: the :class:`Reconstruction` of a state (for checkpoints
     and the end), per-pattern state gathered from the chunks' layout. ``fixed_positions``: the
     positions a run without refinement used when they are not the nominal ``frame_positions``
-    (a refined store resumed: :func:`_fixed_positions`); the nominal ones stay recorded."""
+    (a refined store resumed: :func:`_fixed_positions`); the nominal ones stay recorded.
+    ``live``: a snapshot of a growing scan records it with the frames used and the time."""
     fixed = frame_positions if fixed_positions is None else fixed_positions
     moved = fixed is not frame_positions
 
@@ -170,7 +172,9 @@ def _result_maker(layout, adapter, thick, frame_positions, origin, run_options, 
                               engine_state=engine_state,
                               nominal_positions=frame_positions if refined is not None or moved else None,
                               probe_weights=None if weights is None else
-                              effective_weights(weights, engine_state.get("opr_weight_transform")))
+                              effective_weights(weights, engine_state.get("opr_weight_transform")),
+                              live=None if live is None else
+                              {**live, "frames_used": len(frame_positions), "snapshot_unix": time.time()})
 
     return make_result
 
@@ -199,16 +203,17 @@ def _fixed_positions(resumed, refining, frame_positions):
     return refined if refined.shape == frame_positions.shape else frame_positions
 
 
-def _callbacks(checkpointer, callback, data_path, progress) -> list:
+def _callbacks(checkpointer, callback, data_path, progress, frames: int | None = None) -> list:
     """Per-epoch callbacks in their order: the data watch first (no checkpoint of an epoch that
-    read changed data), the checkpointer, ``progress`` (a callback or None), the caller's."""
+    read changed data; ``frames``: those the run reads, of a live store), the checkpointer,
+    ``progress`` (a callback or None), the caller's."""
     callbacks = [checkpointer]
     if progress is not None:
         callbacks.append(progress)
     if callback is not None:
         callbacks.append(callback)
     if data_path:  # the store must not change under the run
-        callbacks.insert(0, DataWatch(data_path))
+        callbacks.insert(0, DataWatch(data_path, frames))
     return callbacks
 
 
@@ -384,21 +389,59 @@ def reconstruct(data, engine="lsqml", epochs: int = DEFAULT_EPOCHS, *, probe=Non
     """
     opts = resolve(engine, refine_positions=refine_positions, probe_model=probe_model, sample=sample,
                    execution=execution, run=run, **shortcuts)
+    return _start(data, epochs, probe, object, probe_modes, client, opts)
+
+
+def reconstruct_snapshot(data, epochs: int, *, live: dict, engine="lsqml", probe=None, object=None,
+                         probe_modes: int | None = None, client=None, **options) -> Reconstruction:
+    """One snapshot of a scan still being written (:func:`daskpty.workflows.follow`):
+    :func:`reconstruct` of the frames committed so far, where ``resume`` may hold fewer of them.
+
+    The resumed store must hold the first frames of ``data``: its object canvas grows to cover
+    the new frames (the origin moves by whole pixels, new pixels start at one), the new frames'
+    per-pattern state (refined positions, OPR weights, intensity factors) starts from its
+    initial value, and the execution settings are the given ones, not the store's (the data
+    changed, so bit-identity with the store's run is moot). The result, and every checkpoint,
+    records ``live`` (e.g. when following began) with ``frames_used`` and ``snapshot_unix``.
+    """
+    opts = resolve(engine, **options)
+    return _start(data, epochs, probe, object, probe_modes, client, opts, live=dict(live))
+
+
+def _start(data, epochs, probe, object, probe_modes, client, opts: Options, live=None) -> Reconstruction:
+    """Check the counts, take the checkpoint's lock and run."""
     if not isinstance(epochs, (int, np.integer)) or epochs < 0:
         raise ValueError(f"epochs must be a non-negative integer, got {epochs!r}")
     if probe_modes is not None and (not isinstance(probe_modes, (int, np.integer)) or probe_modes < 1):
         raise ValueError(f"probe_modes must be an integer >= 1, got {probe_modes!r}")
     if opts.run.checkpoint is None:
-        return _reconstruct(data, epochs, probe, object, probe_modes, client, opts)
+        return _reconstruct(data, epochs, probe, object, probe_modes, client, opts, live)
     with StoreLock(opts.run.checkpoint):  # one writer per store (daskpty.io.lock)
-        return _reconstruct(data, epochs, probe, object, probe_modes, client, opts)
+        return _reconstruct(data, epochs, probe, object, probe_modes, client, opts, live)
 
 
-def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options) -> Reconstruction:
+def _grown_resume(path, positions, n: int, probe_modes) -> Reconstruction:
+    """The store a growing scan's next snapshot continues from (:func:`reconstruct_snapshot`):
+    extended to the frames ``positions`` and its canvas grown to cover them."""
+    rec = Reconstruction.from_zarr(path)
+    if tuple(np.shape(rec.probe)[-2:]) != (n, n):
+        raise ValueError(f"the resume store {path} has a {np.shape(rec.probe)[-1]}-pixel probe but the data "
+                         f"have {n}-pixel patterns; follow the data set it was made from")
+    check_resumed_modes(path, np.shape(rec.probe)[0], probe_modes)
+    return grown_canvas(extended_to(rec, positions, path), *object_frame(positions, n))
+
+
+def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options, live=None) -> Reconstruction:
     """:func:`reconstruct` with its settings resolved (and the checkpoint's lock held)."""
     eng, execution, run, sample, model = opts.engine, opts.execution, opts.run, opts.sample, opts.probe_model
     spec, engine, checkpoint, resume = eng.spec(), eng.name, run.checkpoint, run.resume
-    check_checkpoint_target(checkpoint, data if isinstance(data, (str, os.PathLike)) else getattr(data, "path", None))
+    data_path = data if isinstance(data, (str, os.PathLike)) else getattr(data, "path", None)
+    if live is None:
+        check_checkpoint_target(checkpoint, data_path)
+    else:  # a live store's writer holds its lock while the run reads the committed frames
+        check_checkpoint_target(checkpoint)
+        if checkpoint is not None and data_path is not None:
+            check_separate(checkpoint, data_path)
     if epochs == 0 and resume is None:
         checkpoint = None  # epochs=0 is a no-op: nothing is written (docs/reliability.md)
     options, adapter = eng.make()
@@ -423,12 +466,17 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
     if adapter.valid is not None and not thick.near_field:  # far field: DC at index 0
         adapter.valid = np.fft.ifftshift(adapter.valid)
 
-    resumed = resumed_store(resume, positions, n, probe_modes) if resume is not None else None
+    if resume is None:
+        resumed = None
+    elif live is None:
+        resumed = resumed_store(resume, positions, n, probe_modes)
+    else:  # a scan that grows: the store holds its first frames
+        resumed = _grown_resume(resume, positions, n, probe_modes)
     if resumed is not None and resumed.epochs >= epochs:  # say so: no epoch runs
         warnings.warn(f"daskpty: {resume} already holds epoch {resumed.epochs} (epochs={epochs} counts "
                       f"the resumed epochs too): no epoch runs; pass epochs > {resumed.epochs} to "
                       f"continue", UserWarning, stacklevel=2)
-    if resumed is not None:  # the stored chunking, rounds and layout keep resume bit-identical
+    if resumed is not None and live is None:  # the stored chunking, rounds and layout keep resume bit-identical
         execution = _resumed_execution(execution, resumed.options, opts.execution_given)
         if execution.tiles:  # (a tiled store resumed without tiles given)
             check_tiles_supported(adapter)
@@ -444,12 +492,13 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
     run_options = _run_options(engine, epochs, eng.seed, execution, options, adapter.positions, model,
                                sample if thick.multislice else None)
     layout = PatternLayout()
-    make_result = _result_maker(layout, adapter, thick, frame_positions, origin, run_options, run_positions)
+    make_result = _result_maker(layout, adapter, thick, frame_positions, origin, run_options, run_positions, live)
     previous_history = resumed.history if resumed is not None else []
     checkpointer = Checkpointer(checkpoint, make_result, every=run.checkpoint_every, history=previous_history,
                                 check=check_finite_result)
     callbacks = _callbacks(checkpointer, run.callback, getattr(data, "path", None),
-                           _progress(run.progress, epochs, resumed, len(positions), getattr(options, "loss", eng.noise)))
+                           _progress(run.progress, epochs, resumed, len(positions), getattr(options, "loss", eng.noise)),
+                           frames=len(positions))
 
     embedded = client is None and (execution.n_workers is not None or current_client() is None)
     with client_context(client, n_workers=execution.n_workers) as c:

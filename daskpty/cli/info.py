@@ -230,8 +230,41 @@ def format_text(d: dict) -> str:
     return "\n".join(lines)
 
 
+def describe_result(path: str) -> dict:
+    """A reconstruction store in a few numbers, from its metadata only (no array is read):
+    the epoch, the shapes, ``frames_used`` (the data frames of its newest snapshot) and, for a
+    snapshot of a scan being followed, its ``live`` record."""
+    import zarr
+
+    root = zarr.open_group(path, mode="r")
+    attrs = dict(root.attrs)
+    live = attrs.get("live") if isinstance(attrs.get("live"), dict) else None
+    d = {"path": os.path.abspath(path), "format": "daskpty-reconstruction", "epoch": attrs.get("epoch"),
+         "object_shape": list(root["object"].shape), "probe_shape": list(root["probe"].shape),
+         "frames_used": int((live or {}).get("frames_used", root["positions"].shape[0])),
+         "engine": (attrs.get("options") or {}).get("engine")}
+    if live is not None:
+        d["live"] = live
+    return d
+
+
+def format_result_text(d: dict) -> str:
+    live = d.get("live") or {}
+    state = "" if not live else " (scan ended)" if live.get("scan_ended") else " (scan still being written)"
+    return "\n".join([f"reconstruction {d['path']}", f"engine       {d['engine']}, epoch {d['epoch']}",
+                      f"object       {tuple(d['object_shape'])}, probe {tuple(d['probe_shape'])}",
+                      f"frames used  {d['frames_used']:,}{state}"])
+
+
 def run(args) -> int:
+    from daskpty.io.safety import store_format
     from daskpty.io.store import open_data  # lazy: dask, zarr stay out of the CLI's start
+    if store_format(args.store) == "daskpty-reconstruction":
+        if args.check or args.plot is not None:
+            raise ValueError(f"{args.store} is a reconstruction store: --check and --plot describe data-set stores")
+        d = describe_result(args.store)
+        print(json.dumps(d, indent=2, default=str) if args.json else format_result_text(d))
+        return 0
     data = open_data(args.store, validate="metadata", frames="committed")
     d = describe(data)
     report = None

@@ -133,6 +133,20 @@ def add_parser(subparsers):
     g.add_argument("--no-check-data", dest="check_data", action="store_false",
                    help="skip the pass that reads every intensity once before the run and refuses bad "
                         "values (default: the check runs)")
+    g.add_argument("--follow", action="store_true",
+                   help="reconstruct a live store while its scan is written (daskpty.ScanWriter): snapshots "
+                        "of the frames committed so far "
+                        "go to the output store every --snapshot-every seconds; after the scan's end, "
+                        "--epochs more on the whole scan (with --resume OUTPUT: go on after a stop)")
+    g.add_argument("--follow-min-frames", type=int, default=None, metavar="N",
+                   help="frames to wait for before the first snapshot (default: two of the store's chunks, "
+                        "at most an eighth of the planned scan)")
+    g.add_argument("--snapshot-every", type=float, default=None, metavar="SECONDS",
+                   help=f"seconds between snapshots, at least one epoch each (default: {_follow_default('SNAPSHOT')})")
+    g.add_argument("--follow-timeout", type=float, default=None, metavar="SECONDS",
+                   help="seconds without a new frame after which an unfinished scan is taken as stopped: "
+                        "one line says where, the snapshot is kept, exit code 3 (default: "
+                        f"{_follow_default('TIMEOUT')})")
     p._negative_number_matcher = NEGATIVE_NUMBER  # "--slice-spacing -1e-6" is a value (then refused)
     return p
 
@@ -140,6 +154,11 @@ def add_parser(subparsers):
 #: what argparse takes for a negative number rather than an option: also ``-1e-6`` and ``-.5``
 #: (argparse's own pattern takes only ``-1`` and ``-1.5``); no option of ``reconstruct`` looks like one
 NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+def _follow_default(name: str) -> str:
+    """The follow loop's default seconds (daskpty.workflows.follow; not imported: it loads dask)."""
+    return {"SNAPSHOT": "3", "TIMEOUT": "60"}[name]
 
 
 def _slices(text):
@@ -210,8 +229,6 @@ def _rounds(text):
 def run(args) -> int:
     import daskpty
 
-    from .interrupts import set_exit_note
-
     from daskpty.io.lock import check_unlocked
     from daskpty.io.safety import check_replaceable, check_separate, check_writable, interrupted_copy
 
@@ -256,8 +273,11 @@ def run(args) -> int:
         raise ValueError("--loss, --optimizer, --lr and --probe-lr apply to --engine ad only")
     from daskpty.options import resolve
 
+    _check_follow_flags(args)
     given = {k: v for k, v in _shortcuts(args).items() if v is not None}
     options = resolve(args.engine, **given)  # bad values and conflicts: one line, before the data are read
+    if args.follow:  # the store may not hold a frame yet: its geometry is checked by the first snapshot
+        return _run_follow(args, given)
     data = daskpty.open_data(args.data)
     options.sample.resolve(data.metadata, data.pattern_shape[-1])  # multislice needs the data's geometry
     if args.epochs == 0 and args.resume is None:  # documented no-op (docs/reliability.md)
@@ -274,6 +294,77 @@ def run(args) -> int:
               f"the resumed epochs too): nothing to run, {args.output} was not written; pass "
               f"--epochs above {held} to continue", file=sys.stderr)
         return 0
+    client, scope = _client(args)
+    try:
+        rec = daskpty.reconstruct(data, args.engine, args.epochs, client=client, probe=args.probe,
+                                  probe_modes=args.probe_modes, progress=not args.quiet, checkpoint=args.output,
+                                  **given)
+    except KeyboardInterrupt:
+        kept = _kept(args.output)
+        if kept is not None:
+            print(f"daskpty: interrupted; {kept}", file=sys.stderr)
+            return 130
+        raise
+    finally:
+        scope.close()
+    _summary(args, rec, data)
+    return 0
+
+
+def _check_follow_flags(args) -> None:
+    """The follow flags: positive, and only with --follow."""
+    values = {"--follow-min-frames": args.follow_min_frames, "--snapshot-every": args.snapshot_every,
+              "--follow-timeout": args.follow_timeout}
+    given = [flag for flag, value in values.items() if value is not None]
+    if given and not args.follow:
+        raise ValueError(f"{', '.join(given)} apply with --follow only; add --follow or drop them")
+    for flag in given:
+        if not (values[flag] > 0 and math.isfinite(values[flag])):
+            raise ValueError(f"{flag} must be a positive number, got {values[flag]:g}")
+
+
+def _run_follow(args, given: dict) -> int:
+    """``reconstruct --follow``: :func:`daskpty.workflows.follow` into the output store, one line
+    per snapshot on stderr, the usual summary at the end; a stopped scan is one line, exit 3."""
+    import daskpty
+    from daskpty.workflows import ScanStopped, follow
+
+    given = dict(given)
+    resume = given.pop("resume", None)
+    timing = {k: v for k, v in (("min_frames", args.follow_min_frames), ("snapshot_every", args.snapshot_every),
+                                 ("timeout", args.follow_timeout)) if v is not None}
+    client, scope = _client(args)
+    try:
+        rec = follow(args.data, args.output, args.epochs, resume=resume, client=client, probe=args.probe,
+                     probe_modes=args.probe_modes, progress=not args.quiet,
+                     on_snapshot=None if args.quiet else _snapshot_line, **timing, **given)
+    except ScanStopped as exc:
+        print(f"daskpty: {exc}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt:
+        kept = _kept(args.output)
+        if kept is not None:
+            print(f"daskpty: interrupted; {kept} --follow", file=sys.stderr)
+            return 130
+        raise
+    finally:
+        scope.close()
+    _summary(args, rec, daskpty.open_data(args.data))
+    return 0
+
+
+def _snapshot_line(rec) -> None:
+    live = rec.live or {}
+    phase = "final" if live.get("scan_ended") else "snapshot"
+    loss = rec.history[-1].get("loss") if rec.history else None
+    print(f"daskpty: {phase}: {live.get('frames_used', len(rec.positions)):,} frames, epoch {rec.epochs}"
+          + (f", loss {loss:.4g}" if loss is not None else ""), file=sys.stderr, flush=True)
+
+
+def _client(args):
+    """The client the flags ask for (None: the embedded default) and the scope closing it."""
+    from .interrupts import set_exit_note
+
     client = None
     scope = contextlib.ExitStack()  # closes the client (and a cluster started here) at the end
     set_exit_note(lambda: _kept(args.output))  # what a forced exit after Ctrl-C reports as kept
@@ -294,18 +385,11 @@ def run(args) -> int:
         from daskpty.execution.cluster import client_context
 
         client = scope.enter_context(client_context(None, n_workers=args.workers, protocol=args.protocol))
-    try:
-        rec = daskpty.reconstruct(data, args.engine, args.epochs, client=client, probe=args.probe,
-                                  probe_modes=args.probe_modes, progress=not args.quiet, checkpoint=args.output,
-                                  **given)
-    except KeyboardInterrupt:
-        kept = _kept(args.output)
-        if kept is not None:
-            print(f"daskpty: interrupted; {kept}", file=sys.stderr)
-            return 130
-        raise
-    finally:
-        scope.close()
+    return client, scope
+
+
+def _summary(args, rec, data) -> None:
+    """The final line on stdout: what was written, the final loss, the NRMSE vs truth/."""
     last = rec.history[-1] if rec.history else {}
     line = f"wrote {args.output}: object {rec.object.shape}, probe {rec.probe.shape}"
     if last:
@@ -316,7 +400,6 @@ def run(args) -> int:
     if _has_truth_object(getattr(data, "truth", None)):
         line += _nrmse_vs_truth(rec, data)
     print(line, file=sys.stdout)
-    return 0
 
 
 def _shortcuts(args) -> dict:

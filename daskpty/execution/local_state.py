@@ -26,14 +26,23 @@ def chunk_bounds(chunk_lengths) -> np.ndarray:
 
 def initial_locals(adapter, positions_sorted: np.ndarray, chunk_lengths, arrays: dict | None = None) -> dict:
     """Every chunk's per-pattern state: ``adapter.initial_local`` of its nominal positions, or the
-    chunk's rows of ``arrays`` (whole arrays in the chunks' order, e.g. from a resumed store)."""
+    chunk's rows of ``arrays`` (whole arrays in the chunks' order, e.g. from a resumed store). A
+    row of NaN in ``arrays`` is a pattern that joined after the state was stored (a scan that
+    grows): it starts from its initial value."""
     bounds = chunk_bounds(chunk_lengths)
     out = {}
     for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         local = adapter.initial_local(positions_sorted[a:b])
         for name, values in (arrays or {}).items():
             if name in local:
-                local[name] = np.array(values[a:b], dtype=local[name].dtype)
+                rows = np.asarray(values[a:b])
+                joined = np.isnan(rows).reshape(len(rows), -1).all(axis=1) if rows.dtype.kind in "fc" \
+                    else np.zeros(len(rows), bool)
+                if joined.any():
+                    local[name] = np.array(local[name], copy=True)
+                    local[name][~joined] = rows[~joined].astype(local[name].dtype)
+                else:
+                    local[name] = np.array(rows, dtype=local[name].dtype)
         out[i] = local
     return out
 

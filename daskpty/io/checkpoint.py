@@ -14,6 +14,8 @@ import signal
 import threading
 from typing import Callable
 
+import numpy as np
+
 from .epoch_handle import EpochHandle, StateLost
 from .results import Reconstruction
 
@@ -71,6 +73,74 @@ class Checkpointer:
         rec.to_zarr(self.path, overwrite=True)
         self.written_epoch = state.epoch
         return rec
+
+
+#: engine-state names of per-pattern arrays (one row per pattern, ``daskpty.execution.local_state``)
+PER_PATTERN_PREFIXES = ("position_", "pattern_")
+
+
+def extended_to(rec: Reconstruction, positions: np.ndarray, path) -> Reconstruction:
+    """``rec`` (a snapshot of the first M frames of a scan) for the frames ``positions`` (N ≥ M,
+    data frame) of the same scan grown: the new frames' positions appended (object frame) and
+    their per-pattern state rows NaN, i.e. "start from the initial value where they join"
+    (:func:`daskpty.execution.local_state.initial_locals`). One line when the stored frames are
+    not the first frames of these data."""
+    nominal = rec.positions if rec.nominal_positions is None else rec.nominal_positions
+    m, n = len(nominal), len(positions)
+    if m > n or not np.allclose(np.asarray(nominal) - rec.origin, positions[:m], atol=1e-6):
+        raise ValueError(f"the resume store {path} holds {m:,} frames that are not the first frames "
+                         f"of these data ({n:,} frames); follow the data set it was made from, or "
+                         f"start afresh without resuming")
+    if m == n:
+        return rec
+    new = positions[m:] + rec.origin
+    out = copy.copy(rec)
+    out.positions = np.concatenate([rec.positions, new])
+    if rec.nominal_positions is not None:
+        out.nominal_positions = np.concatenate([rec.nominal_positions, new])
+    if rec.probe_weights is not None:
+        out.probe_weights = _nan_rows(rec.probe_weights, n - m)
+    out.engine_state = {k: _nan_rows(v, n - m) if k.startswith(PER_PATTERN_PREFIXES) and np.ndim(v) >= 1
+                        and len(v) == m else v for k, v in rec.engine_state.items()}
+    return out
+
+
+def grown_canvas(rec: Reconstruction, shape, origin) -> Reconstruction:
+    """``rec`` on an object canvas covering its own and the frame ``(shape, origin)`` (where
+    position (0, 0) lies): the old canvas shifted by whole pixels, new pixels of the object one
+    (its initial value), of the illumination and of object-sized engine state zero, the
+    positions moved with the origin. ``rec`` itself when its canvas already covers the frame."""
+    obj = np.asarray(rec.object)
+    h, w = obj.shape[-2:]
+    old = np.asarray(rec.origin, dtype=np.float64)
+    shift = np.maximum(np.ceil(np.asarray(origin, dtype=np.float64) - old), 0).astype(int)
+    far = np.maximum(np.ceil(np.asarray(shape) - np.asarray(origin) + old + shift), (h + shift[0], w + shift[1]))
+    size = far.astype(int)
+    if not shift.any() and tuple(size) == (h, w):
+        return rec
+    pad = ((int(shift[0]), int(size[0] - h - shift[0])), (int(shift[1]), int(size[1] - w - shift[1])))
+
+    def grown(arr, value):
+        arr = np.asarray(arr)
+        return np.pad(arr, ((0, 0),) * (arr.ndim - 2) + pad, constant_values=value)
+
+    out = copy.copy(rec)
+    out.object = grown(obj, 1)
+    if rec.illumination is not None:
+        out.illumination = grown(rec.illumination, 0)
+    out.engine_state = {k: grown(v, 1 if "object" in k else 0) if np.ndim(v) >= 2 and np.shape(v)[-2:] == (h, w)
+                        else v for k, v in rec.engine_state.items()}
+    out.origin = old + shift
+    out.positions = np.asarray(rec.positions) + shift
+    if rec.nominal_positions is not None:
+        out.nominal_positions = np.asarray(rec.nominal_positions) + shift
+    return out
+
+
+def _nan_rows(arr, k: int) -> np.ndarray:
+    arr = np.asarray(arr)
+    dtype = np.result_type(arr.dtype, np.float32)
+    return np.concatenate([arr.astype(dtype, copy=False), np.full((k, *arr.shape[1:]), np.nan, dtype)])
 
 
 #: Signals that end a run like Ctrl-C: SIGTERM (a batch system's wall time), SIGHUP (the

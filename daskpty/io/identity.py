@@ -9,7 +9,10 @@ file metadata only — name, size and modification time of every file of its ``i
 """
 from __future__ import annotations
 
+import json
 import os
+
+from .live_format import LIVE_ATTR
 
 WATCHED = ("zarr.json", "intensities", "positions", "mask")
 
@@ -18,9 +21,14 @@ class DataChanged(ValueError):
     """The data-set store was modified or replaced while a reconstruction was reading it."""
 
 
-def store_fingerprint(path) -> tuple:
-    """``(relative path, size, mtime_ns, inode)`` of every watched file of the store, sorted."""
+def store_fingerprint(path, frames: int | None = None) -> tuple:
+    """``(relative path, size, mtime_ns, inode)`` of every watched file of the store, sorted.
+    ``frames``: a run reads only the first ``frames`` frames of a live store (one still being
+    written, :mod:`.live_format`): then only the chunk files those frames fill are watched, the
+    files its writer goes on changing (the chunk at the commit boundary, the arrays' and the
+    root's ``zarr.json``) are not."""
     root = os.fspath(path)
+    full_rows = _full_live_rows(root, frames)
     entries = []
     for name in WATCHED:
         top = os.path.join(root, name)
@@ -33,22 +41,52 @@ def store_fingerprint(path) -> tuple:
                 st = os.stat(f)
             except FileNotFoundError:  # removed between the walk and the stat: changed anyway
                 continue
-            entries.append((os.path.relpath(f, root), st.st_size, st.st_mtime_ns, st.st_ino))
+            rel = os.path.relpath(f, root)
+            if full_rows is None or _kept_in_live(rel, full_rows):
+                entries.append((rel, st.st_size, st.st_mtime_ns, st.st_ino))
     return tuple(sorted(entries))
+
+
+def _full_live_rows(root: str, frames: int | None) -> int | None:
+    """Chunks along N that ``frames`` frames fill in the live store at ``root``; None for an
+    ordinary store (or ``frames`` None): every file is watched."""
+    if frames is None:
+        return None
+    try:
+        with open(os.path.join(root, "zarr.json"), encoding="utf-8") as f:
+            live = json.load(f).get("attributes", {}).get(LIVE_ATTR)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(live, dict) or not live.get("chunk_frames"):
+        return None
+    return int(frames) // int(live["chunk_frames"])
+
+
+def _kept_in_live(rel: str, full_rows: int) -> bool:
+    """Whether a live store's file is watched: the mask, and chunk files of intensities and
+    positions in the first ``full_rows`` rows (keys ``c.ROW.…``)."""
+    parts = rel.split(os.sep)
+    if parts[0] == "mask":
+        return True
+    key = parts[-1].split(".")
+    return parts[0] in ("intensities", "positions") and len(key) > 1 and key[0] == "c" and \
+        key[1].isdigit() and int(key[1]) < full_rows
 
 
 class DataWatch:
     """Epoch callback: raise :class:`DataChanged` when the store's fingerprint differs from the
-    one taken at the start. A stat of each shard file per epoch (no data read)."""
+    one taken at the start. A stat of each shard file per epoch (no data read). ``frames``: the
+    frames the run reads (see :func:`store_fingerprint`)."""
 
     takes_epoch_state = True  # never fetches the state
 
-    def __init__(self, path):
+    def __init__(self, path, frames: int | None = None):
         self.path = os.fspath(path)
-        self.fingerprint = store_fingerprint(self.path)
+        self.frames = frames
+        self.fingerprint = store_fingerprint(self.path, frames)
 
     def __call__(self, epoch, state, metrics):
-        now = store_fingerprint(self.path)
+        now = store_fingerprint(self.path, self.frames)
         if now != self.fingerprint:
             before, after = set(self.fingerprint), set(now)
             changed = sorted({e[0] for e in before ^ after})

@@ -39,6 +39,9 @@ class Reconstruction:
         refinement moved ``positions`` (else None: they are the nominal ones).
     probe_weights: (N, K) float64 OPR weights of every pattern (column 0: the mean probe's) in
         the eigen-probes' current basis (``reconstruct(opr_modes=K)``; else None).
+    live: for a snapshot of a scan still being written (:func:`daskpty.workflows.follow`):
+        ``frames_used`` (the data's frames it was made from), ``snapshot_unix`` (when it was
+        made), ``started_unix`` (when following began) and whether the scan had ended; else None.
     """
 
     object: np.ndarray
@@ -52,6 +55,7 @@ class Reconstruction:
     engine_state: dict = field(default_factory=dict)
     nominal_positions: np.ndarray | None = None
     probe_weights: np.ndarray | None = None
+    live: dict | None = None
 
     @property
     def eigen_probes(self) -> np.ndarray | None:
@@ -168,6 +172,7 @@ class Reconstruction:
             "epoch": int(self.epochs),
             "history": _jsonable(self.history),
             "options": _jsonable(self.options),
+            **({"live": _jsonable(self.live)} if self.live is not None else {}),
         })
 
     @property
@@ -235,7 +240,8 @@ class Reconstruction:
                    origin=np.asarray(root.attrs["origin"], dtype=np.float64), illumination=a.get("illumination"),
                    history=list(root.attrs.get("history", [])), options=dict(root.attrs.get("options", {})),
                    epoch=_stored_epoch(root.attrs.get("epoch", 0), path), engine_state=engine_state,
-                   nominal_positions=a.get("nominal_positions"), probe_weights=a.get("probe_weights"))
+                   nominal_positions=a.get("nominal_positions"), probe_weights=a.get("probe_weights"),
+                   live=root.attrs.get("live"))
 
 
 def _stored_epoch(value, path) -> int:

@@ -1,0 +1,177 @@
+"""Following a scan while it is written: ``daskpty reconstruct DATA --follow``.
+
+Real processes on one real store: a writer (``daskpty simulate ... --rate``) and followers (the
+CLI) started beside it, a writer killed with SIGKILL, a follower killed and resumed. One
+writer's scan is shared by the followers of the module's fixture, which run at the same time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import daskpty
+from daskpty.cli import main
+from daskpty.io.checkpoint import extended_to, grown_canvas
+from daskpty.io.results import Reconstruction
+from daskpty.metrics import nrmse_vs_truth
+
+GRID, PROBE, RATE, EPOCHS = "14x14", "32", 40, 8     # 196 frames: ~4.9 s of scan
+N_FRAMES = 196
+FOLLOW = ["--follow", "--follow-min-frames", "24", "--snapshot-every", "0.4", "--follow-timeout", "30",
+          "--epochs", str(EPOCHS), "--seed", "1"]
+
+
+def _cli(*args, **kw):
+    return subprocess.Popen([sys.executable, "-m", "daskpty", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+
+
+def _kill(proc):
+    """SIGKILL the process and the processes it started (its workers): a crash."""
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _writer(path, rate=RATE, grid=GRID):
+    return _cli("simulate", path, "--grid", grid, "--probe-size", PROBE, "--rate", rate, "--quiet")
+
+
+def _snapshots(stderr: str) -> list[int]:
+    """Frames of each snapshot the follower reported ('daskpty: snapshot: 1,234 frames, ...')."""
+    return [int(line.split()[2].replace(",", "")) for line in stderr.splitlines()
+            if line.startswith("daskpty: snapshot:")]
+
+
+def _wait(proc, timeout=120):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+@pytest.fixture(scope="module")
+def followed(tmp_path_factory):
+    """One scan written at RATE frames/s, followed from its start by a plain LSQML follower, one
+    refining positions, one on tiles (2 workers) and one SIGKILLed after its first snapshot and
+    resumed with --resume OUT --follow."""
+    root = tmp_path_factory.mktemp("follow")
+    data = root / "scan.zarr"
+    writer = _writer(data)
+    runs = {"plain": [], "refine": ["--refine-positions", "start_epoch=2"], "tiles": ["--tiles"]}
+    procs = {name: _cli("reconstruct", data, "-o", root / f"{name}.zarr", *FOLLOW, *extra, "--workers",
+                        2 if name == "tiles" else 1) for name, extra in runs.items()}
+    killed = _cli("reconstruct", data, "-o", root / "killed.zarr", *FOLLOW, "--workers", 1)
+    out = root / "killed.zarr"
+    deadline = time.monotonic() + 60
+    while not os.path.isdir(out) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _kill(killed)
+    killed_frames = _frames_used(out) if os.path.isdir(out) else None
+    resumed = _cli("reconstruct", data, "-o", out, "--resume", out, *FOLLOW, "--workers", 1)
+    results = {name: _wait(p) for name, p in procs.items()}
+    results["resumed"] = _wait(resumed)
+    assert _wait(writer)[0] == 0
+    return {"root": root, "data": data, "results": results, "killed_frames": killed_frames}
+
+
+def _frames_used(path) -> int:
+    return Reconstruction.from_zarr(path).live["frames_used"]
+
+
+def test_snapshots_grow_and_the_result_matches_an_offline_run(followed, capsys):
+    """The follower's snapshots use more and more frames; the final result uses all of them, is
+    the ordinary result-store format, and its NRMSE against the truth is at most 1.1 x that of
+    an offline run with the same epochs after the scan's end. (The follower ran more epochs
+    before the end, on part of the scan, so it should not be worse; 1.1 leaves room for a
+    different chunking and rounds of the partial scans leading somewhere a little different.)"""
+    rc, out, err = followed["results"]["plain"]
+    assert rc == 0, err[-3000:]
+    frames = _snapshots(err)
+    assert len(frames) >= 2 and frames == sorted(frames) and frames[0] < frames[-1], frames
+    assert frames[0] < N_FRAMES, "the first snapshot came after the scan had ended"
+    rec = Reconstruction.from_zarr(followed["root"] / "plain.zarr")
+    assert rec.live["frames_used"] == N_FRAMES and rec.live["scan_ended"]
+    assert len(rec.positions) == N_FRAMES and rec.epochs == rec.live["final_from_epoch"] + EPOCHS
+    capsys.readouterr()
+    assert main(["info", "--json", str(followed["root"] / "plain.zarr")]) == 0
+    assert json.loads(capsys.readouterr().out)["frames_used"] == N_FRAMES
+    data = daskpty.open_data(followed["data"])
+    offline = daskpty.reconstruct(data, epochs=EPOCHS, n_workers=1, seed=1, progress=False)
+    live_err = nrmse_vs_truth(rec.object, rec.positions, rec.illumination, data.truth)
+    offline_err = nrmse_vs_truth(offline.object, offline.positions, offline.illumination, data.truth)
+    assert live_err <= 1.1 * offline_err, (live_err, offline_err)
+
+
+@pytest.mark.parametrize("name", ["refine", "tiles"])
+def test_followers_with_refinement_and_tiles_run_to_the_end(followed, name):
+    rc, out, err = followed["results"][name]
+    assert rc == 0, err[-3000:]
+    assert _snapshots(err), "no snapshot before the end"
+    rec = Reconstruction.from_zarr(followed["root"] / f"{name}.zarr")
+    assert rec.live["frames_used"] == N_FRAMES and rec.live["scan_ended"]
+    assert np.isfinite(rec.object).all()
+    if name == "refine":
+        assert rec.nominal_positions is not None and len(rec.nominal_positions) == N_FRAMES
+    else:
+        assert rec.options["tiles"]
+    assert "wrote" in out
+
+
+def test_a_killed_follower_resumes_and_catches_up(followed):
+    """SIGKILLed once its output holds a snapshot, the follower goes on from it with
+    --resume OUT --follow and ends with every frame used, counting on from the kept epochs."""
+    assert followed["killed_frames"] is not None, "the follower was killed before its first snapshot"
+    assert followed["killed_frames"] < N_FRAMES
+    rc, out, err = followed["results"]["resumed"]
+    assert rc == 0, err[-3000:]
+    rec = Reconstruction.from_zarr(followed["root"] / "killed.zarr")
+    assert rec.live["frames_used"] == N_FRAMES and rec.live["scan_ended"]
+
+
+def test_a_writer_killed_without_ending_ends_the_follower_in_one_line(tmp_path):
+    """The writer is SIGKILLed mid-scan: after --follow-timeout seconds without a new frame the
+    follower ends (exit 3) with one line naming the frame the scan stopped at; the snapshot of
+    those frames is kept in the output store."""
+    data, out = tmp_path / "scan.zarr", tmp_path / "r.zarr"
+    writer = _writer(data, rate=40, grid="20x20")   # 400 frames: 10 s, killed after ~2.5 s
+    follower = _cli("reconstruct", data, "-o", out, "--follow", "--follow-min-frames", "24",
+                    "--snapshot-every", "0.4", "--follow-timeout", "3", "--epochs", "4", "--workers", "1")
+    time.sleep(2.5)
+    _kill(writer)
+    rc, stdout, err = _wait(follower)
+    committed = daskpty.LiveStore(data).status().frames_committed
+    assert 0 < committed < 400
+    assert rc == 3, err[-3000:]
+    lines = [line for line in err.splitlines() if not line.startswith("daskpty: snapshot:")]
+    assert lines == [lines[0]] and f"the scan stopped at frame {committed:,} of 400" in lines[0], err[-3000:]
+    assert "is kept in" in lines[0]
+    rec = Reconstruction.from_zarr(out)
+    assert rec.live["frames_used"] == committed and not rec.live["scan_ended"]
+
+
+def test_a_grown_canvas_keeps_every_pixel_where_it_was():
+    """Growing the canvas for frames further out moves the origin by whole pixels; each old
+    pixel keeps its data coordinate, new pixels are one, and the new frames' per-pattern state
+    rows are NaN (initial values)."""
+    rng = np.random.default_rng(0)
+    obj = (rng.random((40, 50)) + 1j * rng.random((40, 50))).astype(np.complex64)
+    pos = np.array([[10.0, 12.0], [11.0, 20.0]])
+    rec = Reconstruction(object=obj, probe=np.ones((1, 8, 8), np.complex64), positions=pos + [5, 6],
+                         origin=np.array([5.0, 6.0]), illumination=np.abs(obj).astype(np.float32),
+                         engine_state={"pattern_intensity_scale": np.ones((2, 1)), "velocity": obj * 0})
+    more = np.vstack([pos, [[-20.0, 12.0], [30.0, 70.0]]])
+    grown = grown_canvas(extended_to(rec, more, "R"), (80, 110), np.array([30.0, 8.0]))
+    dy, dx = (grown.origin - rec.origin).astype(int)
+    assert (dy, dx) == (25, 2)
+    assert np.array_equal(grown.object[dy:dy + 40, dx:dx + 50], obj)
+    assert grown.object.shape[0] >= 80 and np.all(grown.object[:dy] == 1)
+    assert np.allclose(grown.positions, more + grown.origin)
+    assert np.isnan(grown.engine_state["pattern_intensity_scale"][2:]).all()
+    assert grown.engine_state["velocity"].shape == grown.object.shape
+    with pytest.raises(ValueError, match="not the first frames"):
+        extended_to(rec, more[::-1], "R")
