@@ -355,7 +355,7 @@ def _run_follow(args, given: dict) -> int:
 
 def _snapshot_line(rec) -> None:
     live = rec.live or {}
-    phase = "final" if live.get("scan_ended") else "snapshot"
+    phase = "final" if "final_from_epoch" in live else "snapshot"
     loss = rec.history[-1].get("loss") if rec.history else None
     print(f"daskpty: {phase}: {live.get('frames_used', len(rec.positions)):,} frames, epoch {rec.epochs}"
           + (f", loss {loss:.4g}" if loss is not None else ""), file=sys.stderr, flush=True)
