@@ -76,7 +76,7 @@ def follow(data, output, epochs: int = DEFAULT_EPOCHS, *, min_frames: int | None
     with client_context(client, n_workers=n_workers) as c:
         loop = _Loop(path, output, live, resume, previous, c, options, on_snapshot)
         store = _wait_for_store(path, timeout, poll)
-        if store is not None:
+        if store is not None and not store.status().ended:
             loop.grow(store, min_frames, snapshot_every, timeout, poll)
         return loop.finish(epochs, progress)
 
@@ -93,14 +93,14 @@ class _Loop:
         self.epochs = previous.epochs if previous is not None else 0
 
     def grow(self, store: LiveStore, min_frames, snapshot_every, timeout, poll) -> None:
-        """Cycles until the scan has ended (then every frame is used), or ScanStopped."""
+        """Cycles until the scan has ended and a snapshot used every frame, or ScanStopped."""
         status = store.status()
         watch = _CommitWatch(store, timeout)
         status = watch.wait_for(_min_frames(store, status, min_frames), poll, self)
-        while not status.ended:
+        while not status.ended or 0 < self.used < status.frames_committed:  # (the end: one snapshot of all)
             if status.frames_committed > self.used or not watch.stalled():
                 self.cycle(open_data(self.path, frames="committed"), _Clock(snapshot_every, store),
-                           {**self.live, "scan_ended": False})
+                           {**self.live, "scan_ended": status.ended})
             else:
                 raise ScanStopped(watch.message(status, self))
             status = watch.update()
