@@ -194,15 +194,21 @@ def _client_epochs(client, data, adapter, state, epochs, rounds, split_every):
     local = getattr(state, "chunk_local", None)
     watchdog = Watchdog(data_bytes=data.intensities.nbytes)
     in_place = isinstance(adapter, UpdatesInPlace) and not isinstance(adapter, RunsOwnRounds)
-    for _ in range(epochs):
-        start = time.perf_counter()
-        state = adapter.begin_epoch_owned(state) if in_place else adapter.begin_epoch(state)
-        state, scalars, local = _run_rounds(client, data, adapter, state, rounds, split_every, local, watchdog,
-                                            in_place)
-        state = adapter.end_epoch_owned(state) if in_place else adapter.end_epoch(state)
-        scalars.update(adapter.epoch_scalars(state))
-        # a shallow copy: the next epoch rebinds this state's arrays (it never writes into them)
-        yield EpochState(state.epoch, state=with_local(state, local)), scalars, time.perf_counter() - start
+    # persisted chunks lost with their workers wait in no-worker for a round that waits for them
+    unsticker = _Unsticker(client) if data.persisted else None
+    try:
+        for _ in range(epochs):
+            start = time.perf_counter()
+            state = adapter.begin_epoch_owned(state) if in_place else adapter.begin_epoch(state)
+            state, scalars, local = _run_rounds(client, data, adapter, state, rounds, split_every, local, watchdog,
+                                                in_place)
+            state = adapter.end_epoch_owned(state) if in_place else adapter.end_epoch(state)
+            scalars.update(adapter.epoch_scalars(state))
+            # a shallow copy: the next epoch rebinds this state's arrays (it never writes into them)
+            yield EpochState(state.epoch, state=with_local(state, local)), scalars, time.perf_counter() - start
+    finally:
+        if unsticker is not None:
+            unsticker.stop()
 
 
 logger = logging.getLogger("daskpty")

@@ -301,7 +301,7 @@ def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0
                                             "the workers") from None
             logger.warning("daskpty: restarting round %d (%s)", round_index + 1, reason)
             wait_for_workers(client, timeout=timeout, lost=True)
-            _unstick(client)
+            _unstick(client, timeout)
 
 
 class _RoundTimedOut(Exception):
@@ -312,10 +312,17 @@ class _ClusterError(Exception):
     """The scatter of a round's payload failed: the cluster's doing, never a task's."""
 
 
-def _unstick(client) -> None:
-    from .placement import run_stuck_loose_tasks
+def _unstick(client, timeout: float | None) -> None:
+    """Run the tasks stuck on workers that are gone (persisted chunks) once a worker runs tasks:
+    one that has only registered takes none, and they stayed stuck until the round's timeout."""
+    import time
 
+    from .placement import run_stuck_loose_tasks, running_workers
+
+    deadline = time.monotonic() + (60.0 if timeout is None else timeout)
     try:
+        while not running_workers(client) and time.monotonic() < deadline:
+            time.sleep(0.1)
         run_stuck_loose_tasks(client)
     except OSError:  # the scheduler went away meanwhile: the next try says so
         pass
