@@ -382,6 +382,7 @@ def test_auto_start_waits_for_the_probe_to_settle(scan, client, monkeypatch):
     assert decided == positions.AUTO_LATEST
     tolerance = float(min(change[3:7])) * (1 + 1e-3)   # the rule meets it there, not by a rounding
     monkeypatch.setattr(positions, "PROBE_SETTLED", tolerance)
+    monkeypatch.setattr(positions, "LOSS_SETTLED", np.inf)   # the probe's rule alone
     decided, change2 = run()
     expected = next(e + 1 for e in range(positions.AUTO_EARLIEST - 1, len(change)) if change[e] <= tolerance)
     np.testing.assert_array_equal(change2[:expected], change[:expected])  # the same run until it starts

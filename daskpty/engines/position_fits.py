@@ -102,22 +102,43 @@ def affine_parameters(affine) -> dict:
 
 def accumulate_affine(state, total) -> None:
     """``apply``: add a round's affine normal equations to the state's sums of the epoch (a new
-    dict: copies of a state share the old one)."""
+    dict: copies of a state share the old one), and its loss to the epoch's (``epoch_loss``, once
+    :func:`~.positions.note_epoch_start` has started it)."""
+    if getattr(state, "epoch_loss", None) is not None:     # the epoch's misfit (start and boost rules)
+        state.epoch_loss += float(total.scalars.get("loss", 0.0))
     if "affine_xtx" in total.arrays:
         sums = state.affine_sums or {}
         state.affine_sums = {k: sums.get(k, 0.0) + total.arrays[k] for k in ("affine_xtx", "affine_xty")}
 
 
+#: A rise of the epoch's misfit by more than this fraction rejects the global moves
+#: (:func:`misfit_rose`): the loss of a settled run wanders by less (ideal 576 × 64² scan, up to
+#: 0.02 % between epochs once refining), a scale the data do not pin raised it 0.3–0.5 % per epoch
+#: (the electron preset, LSQML, 3 slices).
+MISFIT_RISE = 1e-3
+
+
+def misfit_rose(state) -> bool:
+    """Whether the data misfit of the epoch that ended (the loss summed over its rounds,
+    :func:`accumulate_affine`) rose by more than :data:`MISFIT_RISE` over the epoch before's."""
+    loss, previous = getattr(state, "epoch_loss", None), getattr(state, "previous_loss", None)
+    return bool(previous) and loss is not None and loss > previous * (1 + MISFIT_RISE)
+
+
 def fit_affine(state, options: PositionOptions, window=None) -> None:
     """End of an epoch: solve the epoch's affine normal equations into ``state.affine`` and the
     next epoch's ``state.affine_boost``. The state has ``affine``, ``affine_boost``, ``affine_sums``;
-    ``window``: the window correction the epoch applied (LSQML), not boosted."""
+    ``window``: the window correction the epoch applied (LSQML), not boosted.
+
+    The boost is a proposal the data must accept: once ``state.affine_held`` (a refining
+    epoch's misfit rose, :func:`~.positions.finish_epoch`) no further boost is made."""
     if state.affine_sums is not None and options.affine:
         fitted = solve_affine(state.affine_sums["affine_xtx"], state.affine_sums["affine_xty"],
                               options.remove_drift)
         if fitted is not None:
-            state.affine_boost = affine_boost(state.affine, state.affine_boost, fitted, options.affine_gain,
-                                              window)
+            held = getattr(state, "affine_held", False)
+            state.affine_boost = None if held else affine_boost(state.affine, state.affine_boost, fitted,
+                                                                options.affine_gain, window)
             state.affine = fitted
     state.affine_sums = None
 
@@ -185,7 +206,9 @@ def fit_window(state, options: PositionOptions):
         return None
     centre = sums["window_positions"][:2] / count
     L = state.window_deformation
-    if not options.window_scale:          # the rotation only: the antisymmetric part of L
+    if not options.window_scale or getattr(state, "affine_held", False):   # the rotation only:
+        # the antisymmetric part of L (the scale follows the probe's size, which the data may not
+        # pin: once a refining epoch's misfit rose it is no longer taken)
         L = (L - L.T) / 2
     gain = options.window_gain * (options.window_every or 1)   # the per-epoch gain, taken every window_every
     state.window_map, matrix, offset = window_correction(L, centre, gain)

@@ -33,8 +33,9 @@ ENGINE_DEFAULTS["rpie"] = ENGINE_DEFAULTS["epie"] = ENGINE_DEFAULTS["lsqml"]   #
 #: against 0.31–0.37 px from 10) and worst from the second (0.60 against 0.50 px).
 AUTO_START = "auto"
 PROBE_SETTLED = 0.01
+LOSS_SETTLED = 0.02
 AUTO_EARLIEST = 3
-AUTO_LATEST = 10
+AUTO_LATEST = 20
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from .position_fits import (  # noqa: F401  (re-exported)
     fit_window,
     mapped,
     mapped_affine,
+    misfit_rose,
     move_to_affine,
     solve_affine,
     solve_window_deformation,
@@ -43,6 +44,7 @@ from .position_options import (  # noqa: F401  (re-exported)
     AUTO_LATEST,
     AUTO_START,
     ENGINE_DEFAULTS,
+    LOSS_SETTLED,
     OPTIMIZERS,
     PROBE_SETTLED,
     PositionOptions,
@@ -173,11 +175,13 @@ def probe_change(before, after) -> float:
     return float(np.linalg.norm(after - np.asarray(to_numpy(before)))) / scale if scale > 0 else float("inf")
 
 
-def decide_start(epoch: int, change: float) -> int | None:
-    """After epoch ``epoch`` ended with the probe's relative change ``change``: the start epoch of
-    an ``"auto"`` refinement (the next epoch, once the probe has settled or by
-    :data:`AUTO_LATEST`), or None (not yet)."""
-    if epoch + 1 >= AUTO_LATEST or (change <= PROBE_SETTLED and epoch + 1 >= AUTO_EARLIEST):
+def decide_start(epoch: int, change: float, fall: float = 0.0) -> int | None:
+    """After epoch ``epoch`` ended with the probe's relative change ``change`` and the loss's
+    relative fall ``fall`` over the epoch before: the start epoch of an ``"auto"`` refinement
+    (the next epoch, once the probe has settled and the loss changes by at most
+    :data:`LOSS_SETTLED`, or by :data:`AUTO_LATEST`), or None (not yet)."""
+    settled = change <= PROBE_SETTLED and abs(fall) <= LOSS_SETTLED
+    if epoch + 1 >= AUTO_LATEST or (settled and epoch + 1 >= AUTO_EARLIEST):
         return epoch + 1
     return None
 
@@ -188,7 +192,10 @@ def options_for(options: PositionOptions | None, state) -> PositionOptions | Non
 
 
 def note_epoch_start(state, options: PositionOptions) -> None:
-    """Start of an epoch, both engines: keep the probe for ``"auto"``'s start rule while undecided."""
+    """Start of an epoch, both engines: keep the probe for ``"auto"``'s start rule while
+    undecided, and the last epoch's loss (``previous_loss``; the new one's sums from zero) for
+    that rule and the affine boost's (:func:`~.position_fits.fit_affine`)."""
+    state.previous_loss, state.epoch_loss = getattr(state, "epoch_loss", None), 0.0
     if options.start_epoch == AUTO_START and state.positions_start is None:
         state.epoch_start_probe = np.array(to_numpy(state.probe), copy=True)
 
@@ -199,23 +206,46 @@ def start_parameters(state) -> dict:
 
 
 def start_arrays(state) -> dict:
-    """The decided start epoch for a checkpoint (``positions_start``, 0-d int64), if any."""
-    return {} if state.positions_start is None else {"positions_start": np.asarray(state.positions_start, np.int64)}
+    """For a checkpoint: the decided start epoch (``positions_start``, 0-d int64), the last
+    epoch's loss (``positions_loss``, 0-d float64) and whether the affine boost is held
+    (``affine_held``, 0-d int8), those that are set."""
+    out = {} if state.positions_start is None else {"positions_start": np.asarray(state.positions_start, np.int64)}
+    if getattr(state, "epoch_loss", None) is not None:
+        out["positions_loss"] = np.asarray(state.epoch_loss, np.float64)
+    if getattr(state, "affine_held", False):
+        out["affine_held"] = np.asarray(1, np.int8)
+    return out
 
 
 def start_from_arrays(arrays: dict | None) -> int | None:
-    """Inverse of :func:`start_arrays`."""
+    """Inverse of :func:`start_arrays` for the start epoch (the rest: :func:`restore_rules`)."""
     value = (arrays or {}).get("positions_start")
     return None if value is None else int(np.asarray(value))
+
+
+def restore_rules(state, arrays: dict | None):
+    """Into a resumed ``state``: the last epoch's loss and the affine boost's hold of
+    :func:`start_arrays`. Returns the state."""
+    arrays = arrays or {}
+    if "positions_loss" in arrays:
+        state.epoch_loss = float(np.asarray(arrays["positions_loss"]))
+    if "affine_held" in arrays:
+        state.affine_held = bool(np.asarray(arrays["affine_held"]))
+    return state
 
 
 def finish_epoch(state, options: PositionOptions, move_object) -> None:
     """End of a refining epoch, both engines: the windows' correction of the next epoch
     (:func:`fit_window`; ``move_object(state, matrix, offset)`` resamples the engine's object
     and its memory with it), then the affine fit (:func:`fit_affine`), which leaves out the
-    window correction this epoch applied."""
+    window correction this epoch applied. The global moves are proposals the data must accept:
+    once an epoch that took one (a window correction or an affine boost) ends with a higher
+    misfit than the epoch before, ``state.affine_held`` stops the affine boost and the
+    correction's scale and shear for the rest of the run."""
     options = options.for_state(state)
     applied = state.window_map if options.active(state.epoch) else None
+    if applied is not None or state.affine_boost is not None:
+        state.affine_held = getattr(state, "affine_held", False) or misfit_rose(state)
     warp = fit_window(state, options)
     if warp is not None:
         move_object(state, *warp)
@@ -228,7 +258,9 @@ def settle_start(state, options: PositionOptions) -> None:
     next epoch when the probe has settled over the one that ended (:func:`decide_start`)."""
     if options.start_epoch != AUTO_START or state.positions_start is not None or state.epoch_start_probe is None:
         return
-    state.positions_start = decide_start(state.epoch - 1, probe_change(state.epoch_start_probe, state.probe))
+    loss, previous = getattr(state, "epoch_loss", None), getattr(state, "previous_loss", None)
+    fall = 0.0 if loss is None else np.inf if not previous else (previous - loss) / previous
+    state.positions_start = decide_start(state.epoch - 1, probe_change(state.epoch_start_probe, state.probe), fall)
     state.epoch_start_probe = None
 
 

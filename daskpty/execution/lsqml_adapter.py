@@ -20,7 +20,7 @@ from ..engines import sample_model as sm
 from ..engines.multislice_positions import initial_ratios
 from ..engines.tile_frame import TileFrame, frame_of
 from ..engines.positions import (epoch_parameters, step_maps, PositionOptions, finish_epoch, initial_local, note_epoch_start,
-                                 options_for, settle_start, start_arrays, start_from_arrays)
+                                 options_for, restore_rules, settle_start, start_arrays, start_from_arrays)
 from ..engines.probe_model import ProbeModelOptions
 from .probe_model_part import ProbeModelPart
 from .rounds import ChunkedData, map_reduce
@@ -172,6 +172,7 @@ class LSQMLAdapter:
                                  window_map=engine_state.get("window_map"),
                                  window_gram=engine_state.get("window_gram"),
                                  positions_start=start_from_arrays(engine_state))
+        restore_rules(state, engine_state)
         if self.probe_model is not None:
             self.probe_model.attach(state, probe, engine_state)
         return state

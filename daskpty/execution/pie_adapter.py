@@ -23,7 +23,7 @@ from ..engines import sample_model as sm
 from ..engines.multislice_positions import initial_ratios
 from ..engines.tile_frame import TileFrame, frame_of
 from ..engines.positions import (epoch_parameters, step_maps, PositionOptions, finish_epoch, initial_local, note_epoch_start,
-                                 options_for, settle_start, start_arrays, start_from_arrays)
+                                 options_for, restore_rules, settle_start, start_arrays, start_from_arrays)
 from .rounds import ChunkedData, map_reduce
 
 
@@ -129,11 +129,11 @@ class PIEAdapter:
     def new_state(self, obj, probe, epoch: int = 0, engine_state: dict | None = None):
         """A state from an object, a probe and (when resuming) the saved position arrays."""
         engine_state = engine_state or {}
-        return lsqml.LSQMLState(object=sm.as_slices(obj, self.sample), probe=probe, epoch=epoch,
-                                affine=engine_state.get("affine"), affine_boost=engine_state.get("affine_boost"),
-                                window_map=engine_state.get("window_map"),
-                                window_gram=engine_state.get("window_gram"),
-                                positions_start=start_from_arrays(engine_state))
+        return restore_rules(lsqml.LSQMLState(
+            object=sm.as_slices(obj, self.sample), probe=probe, epoch=epoch,
+            affine=engine_state.get("affine"), affine_boost=engine_state.get("affine_boost"),
+            window_map=engine_state.get("window_map"), window_gram=engine_state.get("window_gram"),
+            positions_start=start_from_arrays(engine_state)), engine_state)
 
     def engine_state(self, state) -> dict:
         """PIE keeps no memory beyond the object and the probe but the positions' fits."""

@@ -9,7 +9,7 @@ import numpy as np
 
 from ...physics.backend import get_xp
 from ..partials import Partial
-from ..positions import accumulate_affine, accumulate_window, start_arrays, start_from_arrays
+from ..positions import accumulate_affine, accumulate_window, restore_rules, start_arrays, start_from_arrays
 from ...physics.noise_models import get_noise_model
 from .losses import DEFAULT_EPS
 from .optimizers import SGD, Adam, ConjugateGradient, OptimizerState
@@ -233,10 +233,10 @@ class ADState:
             elif name == "iteration":
                 iteration = int(np.asarray(value))
         arrays = arrays or {}
-        return cls(object=obj, probe=probe, epoch=int(epoch), optimizer=opt, iteration=iteration,
-                   affine=arrays.get("affine"), affine_boost=arrays.get("affine_boost"),
-                   window_map=arrays.get("window_map"), window_gram=arrays.get("window_gram"),
-                   positions_start=start_from_arrays(arrays))
+        return restore_rules(cls(object=obj, probe=probe, epoch=int(epoch), optimizer=opt, iteration=iteration,
+                                 affine=arrays.get("affine"), affine_boost=arrays.get("affine_boost"),
+                                 window_map=arrays.get("window_map"), window_gram=arrays.get("window_gram"),
+                                 positions_start=start_from_arrays(arrays)), arrays)
 
 
 # --------------------------------------------------------------------------------------------------
