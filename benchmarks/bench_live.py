@@ -73,6 +73,7 @@ def main(argv=None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--refine-positions", action="store_true")
     p.add_argument("--tiles", action="store_true")
+    p.add_argument("--min-frames", type=int, default=None, help="frames before the first snapshot")
     p.add_argument("--no-offline", action="store_true", help="skip the offline run")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
@@ -99,9 +100,9 @@ def main(argv=None) -> int:
         with client_context(None, n_workers=args.workers) as client:
             t0 = time.time()
             rec = follow(data, out, args.epochs, snapshot_every=args.snapshot_every, client=client, timeout=120,
-                         on_snapshot=lambda r: snapshots.append((time.time(), r.live["frames_used"],
-                                                                 bool(r.live.get("scan_ended")))),
-                         **options)
+                         min_frames=args.min_frames, on_snapshot=lambda r: snapshots.append(
+                             (time.time(), r.live["frames_used"], "final_from_epoch" in r.live, r.epochs,
+                              [h.get("seconds", 0.0) for h in r.history])), **options)
             t_end = time.time()
             _, werr = writer.communicate()
             stop.set()
@@ -116,9 +117,12 @@ def main(argv=None) -> int:
                 offline_s = time.time() - t1
                 offline_err = nrmse_vs_truth(off.object, off.positions, off.illumination, d.truth)
         scan_end = commits[-1][0]
-        growing = [(t, u) for t, u, ended in snapshots if not ended]
-        lag = lags(commits, [(t, u) for t, u, _ in snapshots], n)
+        growing = [(t, u) for t, u, final, _, _ in snapshots if not final]
+        lag = lags(commits, [(t, u) for t, u, *_ in snapshots], n)
         times = np.array([t for t, _ in growing])
+        first_used = growing[0][1] if growing else n
+        overhead = [(t1 - t0_) - sum(h1[e0:]) for (t0_, _, _, e0, _), (t1, _, f1, _, h1)
+                    in zip(snapshots[:-1], snapshots[1:]) if not f1]
         report = {
             "grid": args.grid, "probe_size": args.probe_size, "rate_hz": args.rate, "workers": args.workers,
             "refine_positions": args.refine_positions, "tiles": args.tiles, "epochs_after_end": args.epochs,
@@ -131,6 +135,11 @@ def main(argv=None) -> int:
                                     "max": float(np.max(np.diff(times))) if len(times) > 1 else None},
             "lag_s": {"p50": float(np.nanpercentile(lag, 50)), "p95": float(np.nanpercentile(lag, 95)),
                       "max": float(np.nanmax(lag))},
+            "frames_in_first_snapshot": first_used,
+            "lag_after_first_snapshot_s": {"p50": float(np.nanpercentile(lag[first_used:], 50)),
+                                           "p95": float(np.nanpercentile(lag[first_used:], 95))}
+            if first_used < n else None,
+            "cycle_overhead_s_p50": float(np.median(overhead)) if overhead else None,
             "final_after_end_s": t_end - scan_end, "follow_total_s": t_end - t0,
             "final_epochs": rec.epochs, "final_from_epoch": rec.live.get("final_from_epoch"),
             "nrmse_follow": float(live_err), "nrmse_offline": None if offline_err is None else float(offline_err),

@@ -156,14 +156,16 @@ def test_a_writer_killed_without_ending_ends_the_follower_in_one_line(tmp_path):
 
 def test_a_grown_canvas_keeps_every_pixel_where_it_was():
     """Growing the canvas for frames further out moves the origin by whole pixels; each old
-    pixel keeps its data coordinate, new pixels are one, and the new frames' per-pattern state
-    rows are NaN (initial values)."""
+    pixel keeps its data coordinate, new object pixels are one and new pixels of object-sized
+    engine state (momenta, optimiser moments) zero, and the new frames' per-pattern state rows
+    are NaN (initial values)."""
     rng = np.random.default_rng(0)
     obj = (rng.random((40, 50)) + 1j * rng.random((40, 50))).astype(np.complex64)
     pos = np.array([[10.0, 12.0], [11.0, 20.0]])
     rec = Reconstruction(object=obj, probe=np.ones((1, 8, 8), np.complex64), positions=pos + [5, 6],
                          origin=np.array([5.0, 6.0]), illumination=np.abs(obj).astype(np.float32),
-                         engine_state={"pattern_intensity_scale": np.ones((2, 1)), "velocity": obj * 0})
+                         engine_state={"pattern_intensity_scale": np.ones((2, 1)), "velocity": obj * 0,
+                                       "optimizer.m.object": np.full(obj.shape, 0.5, np.float32)})
     more = np.vstack([pos, [[-20.0, 12.0], [30.0, 70.0]]])
     grown = grown_canvas(extended_to(rec, more, "R"), (80, 110), np.array([30.0, 8.0]))
     dy, dx = (grown.origin - rec.origin).astype(int)
@@ -173,5 +175,7 @@ def test_a_grown_canvas_keeps_every_pixel_where_it_was():
     assert np.allclose(grown.positions, more + grown.origin)
     assert np.isnan(grown.engine_state["pattern_intensity_scale"][2:]).all()
     assert grown.engine_state["velocity"].shape == grown.object.shape
+    moment = grown.engine_state["optimizer.m.object"]       # AD's Adam moment: zero where new
+    assert np.all(moment[dy:dy + 40, dx:dx + 50] == 0.5) and np.all(moment[:dy] == 0)
     with pytest.raises(ValueError, match="not the first frames"):
         extended_to(rec, more[::-1], "R")

@@ -344,7 +344,7 @@ def _run_follow(args, given: dict) -> int:
     except KeyboardInterrupt:
         kept = _kept(args.output)
         if kept is not None:
-            print(f"daskpty: interrupted; {kept} --follow", file=sys.stderr)
+            print(f"daskpty: interrupted; {kept[:-1]} --follow)", file=sys.stderr)  # (... --resume OUT --follow)
             return 130
         raise
     finally:

@@ -108,8 +108,9 @@ def extended_to(rec: Reconstruction, positions: np.ndarray, path) -> Reconstruct
 def grown_canvas(rec: Reconstruction, shape, origin) -> Reconstruction:
     """``rec`` on an object canvas covering its own and the frame ``(shape, origin)`` (where
     position (0, 0) lies): the old canvas shifted by whole pixels, new pixels of the object one
-    (its initial value), of the illumination and of object-sized engine state zero, the
-    positions moved with the origin. ``rec`` itself when its canvas already covers the frame."""
+    (its initial value), of the illumination and of object-sized engine state (momenta,
+    optimiser moments) zero, the positions moved with the origin. ``rec`` itself when its
+    canvas already covers the frame."""
     obj = np.asarray(rec.object)
     h, w = obj.shape[-2:]
     old = np.asarray(rec.origin, dtype=np.float64)
@@ -128,8 +129,8 @@ def grown_canvas(rec: Reconstruction, shape, origin) -> Reconstruction:
     out.object = grown(obj, 1)
     if rec.illumination is not None:
         out.illumination = grown(rec.illumination, 0)
-    out.engine_state = {k: grown(v, 1 if "object" in k else 0) if np.ndim(v) >= 2 and np.shape(v)[-2:] == (h, w)
-                        else v for k, v in rec.engine_state.items()}
+    out.engine_state = {k: grown(v, 0) if np.ndim(v) >= 2 and np.shape(v)[-2:] == (h, w) else v
+                        for k, v in rec.engine_state.items()}  # (momenta, optimiser moments)
     out.origin = old + shift
     out.positions = np.asarray(rec.positions) + shift
     if rec.nominal_positions is not None:
