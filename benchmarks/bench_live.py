@@ -3,7 +3,7 @@
 Usage (not run in CI):
 
     python benchmarks/bench_live.py [--grid 80x80] [--probe-size 64] [--rate 100] [--epochs 10]
-        [--snapshot-every 3] [--workers 2] [--refine-positions] [--tiles] [--no-offline] [--json]
+        [--snapshot-every 3] [--min-frames N] [--workers 2] [--refine-positions] [--tiles] [--no-offline] [--json]
 
 The acquisition stand-in (``daskpty simulate OUT --rate HZ``, its own process) writes the scan
 while :func:`daskpty.workflows.follow` reconstructs it in this process on ``--workers`` local
