@@ -1,4 +1,5 @@
-"""``daskpty info STORE``: describe a data-set store (optionally check every value)."""
+"""``daskpty info STORE``: describe a data-set store (optionally check every value), or a
+reconstruction store in a few numbers (``frames_used`` for a followed scan's snapshot)."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,12 +23,13 @@ NAME = "info"
 
 def add_parser(subparsers):
     p = subparsers.add_parser(
-        NAME, help="describe a data-set store (shape, chunking, scan, metadata)",
+        NAME, help="describe a data-set store (shape, chunking, scan, metadata) or a reconstruction store",
         description="Print the layout of a daskpty data-set store: patterns, dtype, shard and "
                     "inner-chunk shapes, size on disk, scan extent, step and probe overlap, "
                     "geometry, provenance and ground truth. --check also reads every intensity "
-                    "once and fails on NaN, infinite or negative values.")
-    p.add_argument("store", metavar="STORE", help="path of a data-set store (.zarr)")
+                    "once and fails on NaN, infinite or negative values. A reconstruction store: "
+                    "its engine, epoch, shapes and the data frames its newest snapshot used.")
+    p.add_argument("store", metavar="STORE", help="path of a data-set or reconstruction store (.zarr)")
     p.add_argument("--check", action="store_true",
                    help="read all intensities once; exit 2 on NaN / infinite / negative values")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
