@@ -46,6 +46,7 @@ from .positions import (
     central_gradients,
     finish_step,
     lsqml_shift,
+    noise_limited,
     positions_for_step,
     step_with_momentum,
 )
@@ -251,6 +252,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         box_squares = squared_gradients(box_d, xp)              # |∂_y O|² + i |∂_x O|²
         shift_num = xp.empty((n_patterns, 2))
         shift_den = xp.empty((n_patterns, 2))
+        residual_power = xp.empty(n_patterns)                  # Σ |χ_j|²: the shift's noise level
         d_patch = xp.empty((2, step, n, n), np.complex64)      # ∂_y O, ∂_x O windows of a sub-batch
         sq_patch = xp.empty((step, n, n), np.complex64)
         deform = WindowDeformation(n, xp, box_d) if window_sums else None
@@ -286,6 +288,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
                 shift_num[batch, axis] = real_dots(d, g)
             squares = index.extract(box_squares, batch, out=sq_patch[:b])
             shift_den[batch] = channel_dots(w, squares)
+            residual_power[batch] = real_dots(chi.reshape(b, -1), chi.reshape(b, -1))
             if deform is not None:
                 deform.add_gram(batch, w, grads, squares)
         index.scatter_add(obj_num, g, batch)
@@ -361,6 +364,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, upd
         parts.arrays["probe"] = (np.float32(alpha_p) * probe_sum).astype(np.complex64, copy=False)
     if position_terms:
         parts.local["shift_terms"] = (to_numpy(shift_num), to_numpy(shift_den))
+        parts.local["residual_power"] = to_numpy(residual_power)
         if deform is not None:
             parts.arrays.update(deform.sums(positions))
     if variable is not None:
@@ -399,6 +403,8 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
         return part
     terms = part.local.pop("shift_terms")
     shift = positions.gain * lsqml_shift(terms[0], terms[1], positions.regularization)
+    shift = noise_limited(shift, terms[1], part.local.pop("residual_power", None), probe.size,
+                          positions.noise_threshold)
     new, _ = step_with_momentum({**local, "positions": refined}, shift, positions)
     keep_ratios(terms, new, local)
     return finish_step(part, new, refined, nominal, positions, epoch, n, shape)

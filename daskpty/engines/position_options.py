@@ -61,6 +61,11 @@ class PositionOptions:
     gain: LSQML fraction of the computed shift applied per epoch (0 < gain ≤ 2).
     regularization: LSQML Tikhonov term of the shift's denominator, relative to its chunk mean:
         patterns whose object patch has weak gradients (flat or still blurred) move less.
+    noise_threshold: LSQML (single slice in the far field): each shift is shrunk by this many
+        times its own noise level (:func:`~daskpty.engines.positions.noise_limited`; 0
+        disables). Small preset, exact positions, seed 2, NRMSE vs the plain run at 60 epochs:
+        1.08× without, 1.06× with 1; a scan 1.6 px off: 0.0520 → 0.0533 (seed 2), 0.0694 →
+        0.0699 (seed 0).
     optimizer / lr: AD only: ``"adam"`` (default; steps of about ``lr`` pixels whatever the
         gradient's scale, within ``max_step``; default lr 0.5) or ``"momentum"`` (gradient
         descent with momentum, ``lr`` in px² per unit gradient).
@@ -109,6 +114,7 @@ class PositionOptions:
     momentum: float = 0.8
     gain: float = 1.0
     regularization: float = 1e-3
+    noise_threshold: float = 1.0
     optimizer: str = "adam"
     lr: float = 0.5
     affine: bool = True
@@ -136,6 +142,8 @@ class PositionOptions:
         check(_number(self.gain) and 0 < self.gain <= 2, f"gain must lie in (0, 2], got {self.gain!r}")
         check(_number(self.regularization) and self.regularization >= 0,
               f"regularization must be >= 0, got {self.regularization!r}")
+        check(_number(self.noise_threshold) and self.noise_threshold >= 0,
+              f"noise_threshold must be >= 0, got {self.noise_threshold!r}")
         check(self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         check(_number(self.lr) and self.lr > 0, f"lr must be positive, got {self.lr!r}")
         check(self.affine_gain is None or _number(self.affine_gain) and 1 <= self.affine_gain <= 20,

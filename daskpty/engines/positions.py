@@ -86,6 +86,22 @@ def lsqml_shift(numerator, denominator, tikhonov: float = 1e-3):
     return numerator / (denominator + floor)
 
 
+def noise_limited(shift, denominator, residual_power, n_pixels: int, threshold: float) -> np.ndarray:
+    """The LSQML ``shift`` (B, 2) shrunk towards zero by ``threshold`` times its own noise level:
+    were pattern j's exit-wave update χ_j white noise of its power ``residual_power[j]``
+    (Σ |χ_j|² over its ``n_pixels`` pixels and modes), the shift's numerator would scatter by
+    about √(den · Σ|χ_j|² / n_pixels), the shift by that over ``denominator``. A shift within
+    its scatter is not taken (on exact positions every shift is noise, and momentum adds it up);
+    a larger one loses the scatter (a soft threshold) and keeps its direction."""
+    shift = np.asarray(shift, np.float64)
+    if not threshold or residual_power is None:
+        return shift
+    den = np.asarray(denominator, np.float64)
+    power = np.asarray(residual_power, np.float64).reshape(-1, 1) / max(int(n_pixels), 1)
+    scatter = threshold * np.sqrt(den * power) / (den + 1e-30)
+    return np.sign(shift) * np.maximum(np.abs(shift) - scatter, 0.0)
+
+
 def step_with_momentum(local: dict, shift, options: PositionOptions) -> tuple[dict, np.ndarray]:
     """LSQML: velocity ← momentum · velocity + shift; position += velocity, each axis limited to
     ``max_step``. Returns the new arrays and the applied step."""
