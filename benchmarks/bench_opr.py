@@ -18,7 +18,7 @@ for LSQML and AD. ``--scan`` changes the ground-truth scan (the keywords of
 ``daskpty.simulate.variable_probe``): ``step=2.5,grid=22`` overlaps far more, ``defocus=5``
 spreads the probe (half its power within 4.1 px of its centre instead of 1.4 px);
 ``n=64,grid=16,defocus_drift=1.14`` is issue 33's strongly drifting beam (64² patterns, 256
-positions, defocus 1.9 ± 30 %, flux ± 20 %). ``--at 30,50`` also prints the NRMSE ratios at
+positions, defocus 1.9 ± 30 %, flux ± 20 %). ``--at 30,50`` also prints the NRMSE ratios (to the constant-probe run and to no OPR) at
 those epochs of the same runs (``--epochs`` is then their largest).
 """
 from __future__ import annotations
@@ -121,18 +121,23 @@ def main(argv=None):
         for engine in args.engines.split(","):
             start = time.perf_counter()
             kw = dict(engine=engine, epochs=args.epochs, chunk_length=48)
-            snaps_const, snaps_opr = {}, {}
+            snaps_const, snaps_plain, snaps_opr = {}, {}, {}
             rec_const = run(constant, client, snaps_const, **kw)
             e_const = nrmse_vs_truth(*_parts(rec_const), constant.truth)
-            e_plain = nrmse_vs_truth(*_parts(run(varying, client, **kw)), varying.truth)
+            rec_plain = run(varying, client, snaps_plain, **kw)
+            e_plain = nrmse_vs_truth(*_parts(rec_plain), varying.truth)
             rec = run(varying, client, snaps_opr, opr_modes=args.opr_modes, probe_model={"start_epoch": args.start_epoch, **extra_model}, **kw)
             e_opr = nrmse_vs_truth(*_parts(rec), varying.truth)
             if at:
                 ratios = [nrmse_vs_truth(snaps_opr[e][0], rec.positions, snaps_opr[e][1], varying.truth)
                           / nrmse_vs_truth(snaps_const[e][0], rec_const.positions, snaps_const[e][1], constant.truth)
                           for e in at]
+                versus_plain = [nrmse_vs_truth(snaps_opr[e][0], rec.positions, snaps_opr[e][1], varying.truth)
+                                / nrmse_vs_truth(snaps_plain[e][0], rec_plain.positions, snaps_plain[e][1], varying.truth)
+                                for e in at]
                 print(f"  {engine}: OPR / constant-probe NRMSE " + ", ".join(
-                    f"{r:.2f}x at {e}" for e, r in zip(at, ratios)) + f" (R = {rec_const.options['rounds_per_epoch']} / "
+                    f"{r:.2f}x at {e}" for e, r in zip(at, ratios)) + "; OPR / no-OPR " + ", ".join(
+                    f"{r:.2f}x at {e}" for e, r in zip(at, versus_plain)) + f" (R = {rec_const.options['rounds_per_epoch']} / "
                     f"{rec.options['rounds_per_epoch']} rounds per epoch)", flush=True)
             w = rec.probe_weights
             r_flux = np.corrcoef(w[:, 0] ** 2, varying.truth.flux)[0, 1]

@@ -228,7 +228,7 @@ def _progress(progress, epochs: int, resumed, n_patterns: int, loss: str):
 
 
 def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, object_shape, modes_hint,
-                                thick, mean_weight_fitted: bool = False) -> ExecutionOptions:
+                                thick) -> ExecutionOptions:
     """``persist="auto"``: a worker's share of the data plus one step and the state under the
     spill target; ``rounds_per_epoch="auto"``: :func:`~daskpty.execution.data.auto_rounds`."""
     persist, rounds = execution.persist, execution.rounds_per_epoch
@@ -239,7 +239,7 @@ def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, ob
         persist = should_persist(client, data_bytes, working_bytes=working)
     if rounds == "auto":
         rounds = auto_rounds(n_patterns, n, modes_hint, bool(persist), working_factor=thick.working_factor,
-                             slices=thick.n_slices, mean_weight_fitted=mean_weight_fitted)
+                             slices=thick.n_slices)
     return execution.replace(persist=bool(persist), rounds_per_epoch=rounds)
 
 
@@ -512,9 +512,10 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
         halo_reach = tile_halo.reach(adapter, n) + tile_halo.margin(adapter)  # (refined windows move)
         execution = _resolve_persist_and_rounds(c, execution, intensities.nbytes, len(positions), n,
                                                 held_shape(obj.shape, n, tiles_of, halo_reach),
-                                                _probe_modes_hint(probe, probe_modes, resumed), thick,
-                                                mean_weight_fitted=model is not None and model.fit_mean_weight)
+                                                _probe_modes_hint(probe, probe_modes, resumed), thick)
         run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist)
+        if model is not None:  # the brightness' smooth part follows the rounds per epoch
+            adapter.probe_model.model = model.for_rounds(execution.rounds_per_epoch)
         publisher = None
         if run.dashboard:
             from .monitor.dashboard import DashboardPublisher  # lazy: ~0.9 s of page code, only when asked

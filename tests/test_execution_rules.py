@@ -34,7 +34,6 @@ def test_auto_rounds_rule():
     assert auto_rounds(576, 64) == 3 and auto_rounds(1600, 128) == 4 and auto_rounds(16384, 128) == 16
     assert auto_rounds(10**6, 128, persisted=False) == 1
     assert auto_rounds(100, 32) == 1  # fewer than 150 patterns: one update per epoch
-    assert auto_rounds(1600, 128, mean_weight_fitted=True) == 1  # OPR's mean weight fitted: compact
     for n_patterns, n in [(2000, 64), (3000, 128), (8000, 128), (600, 256)]:
         r = auto_rounds(n_patterns, n)
         assert 1 <= r <= 16 and r <= n_patterns // 150

@@ -30,6 +30,7 @@ from .probe_model import (
     WEIGHT_TRUST,
     ProbeModelOptions,
     check_finite,
+    damp_smooth_norm,
     flatten_model_local,
     model_local,
     smooth_eigen_weights,
@@ -58,9 +59,11 @@ def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: in
                 gram = variable.weight_curvature()[:, free, free] * (amp * amp)[:, None, None]
                 rhs = variable.rhs[:, free] * amp[:, None]
                 step = model.weight_step * solve_weight_steps(gram, rhs, trust=WEIGHT_TRUST / model.weight_step)
+                before = w
                 w, velocity = step_weights(w, step, free, model, velocity)
                 if model.weight_smoothing and positions is not None:
                     w = smooth_eigen_weights(w, positions, model.weight_smoothing)
+                w, velocity = damp_smooth_norm(before, w, velocity, positions, model, variable.n)
         new["opr_weights"] = w
         if velocity is not None:
             new["opr_velocity"] = velocity

@@ -25,6 +25,7 @@ functions on NumPy/CuPy arrays; no dask.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +53,11 @@ WEIGHT_TRUST = 0.05
 #: positions, constant beam, R = 3), 60 epochs, ``fit_intensity`` alone: 1.18× the plain run's
 #: NRMSE without the flattening, 1.00× with it.
 BRIGHTNESS_SCALE = 0.25
+#: Share of the smooth part of each step of the OPR weights' norm taken back with minibatch
+#: rounds (:func:`damp_smooth_norm`). The ideal ``simulate`` small preset (576 × 64², constant
+#: beam, K = 2, R = 3), seeds 0 / 1 / 2, NRMSE against the plain run's at 60 epochs: 0.5 1.034 /
+#: 1.045 / 1.057×, 0.75 1.030 / 1.038 / 1.045×, 1 1.028 / 1.033 / 1.030×.
+SMOOTH_NORM_DAMPING = 1.0
 
 #: Each engine's defaults of the settings left None (:meth:`ProbeModelOptions.for_engine`),
 #: measured on the drifting, flickering scan of benchmarks/bench_opr.py (docs/benchmarks.md,
@@ -109,9 +115,11 @@ class ProbeModelOptions:
     weight_momentum: heavy-ball momentum μ of the OPR weights' steps, 0 ≤ μ < 1: each pattern's
         step is Δw_j + μ v_j, v_j its last one (kept with the weights, ``opr_velocity``). None:
         the engine's own (:data:`ENGINE_DEFAULTS`: LSQML 0.5, as its object's momentum; AD 0).
-    flat_brightness: keep only the pattern-to-pattern part of the fitted brightness (intensity
-        factors, or the mean probe's weight of OPR with one mode) and leave its smooth part over the
-        scan to the object, which the data cannot tell it from (:func:`flatten_model_local`).
+    flat_brightness: leave the smooth part over the scan of the fitted brightness to the object,
+        which the data cannot tell it from: the intensity factors keep only their
+        pattern-to-pattern part (:func:`flatten_model_local`), OPR's weights without them only
+        that part of each step of their norm (:func:`damp_smooth_norm`). None: on with minibatch
+        rounds, off with one round per epoch (:meth:`for_rounds`).
     """
 
     opr_modes: int | None = 0
@@ -126,7 +134,7 @@ class ProbeModelOptions:
     curvature_damping: float | None = None
     weight_smoothing: float = 0.0
     weight_momentum: float | None = None
-    flat_brightness: bool = True
+    flat_brightness: bool | None = None
 
     def __post_init__(self):
         def check(ok, message):
@@ -139,8 +147,8 @@ class ProbeModelOptions:
         object.__setattr__(self, "opr_modes", int(k))
         check(isinstance(self.fit_intensity, (bool, np.bool_)),
               f"fit_intensity must be True or False, got {self.fit_intensity!r}")
-        check(isinstance(self.flat_brightness, (bool, np.bool_)),
-              f"flat_brightness must be True or False, got {self.flat_brightness!r}")
+        check(self.flat_brightness is None or isinstance(self.flat_brightness, (bool, np.bool_)),
+              f"flat_brightness must be None, True or False, got {self.flat_brightness!r}")
         check(isinstance(self.brightness_first, (bool, np.bool_)),
               f"brightness_first must be True or False, got {self.brightness_first!r}")
         check(self.background in BACKGROUNDS,
@@ -159,6 +167,13 @@ class ProbeModelOptions:
               f"weight_momentum must lie in [0, 1), got {self.weight_momentum!r}")
         check(_number(self.max_weight) and self.max_weight > 1,
               f"max_weight must be a number > 1, got {self.max_weight!r}")
+
+    def for_rounds(self, rounds: int) -> "ProbeModelOptions":
+        """These options with ``flat_brightness`` left None set for ``rounds`` rounds per epoch:
+        on with minibatch rounds (more than one), off with one."""
+        if self.flat_brightness is not None:
+            return self
+        return dataclasses.replace(self, flat_brightness=int(rounds) > 1)
 
     def for_engine(self, engine: str) -> "ProbeModelOptions":
         """These options with every setting left None set to ``engine``'s default."""
@@ -303,29 +318,51 @@ def flatten_brightness(values, positions, sigma: float) -> np.ndarray:
 
 
 def flatten_model_local(new: dict, positions, options: ProbeModelOptions, n: int) -> dict:
-    """``new`` with the pattern brightness (the intensity factors, or the mean probe's weight of
-    OPR with one mode) flattened over the scan (:func:`flatten_brightness`, σ =
-    :data:`BRIGHTNESS_SCALE` · n for patterns of n² pixels) when ``options.flat_brightness``.
+    """``new`` with the intensity factors flattened over the scan (:func:`flatten_brightness`,
+    σ = :data:`BRIGHTNESS_SCALE` · n for patterns of n² pixels) when ``options.flat_brightness``.
 
     A brightness that varies smoothly over the scan is the same data as a smooth object
     amplitude (each window sees one number either way), so the data cannot say which of the two
-    to change and the fit walks between them; the object keeps that part, the pattern factors
-    what changes from one pattern to its neighbours (a flickering flux). With eigen-probes the
-    mean probe's weight is no brightness: it is the drifting probe's projection on the mean
-    one, smooth over the scan where the beam drifts, and stays as fitted (flattened, the gently
-    drifting scan of bench_opr.py, LSQML, K = 2: 1.84× the constant-probe NRMSE instead of
-    1.02×)."""
+    to change and minibatch rounds walk between them; the object keeps that part, the pattern
+    factors what changes from one pattern to its neighbours (a flickering flux). With one round
+    per epoch nothing walks, and flattening would cost what the overlap can tell of a
+    flickering flux's local mean, so it is off there (:meth:`ProbeModelOptions.for_rounds`; the
+    strongly drifting, flickering scan of bench_opr.py, AD, K = 3 with intensity factors:
+    1.41× the constant-probe NRMSE at 50 epochs flattened, 0.98× not). OPR's weights without
+    intensity factors: :func:`damp_smooth_norm`."""
     if not options.flat_brightness or positions is None:
         return new
     sigma = BRIGHTNESS_SCALE * n
     out = dict(new)
     if "intensity_scale" in new:
         out["intensity_scale"] = flatten_brightness(new["intensity_scale"], positions, sigma)
-    elif "opr_weights" in new and options.fit_mean_weight and options.opr_modes == 1:
-        w = np.array(new["opr_weights"], dtype=np.float64)
-        w[:, :1] = flatten_brightness(w[:, :1], positions, sigma)
-        out["opr_weights"] = w
     return out
+
+
+def damp_smooth_norm(before, after, velocity, positions, options: ProbeModelOptions, n: int):
+    """OPR weights without intensity factors, when ``options.flat_brightness``: ``after`` (B, K),
+    the weights stepped from ``before``, with :data:`SMOOTH_NORM_DAMPING` of the smooth part over
+    the scan (:func:`flatten_brightness`, σ = :data:`BRIGHTNESS_SCALE` · n) of the step of each
+    pattern's weight norm (its brightness) taken back, every weight of the pattern scaled alike
+    (the probe's shape, the eigen-probes' share, as stepped); ``velocity`` (the last move, or
+    None) follows. Returns ``(weights, velocity)``.
+
+    The smooth brightness and a smooth object amplitude are the same data, and in every
+    minibatch round the object and the weights each take a full step for it, overshooting
+    together (the ideal ``simulate`` small preset, 576 × 64², constant beam, K = 2 at three
+    rounds per epoch: 1.19× the plain run's NRMSE at 60 epochs, the loss rising 14 % in one
+    epoch; 1.03× with the smooth part taken back). The mean probe's weight alone is no
+    brightness where eigen-probes share the probe, so the norm is what is held: flattening
+    w_j0 alone cost the gently drifting scan of bench_opr.py 1.84× the constant-probe NRMSE."""
+    if not options.flat_brightness or not options.fit_mean_weight or positions is None or len(after) < 2:
+        return after, velocity
+    power_before = np.maximum((np.asarray(before, np.float64) ** 2).sum(axis=1, keepdims=True), 1e-300)
+    ratio = np.sqrt(np.maximum((after * after).sum(axis=1, keepdims=True), 1e-300) / power_before)
+    factor = (flatten_brightness(ratio, positions, BRIGHTNESS_SCALE * n) / ratio) ** SMOOTH_NORM_DAMPING
+    damped = after * factor
+    if velocity is not None:
+        velocity = velocity + (damped - after)
+    return damped, velocity
 
 
 def _gaussian_kernel(positions, sigma: float):

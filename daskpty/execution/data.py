@@ -50,7 +50,7 @@ MINIBATCH_PIXELS = 2**20
 
 
 def auto_rounds(n_patterns: int, n: int, modes: int = 1, persisted: bool = True,
-                working_factor: float = 1.0, slices: int = 1, mean_weight_fitted: bool = False) -> int:
+                working_factor: float = 1.0, slices: int = 1) -> int:
     """``rounds_per_epoch="auto"``: minibatch rounds per epoch.
 
     About 150 patterns per update (N // 150, like Pty-Chi's default batches), but no more rounds
@@ -78,21 +78,14 @@ def auto_rounds(n_patterns: int, n: int, modes: int = 1, persisted: bool = True,
     (R = 6 of that size: 0.090 / 0.117 / 0.144); on 256 patterns R = 1 / 3 / 6 end at 0.082 /
     0.119 / 0.195 (docs/benchmarks.md, multislice).
 
-    OPR whose mean-probe weight is fitted per pattern (``mean_weight_fitted``: OPR without
-    ``fit_intensity``): 1. That weight is partly a brightness and partly the drifting probe's
-    projection on the mean one, so its smooth part over the scan cannot be left to the object,
-    and minibatch rounds walk along the nearly null direction of a smooth object amplitude
-    against it (a drifting, flickering beam on a 24 × 24 raster, K = 2, against the
-    constant-probe run: LSQML 1.53 / 2.79× at 40 / 80 epochs with R = 3, 1.38 / 1.48× with
-    R = 1; the ideal small preset, K = 2, 60 epochs: 1.19× the plain run's NRMSE at R = 3 with
-    the loss rising 14 % in one epoch). Intensity factors (with or without OPR) take the
-    plain rule: their smooth part is left to the object
-    (:func:`daskpty.engines.probe_model.flatten_model_local`), and one round per epoch would
-    cost those runs the plain run's pace before the probe model even starts: on the ideal small
-    preset (576 × 64², constant beam) R = 1 alone is 1.36 / 1.61× the NRMSE of R = 3 at 30 / 60
-    epochs.
+    A varying probe takes the plain rule: with minibatch rounds the smooth part of each
+    pattern's brightness over the scan (intensity factors, or the norm of the OPR weights) is
+    left to the object (:meth:`daskpty.engines.probe_model.ProbeModelOptions.for_rounds`), so
+    the rounds do not walk along it; one round per epoch would cost those runs the plain run's
+    pace (ideal small preset, 576 × 64², constant beam: R = 1 alone is 1.36 / 1.61× the NRMSE
+    of R = 3 at 30 / 60 epochs; OPR K = 2 at R = 1 1.37 / 1.64×, at R = 3 1.01 / 1.03×).
     """
-    if not persisted or slices > 1 or mean_weight_fitted:
+    if not persisted or slices > 1:
         return 1
     by_batch = n_patterns // 150
     work = n_patterns * n * n * modes

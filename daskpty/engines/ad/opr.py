@@ -22,8 +22,8 @@ import numpy as np
 from ...physics import get_noise_model, ifft2
 from ..eigen_probes import EIGEN_TRUST, centred_eigen_terms, limit_eigen_step
 from ..pattern_probes import PatternProbes
-from ..probe_model import (WEIGHT_TRUST, ProbeModelOptions, check_finite, flatten_model_local, model_local,
-                           smooth_eigen_weights, solve_weight_steps, step_factors, step_weights)
+from ..probe_model import (WEIGHT_TRUST, ProbeModelOptions, check_finite, damp_smooth_norm, flatten_model_local,
+                           model_local, smooth_eigen_weights, solve_weight_steps, step_factors, step_weights)
 from .gradient import chunk_gradient, refining_chunk_gradient
 
 
@@ -78,10 +78,12 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
                     gram = variable.weight_curvature()[:, free, free] * (amp * amp)[:, None, None]
                     step = -model.weight_step * solve_weight_steps(
                         gram, kappa * grads["opr_weights"][:, free], trust=WEIGHT_TRUST / model.weight_step)
+                    before = w
                     w, velocity = step_weights(w, step, free, model, velocity)
+                    where = part.local.get("positions", (local or {}).get("positions", nominal))
                     if model.weight_smoothing:
-                        where = part.local.get("positions", (local or {}).get("positions", nominal))
                         w = smooth_eigen_weights(w, where, model.weight_smoothing)
+                    w, velocity = damp_smooth_norm(before, w, velocity, where, model, variable.n)
             new["opr_weights"] = w
             if velocity is not None:
                 new["opr_velocity"] = velocity
