@@ -366,6 +366,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
                 replica_lost = _replica_lost(client, graph)
                 reason = (f"no epoch finished within {watchdog.bound():.0f} s" if isinstance(exc, TimeoutError)
                           else "a worker that held its state was lost" if replica_lost and isinstance(exc, StaleRoundState)
+                          else f"a worker was lost ({type(exc).__name__})" if isinstance(exc, (CancelledError, OSError))
                           else f"{type(exc).__name__}: {exc}".rstrip(": "))
                 if restarts > MAX_EPOCH_RESTARTS:
                     if isinstance(exc, StaleRoundState):
