@@ -22,7 +22,7 @@ from daskpty.io.checkpoint import extended_to, grown_canvas
 from daskpty.io.results import Reconstruction
 from daskpty.metrics import nrmse_vs_truth
 
-GRID, PROBE, RATE, EPOCHS = "14x14", "32", 40, 8     # 196 frames: ~4.9 s of scan
+GRID, PROBE, RATE, EPOCHS = "14x14", "32", 25, 8     # 196 frames: ~7.8 s of scan
 N_FRAMES = 196
 FOLLOW = ["--follow", "--follow-min-frames", "24", "--snapshot-every", "0.4", "--follow-timeout", "30",
           "--epochs", str(EPOCHS), "--seed", "1"]
@@ -138,10 +138,14 @@ def test_a_writer_killed_without_ending_ends_the_follower_in_one_line(tmp_path):
     follower ends (exit 3) with one line naming the frame the scan stopped at; the snapshot of
     those frames is kept in the output store."""
     data, out = tmp_path / "scan.zarr", tmp_path / "r.zarr"
-    writer = _writer(data, rate=40, grid="20x20")   # 400 frames: 10 s, killed after ~2.5 s
+    writer = _writer(data, rate=40, grid="20x20")   # 400 frames: 10 s, killed after ~60 of them
     follower = _cli("reconstruct", data, "-o", out, "--follow", "--follow-min-frames", "24",
                     "--snapshot-every", "0.4", "--follow-timeout", "3", "--epochs", "4", "--workers", "1")
-    time.sleep(2.5)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if os.path.exists(data / "live.json") and daskpty.LiveStore(data).status().frames_committed >= 60:
+            break
+        time.sleep(0.05)
     _kill(writer)
     rc, stdout, err = _wait(follower)
     committed = daskpty.LiveStore(data).status().frames_committed
