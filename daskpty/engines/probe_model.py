@@ -327,9 +327,10 @@ def flatten_model_local(new: dict, positions, options: ProbeModelOptions, n: int
     factors what changes from one pattern to its neighbours (a flickering flux). With one round
     per epoch nothing walks, and flattening would cost what the overlap can tell of a
     flickering flux's local mean, so it is off there (:meth:`ProbeModelOptions.for_rounds`; the
-    strongly drifting, flickering scan of bench_opr.py, AD, K = 3 with intensity factors:
-    1.41× the constant-probe NRMSE at 50 epochs flattened, 0.98× not). OPR's weights without
-    intensity factors: :func:`damp_smooth_norm`."""
+    strongly drifting, flickering scan of bench_opr.py, K = 3 with intensity factors, seeds
+    0 / 1 / 2, the constant-probe NRMSE at 50 epochs: LSQML 1.64 / 1.35 / 1.36× flattened,
+    1.57 / 0.92 / 1.08× not; AD 1.41 / 1.89 / 1.39× and 0.98 / 1.94 / 1.74×). OPR's weights
+    without intensity factors: :func:`damp_smooth_norm`."""
     if not options.flat_brightness or positions is None:
         return new
     sigma = BRIGHTNESS_SCALE * n
