@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +18,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskpty
+from dask_processes import dask_process, free_port
 from synthetic import make_dataset
 
 #: the watchdog's floor for these runs: a stall waits this long, a recovery must not
@@ -28,26 +27,14 @@ STALL_SECONDS = 60
 RUN_SECONDS = 150
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _dask(*args):
-    dask = shutil.which("dask", path=os.path.dirname(sys.executable)) or "dask"
-    return subprocess.Popen([dask, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-
-
 @pytest.fixture
 def nanny_cluster():
     """A scheduler and one ``dask worker --nworkers 2`` (two nanny-managed worker processes);
     yields the scheduler's address; everything is killed at the end."""
-    port = _free_port()
+    port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    procs = [_dask("scheduler", "--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0"),
-             _dask("worker", address, "--nworkers", "2", "--nthreads", "1", "--memory-limit", "500MiB",
+    procs = [dask_process("scheduler", "--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0"),
+             dask_process("worker", address, "--nworkers", "2", "--nthreads", "1", "--memory-limit", "500MiB",
                    "--no-dashboard")]
     try:
         with Client(address, timeout=60) as c:

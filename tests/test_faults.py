@@ -14,6 +14,7 @@ from distributed import Client, LocalCluster
 
 import daskpty
 from daskpty.execution.watchdog import ReconstructionStalled, Watchdog
+from dask_processes import dask_process, free_port
 from synthetic import make_dataset
 
 
@@ -368,32 +369,14 @@ def test_an_interrupt_before_a_sync_call_started_leaves_no_traceback():
 
 # --- the command line against an external scheduler and workers (real processes) -----------------
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _dask(*args):
-    import shutil
-    import subprocess
-    import sys
-
-    dask = shutil.which("dask", path=os.path.dirname(sys.executable)) or "dask"
-    return subprocess.Popen([dask, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-
-
 @pytest.fixture
 def external_cluster():
     """``dask scheduler`` and one ``dask worker --nworkers 2`` process of 300 MiB workers (a node);
     yields (address, scheduler process, worker process); both are killed at the end."""
-    port = _free_port()
+    port = free_port()
     address = f"tcp://127.0.0.1:{port}"
-    procs = [_dask("scheduler", "--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0")]
-    procs.append(_dask("worker", address, "--nworkers", "2", "--nthreads", "1", "--memory-limit", "300MiB",
+    procs = [dask_process("scheduler", "--host", "127.0.0.1", "--port", str(port), "--dashboard-address", ":0")]
+    procs.append(dask_process("worker", address, "--nworkers", "2", "--nthreads", "1", "--memory-limit", "300MiB",
                        "--no-dashboard"))
     try:
         with Client(address, timeout=60) as c:
