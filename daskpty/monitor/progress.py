@@ -6,6 +6,7 @@ pipelines and batch jobs. A tqdm bar is used there when tqdm is installed (it is
 """
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 
@@ -42,6 +43,19 @@ def interactive(stream=None) -> bool:
     return tty or in_notebook()
 
 
+def epoch_eta(ends, remaining: int, recent: int = 5) -> float | None:
+    """Seconds left for ``remaining`` epochs from ``ends``, the clock at the end of each epoch
+    (the first entry ends the first epoch). The median of the last ``recent`` epochs after the
+    first is used: the first carries the start-up (cluster, data, first graph) and one slow
+    epoch should not swing the estimate. None until a second epoch has ended."""
+    if remaining <= 0:
+        return 0.0
+    steps = [b - a for a, b in zip(ends[:-1], ends[1:])][-recent:]
+    if not steps:
+        return None
+    return statistics.median(steps) * max(remaining, 0)
+
+
 def make_progress(epochs: int, n_patterns: int, *, start_epoch: int = 0, loss: str | None = None,
                   stream=None, bar: bool | None = None):
     """The progress callback: a tqdm bar (``bar`` None: when tqdm is installed and the session is
@@ -58,7 +72,8 @@ def make_progress(epochs: int, n_patterns: int, *, start_epoch: int = 0, loss: s
 
 
 class ProgressPrinter:
-    """Callback printing epoch, loss, patterns/s and ETA.
+    """Callback printing epoch, loss, patterns/s and ETA (:func:`epoch_eta`: ``ETA ...`` after the
+    first epoch, which carries the start-up).
 
     ``epochs`` is the run's last epoch and ``start_epoch`` the epoch it starts after (a resumed
     run's stored epoch), so a resumed run counts on from there (``epoch 11/20``). On a terminal
@@ -69,25 +84,28 @@ class ProgressPrinter:
     takes_epoch_state = True  # reads the metrics only: the state may stay on the workers
 
     def __init__(self, epochs: int, n_patterns: int, stream=None, every: int = 10, *, start_epoch: int = 0,
-                 loss: str | None = None):
+                 loss: str | None = None, clock=time.perf_counter):
         self.epochs = epochs
         self.n_patterns = n_patterns
+        self.clock = clock
+        self.ends: list[float] = []
         self.stream = stream or sys.stderr
         self.every = every
         self.start_epoch = start_epoch
         self.label = loss_label(loss)
-        self.start = time.perf_counter()
+        self.start = clock()
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.done = 0
 
     def _line(self, epoch, metrics) -> str:
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / self.done * max(self.epochs - epoch, 0)
+        eta = epoch_eta(self.ends, self.epochs - epoch)
         return (f"epoch {epoch}/{self.epochs}  {self.label} {metrics['loss']:.4g}  "
-                f"{metrics['patterns_per_second']:.3g} patterns/s  ETA {eta:.0f} s")
+                f"{metrics['patterns_per_second']:.3g} patterns/s  "
+                + ("ETA ..." if eta is None else f"ETA {eta:.0f} s"))
 
     def __call__(self, epoch, state, metrics):
         self.done += 1
+        self.ends.append(self.clock())
         epoch = int(epoch) if epoch is not None else self.start_epoch + self.done
         line = self._line(epoch, metrics)
         last = epoch >= self.epochs
