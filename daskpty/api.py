@@ -30,6 +30,7 @@ from .execution.tile_graph import check_tiles_supported
 from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
 from .io.checkpoint import Checkpointer, extended_to, grown_canvas, sigterm_as_interrupt
 from .io.epoch_handle import StateLost
+from .io.export import geometry_from_metadata
 from .io.identity import DataChanged, DataWatch
 from .io.inputs import (RESUMED_SETTINGS, check_initial_object, check_initial_probe, check_object_size, check_rounds,
                         check_resumed_modes, checked_data, resume_settings, resumed_store)
@@ -152,12 +153,14 @@ def _run_options(engine, epochs, seed, execution, options, positions, model, sam
     return run
 
 
-def _result_maker(layout, adapter, thick, frame_positions, origin, run_options, fixed_positions=None, live=None):
+def _result_maker(layout, adapter, thick, frame_positions, origin, run_options, fixed_positions=None, live=None,
+                  geometry=None):
     """``make_result(state, history)``: the :class:`Reconstruction` of a state (for checkpoints
     and the end), per-pattern state gathered from the chunks' layout. ``fixed_positions``: the
     positions a run without refinement used when they are not the nominal ``frame_positions``
     (a refined store resumed: :func:`_fixed_positions`); the nominal ones stay recorded.
-    ``live``: a snapshot of a growing scan records it with the frames used and the time."""
+    ``live``: a snapshot of a growing scan records it with the frames used and the time.
+    ``geometry``: the data's geometry, stored so that exports describe it without the data."""
     fixed = frame_positions if fixed_positions is None else fixed_positions
     moved = fixed is not frame_positions
 
@@ -174,7 +177,8 @@ def _result_maker(layout, adapter, thick, frame_positions, origin, run_options, 
                               probe_weights=None if weights is None else
                               effective_weights(weights, engine_state.get("opr_weight_transform")),
                               live=None if live is None else
-                              {**live, "frames_used": len(frame_positions), "snapshot_unix": time.time()})
+                              {**live, "frames_used": len(frame_positions), "snapshot_unix": time.time()},
+                              geometry=geometry)
 
     return make_result
 
@@ -492,7 +496,8 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
     run_options = _run_options(engine, epochs, eng.seed, execution, options, adapter.positions, model,
                                sample if thick.multislice else None)
     layout = PatternLayout()
-    make_result = _result_maker(layout, adapter, thick, frame_positions, origin, run_options, run_positions, live)
+    make_result = _result_maker(layout, adapter, thick, frame_positions, origin, run_options, run_positions, live,
+                                geometry_from_metadata(getattr(data, "metadata", None)))
     previous_history = resumed.history if resumed is not None else []
     checkpointer = Checkpointer(checkpoint, make_result, every=run.checkpoint_every, history=previous_history,
                                 check=check_finite_result)

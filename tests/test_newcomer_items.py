@@ -18,3 +18,45 @@ def test_eta_ignores_the_first_epochs_start_up():
     etas = [line.rsplit("ETA ", 1)[1] for line in out.getvalue().splitlines()]
     assert etas[0] == "..."
     assert etas[1:] == [f"{n} s" for n in range(9, -1, -1)]
+
+
+def test_export_without_data_writes_the_geometry_the_store_was_reconstructed_with(tmp_path, client, capsys):
+    """A near-field reconstruction store records its data's geometry: ``daskpty export`` without
+    ``--data`` writes the near-field geometry into CXI and HDF5 and says nothing is missing."""
+    import h5py
+    import numpy as np
+
+    import daskpty
+    from daskpty.cli import main
+    from daskpty.physics.geometry import NearFieldGeometry
+    from daskpty.physics.multislice import multislice_intensities
+    from daskpty.physics.propagation import near_field_kernel
+    from synthetic import smooth_object
+
+    n, z1, z2, pixel, wavelength = 32, 3.65e-3, 1.12, 55e-6, 0.9795e-10
+    rng = np.random.default_rng(0)
+    obj = smooth_object(64, rng, sigma=1.5)
+    yy, xx = np.mgrid[0:n, 0:n] - n / 2
+    probe = (np.exp(-(yy**2 + xx**2) / (2 * (n / 3.5) ** 2)) * 300.0)[None].astype(np.complex64)
+    g = np.arange(4) * 5.0
+    pos = np.stack(np.meshgrid(g, g, indexing="ij"), -1).reshape(-1, 2) + n / 2 + 4
+    y = multislice_intensities(obj[None], probe, pos, detector=near_field_kernel(n, pixel, wavelength, z2, z1))
+    data, recon = str(tmp_path / "nf.zarr"), str(tmp_path / "nf-recon.zarr")
+    daskpty.from_arrays(y.astype(np.float32), pos, probe=probe,
+                        geometry=NearFieldGeometry(n, z2, pixel, z1, wavelength_m=wavelength)).to_zarr(data)
+    daskpty.reconstruct(data, client=client, epochs=1, checkpoint=recon, check_data=False)
+
+    assert main(["export", recon, str(tmp_path / "nf.cxi")]) == 0
+    assert main(["export", recon, str(tmp_path / "nf.h5")]) == 0
+    assert capsys.readouterr().err == ""
+    m = (z1 + z2) / z1
+    with h5py.File(tmp_path / "nf.cxi", "r") as f:
+        det = f["entry_1/instrument_1/detector_1"]
+        assert det["propagation"][()] == b"near_field"
+        assert det["focus_to_sample_distance"][()] == np.float64(z1)
+        assert abs(det["magnification"][()] - m) < 1e-9 * m
+        assert f["entry_1/instrument_1/source_1/wavelength"][()] == np.float64(wavelength)
+        assert abs(f["entry_1/image_1/x_pixel_size"][()] - pixel / m) < 1e-9 * pixel
+    with h5py.File(tmp_path / "nf.h5", "r") as f:
+        assert f.attrs["detector"] == "near_field"
+        assert f.attrs["detector_distance_m"] == z2 and f.attrs["focus_to_sample_m"] == z1

@@ -65,22 +65,33 @@ def _reconstruction(recon):
 
 def geometry_of(data, rec=None) -> dict:
     """Geometry of a data set (store path or PtychoData): :data:`GEOMETRY_KEYS` that are numbers
-    and ``detector`` ("far_field" / "near_field"); without ``data``, what the reconstruction's
+    and ``detector`` ("far_field" / "near_field"); without ``data``, the geometry the
+    reconstruction stored (:attr:`~daskpty.io.results.Reconstruction.geometry`), else what its
     options recorded (wavelength, object pixel, detector of its sample options)."""
     if data is None:
+        if rec is not None and rec.geometry:
+            return geometry_from_metadata(rec.geometry)
         sample = ((rec.options or {}).get("sample") or {}) if rec is not None else {}
         meta = {k: sample.get(k) for k in ("wavelength_m", "object_pixel_size_m", "detector")}
-    else:
-        if isinstance(data, (str, os.PathLike)):
-            from .store import open_data  # lazy: dask, zarr stay out of the CLI's start
+        return geometry_from_metadata(meta, infer_detector=False)
+    if isinstance(data, (str, os.PathLike)):
+        from .store import open_data  # lazy: dask, zarr stay out of the CLI's start
 
-            data = open_data(data, validate="metadata")
-        meta = data.metadata
+        data = open_data(data, validate="metadata")
+    return geometry_from_metadata(data.metadata)
+
+
+def geometry_from_metadata(meta, *, infer_detector: bool = True) -> dict:
+    """:data:`GEOMETRY_KEYS` of a data set's ``meta`` that are numbers, ``detector`` (given, or
+    with ``infer_detector`` near field when a focus-to-sample distance is known) and the near
+    field's ``magnification``; {} without metadata."""
+    if not meta:
+        return {}
     out = {k: float(meta[k]) for k in GEOMETRY_KEYS
            if isinstance(meta.get(k), (int, float)) and not isinstance(meta.get(k), bool)}
     if meta.get("detector") in ("far_field", "near_field"):
         out["detector"] = meta["detector"]
-    elif data is not None:
+    elif infer_detector:
         out["detector"] = "near_field" if "focus_to_sample_m" in out else "far_field"
     if out.get("detector") == "near_field" and "focus_to_sample_m" in out \
             and "detector_distance_m" in out:

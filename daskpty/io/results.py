@@ -42,6 +42,9 @@ class Reconstruction:
     live: for a snapshot of a scan still being written (:func:`daskpty.workflows.follow`):
         ``frames_used`` (the data's frames it was made from), ``snapshot_unix`` (when it was
         made), ``started_unix`` (when following began) and whether the scan had ended; else None.
+    geometry: the data set's geometry it was reconstructed with (wavelength, pixel sizes,
+        distances, ``detector``: :func:`daskpty.io.export.geometry_from_metadata`), so an export
+        describes it without the data; None when unknown.
     """
 
     object: np.ndarray
@@ -56,6 +59,7 @@ class Reconstruction:
     nominal_positions: np.ndarray | None = None
     probe_weights: np.ndarray | None = None
     live: dict | None = None
+    geometry: dict | None = None
 
     @property
     def eigen_probes(self) -> np.ndarray | None:
@@ -173,6 +177,7 @@ class Reconstruction:
             "history": _jsonable(self.history),
             "options": _jsonable(self.options),
             **({"live": _jsonable(self.live)} if self.live is not None else {}),
+            **({"geometry": _jsonable(self.geometry)} if self.geometry else {}),
         })
 
     @property
@@ -241,7 +246,19 @@ class Reconstruction:
                    history=list(root.attrs.get("history", [])), options=dict(root.attrs.get("options", {})),
                    epoch=_stored_epoch(root.attrs.get("epoch", 0), path), engine_state=engine_state,
                    nominal_positions=a.get("nominal_positions"), probe_weights=a.get("probe_weights"),
-                   live=root.attrs.get("live"))
+                   live=root.attrs.get("live"), geometry=root.attrs.get("geometry"))
+
+
+def stored_geometry(path) -> dict:
+    """The geometry a reconstruction store at ``path`` was written with ({} when it holds none),
+    read from its attributes alone."""
+    path = os.fspath(path).rstrip("/")
+    if not os.path.isdir(path) and os.path.isdir(path + ".previous"):
+        path = path + ".previous"
+    try:
+        return dict(zarr.open_group(path, mode="r").attrs.get("geometry") or {})
+    except Exception:
+        return {}
 
 
 def _stored_epoch(value, path) -> int:
