@@ -21,12 +21,12 @@ from .execution.driver import run_epochs, with_local
 from .execution.latency import enable_low_latency
 from .execution.local_state import PatternLayout
 from .execution.memory import (check_step_fits, clamp_chunk_length, held_shape, largest_fitting_chunk, state_bytes,
-                               step_bytes)
+                               step_bytes, tiles_fit_where_replicas_do_not)
 from .execution.options import ExecutionOptions
 from .execution.parts import with_probe_model, with_sample
 from .execution.scatter import scatter_in_memory
 from .execution import tile_halo
-from .execution.tile_graph import check_tiles_supported
+from .execution.tile_graph import TilesUnsupported, check_tiles_supported
 from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
 from .io.checkpoint import Checkpointer, extended_to, grown_canvas, sigterm_as_interrupt
 from .io.epoch_handle import StateLost
@@ -116,7 +116,7 @@ def _warn_late_start(epochs: int, positions, model) -> None:
         if epochs and start >= epochs:
             warnings.warn(f"daskpty: {what} starts at epoch {start}{earliest} but the run has {epochs} "
                           f"epochs, so it never runs; pass more epochs or {key}={{'start_epoch': ...}}",
-                          UserWarning, stacklevel=4)  # past reconstruct and its lock wrapper
+                          UserWarning, stacklevel=2)  # past reconstruct and its lock wrapper
 
 
 def _initial_object(given, resumed, thick, positions, n: int):
@@ -229,6 +229,23 @@ def _progress(progress, epochs: int, resumed, n_patterns: int, loss: str):
     if not progress:
         return None
     return make_progress(epochs, n_patterns, start_epoch=resumed.epochs if resumed is not None else 0, loss=loss)
+
+
+def _tiles_by_default(client, execution, adapter, object_shape, n, thick, reach, modes) -> ExecutionOptions:
+    """Tiles, with one warning line, for a run that chose no layout when the whole object does
+    not fit a worker beside a short step and one row tile per worker does (and the engine and
+    its parts run on tiles); else ``execution`` as it is (the memory rule then refuses)."""
+    workers = len(live_workers(client))
+    if not tiles_fit_where_replicas_do_not(client, n, modes, object_shape, workers, thick.working_factor, reach):
+        return execution
+    try:
+        check_tiles_supported(adapter)
+    except TilesUnsupported:
+        return execution
+    warnings.warn(f"daskpty: the {object_shape[-2]} x {object_shape[-1]} object does not fit a worker whole; "
+                  f"cutting it into {workers} row tiles, one per worker (tiles=False refuses instead)",
+                  UserWarning, stacklevel=2)
+    return execution.replace(tiles=True)
 
 
 def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, object_shape, modes_hint,
@@ -513,8 +530,12 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
             data, intensities = scatter_in_memory(c, data, intensities, execution.chunk_length)
         if run.check_data:
             check_values(data if hasattr(data, "path") else intensities, client=c).raise_if_bad()
-        tiles_of = len(live_workers(c)) if execution.tiles else None  # a row tile per worker
         halo_reach = tile_halo.reach(adapter, n) + tile_halo.margin(adapter)  # (refined windows move)
+        if not execution.tiles and "tiles" not in opts.execution_given and resumed is None:
+            execution = _tiles_by_default(c, execution, adapter, obj.shape, n, thick, halo_reach,
+                                          _probe_modes_hint(probe, probe_modes, resumed))
+            run_options["tiles"] = bool(execution.tiles)
+        tiles_of = len(live_workers(c)) if execution.tiles else None  # a row tile per worker
         execution = _resolve_persist_and_rounds(c, execution, intensities.nbytes, len(positions), n,
                                                 held_shape(obj.shape, n, tiles_of, halo_reach),
                                                 _probe_modes_hint(probe, probe_modes, resumed), thick)

@@ -60,3 +60,48 @@ def test_export_without_data_writes_the_geometry_the_store_was_reconstructed_wit
     with h5py.File(tmp_path / "nf.h5", "r") as f:
         assert f.attrs["detector"] == "near_field"
         assert f.attrs["detector_distance_m"] == z2 and f.attrs["focus_to_sample_m"] == z1
+
+
+def _limit_between_tiles_and_replicas(shape, n, workers):
+    """A worker memory limit whose pause threshold lies halfway between what one of ``workers``
+    row tiles beside a short step needs and what the whole object alone needs."""
+    from daskpty.execution.memory import SHORT_STEP, held_shape, state_bytes, step_bytes
+
+    short = step_bytes(SHORT_STEP, n)
+    whole, tile = state_bytes(shape), state_bytes(held_shape(shape, n, workers)) + short
+    assert tile < whole
+    return int((whole + tile) / 2 / 0.8)
+
+
+def test_tiles_are_chosen_where_replicas_do_not_fit_and_tiles_do(tmp_path, recwarn):
+    """Workers too small for the whole object but large enough for a row tile each: a run that
+    chose no layout runs on tiles, with one warning line saying so, and reconstructs; an explicit
+    tiles=False keeps the refusal that names tiles."""
+    import dask
+    import numpy as np
+    import pytest
+    from distributed import Client, LocalCluster
+
+    import daskpty
+    from daskpty.engines.initial import object_frame
+    from synthetic import make_dataset
+
+    n = 16
+    ds = make_dataset(n=n, grid=18, step=10.0, seed=3)
+    shape = object_frame(ds.positions, n)[0]
+    limit = _limit_between_tiles_and_replicas(shape, n, 2)
+    data = str(tmp_path / "scan.zarr")  # (read chunk by chunk: the data are not kept beside the tiles)
+    daskpty.from_arrays(ds.intensities, ds.positions).to_zarr(data)
+    off = {f"distributed.worker.memory.{k}": False for k in ("target", "spill", "pause", "terminate")}
+    with dask.config.set(off), LocalCluster(n_workers=2, threads_per_worker=1, processes=False,
+                                            memory_limit=limit, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as c:
+        with pytest.raises(ValueError, match="tiles=True"):
+            daskpty.reconstruct(data, epochs=1, client=c, tiles=False, check_data=False)
+        recwarn.clear()
+        rec = daskpty.reconstruct(data, epochs=3, client=c, check_data=False)
+    said = [str(w.message) for w in recwarn if "row tiles" in str(w.message)]
+    assert len(said) == 1 and "\n" not in said[0] and "tiles=False" in said[0]
+    assert rec.options["tiles"] is True
+    losses = [h["loss"] for h in rec.history]
+    assert np.all(np.isfinite(np.asarray(rec.object))) and losses[-1] < losses[0]

@@ -153,6 +153,23 @@ def check_step_fits(client, chunk_length: int, n: int, modes: int, object_shape,
         f"(memory_limit=, fewer workers per machine) {how}")
 
 
+def tiles_fit_where_replicas_do_not(client, n: int, modes: int, object_shape, workers: int,
+                                    working_factor: float = 1.0, reach: float = 0.0) -> bool:
+    """Whether the whole object and a one-pattern step exceed the smallest worker's pause
+    threshold (no chunk length fits) while one of ``workers`` row tiles (and its halo) beside a
+    short step (:data:`SHORT_STEP` patterns) fits: a run that chose no layout then takes tiles
+    rather than being refused."""
+    limit = smallest_worker_memory(client)
+    if not limit or workers < 2:
+        return False
+    baseline = _baseline(client)
+    if state_bytes(object_shape) + baseline + step_bytes(1, n, modes, working_factor) <= _fraction("pause", 0.8) * limit:
+        return False
+    short = step_bytes(SHORT_STEP, n, modes, working_factor)
+    fewest = fewest_tiles(limit, baseline, short, object_shape, n, reach=reach)
+    return fewest is not None and fewest <= workers
+
+
 def largest_fitting_chunk(client, n: int, modes: int, object_shape, working_factor: float = 1.0,
                           tiles: int | None = None, reach: float = 0.0, data_bytes: int = 0) -> int | None:
     """The most patterns per chunk whose step plus the state (``tiles``: of one row tile) fit under
