@@ -40,6 +40,7 @@ from .engines.positions import PositionOptions
 from .engines.probe_model import ProbeModelOptions
 from .execution.options import ExecutionOptions
 from .engines.sample_options import SampleOptions
+from .engines.specs import DEFAULT_ENGINE, ENGINE_SPECS, engine_spec
 
 
 #: reconstruct's default number of epochs (also the CLI's --epochs)
@@ -60,7 +61,7 @@ def _flag(name, value, none: bool = False):
 class EngineOptions:
     """What is fitted and how: the engine and its settings.
 
-    name: a registered engine (``daskpty.execution.engine_registry.ENGINES``: ``"lsqml"``,
+    name: a registered engine (``daskpty.engines.specs.ENGINE_SPECS``: ``"lsqml"``,
         ``"ad"``, ``"rpie"``, ``"epie"``).
     noise: noise model of the far-field correction and of the reported loss
         (``daskpty.physics.noise_models``).
@@ -71,7 +72,7 @@ class EngineOptions:
         ``PIEOptions``), e.g. ``{"beta": 0.8}``.
     """
 
-    name: str = "lsqml"
+    name: str = DEFAULT_ENGINE
     noise: str = "gaussian"
     loss: str | None = None
     optimizer: str | None = None
@@ -94,18 +95,19 @@ class EngineOptions:
                               f"valid: {sorted(valid)}")
 
     def spec(self):
-        """The engine's registry entry. (Imported here: the registry loads dask, and
-        ``daskpty --help`` reads these classes without it; no import cycle.)"""
-        from .execution.engine_registry import engine_spec
-
+        """The engine's spec (:mod:`daskpty.engines.specs`, without dask)."""
         return engine_spec(self.name)
 
     def setting_names(self) -> set:
         return {f.name for f in dataclasses.fields(self.spec().options)}
 
     def make(self):
-        """The engine's validated options and a fresh execution adapter: ``(options, adapter)``."""
-        return self.spec().make(self.noise, self.loss, self.optimizer, self.lr, self.settings)
+        """The engine's validated options and a fresh execution adapter: ``(options, adapter)``.
+        (Imported here: the registry of adapters loads dask, and ``daskpty --help`` reads these
+        classes without it.)"""
+        from .execution.engine_registry import engine_spec as registered
+
+        return registered(self.name).make(self.noise, self.loss, self.optimizer, self.lr, self.settings)
 
 
 @dataclass(frozen=True)
@@ -181,17 +183,25 @@ def default_of(cls: type, name: str):
 
 def defaults_text(cls: type, skip=()) -> str:
     """``name=default, ...`` of the option class ``cls`` (for --help texts), fields in ``skip``
-    left out; a default that differs by engine reads ``lsqml-value (ad: ad-value)``."""
+    left out; a default that differs by engine reads ``lsqml-value (ad: ad-value)``: the first
+    engine's value, then each engine whose value differs from it (engines that do not take the part
+    left out)."""
     base = cls()
-    by_engine = {e: base.for_engine(e) for e in ("lsqml", "ad")} if hasattr(base, "for_engine") else {}
+    by_engine = {}
+    if hasattr(base, "for_engine"):
+        part = {PositionOptions: "position", ProbeModelOptions: "probe_model"}[cls]
+        by_engine = {name: base.for_engine(name) for name, spec in ENGINE_SPECS.items()
+                     if getattr(spec, f"{part}_defaults") is not None}
+    first = next(iter(by_engine.values()), base)
     items = []
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        value = getattr(by_engine["lsqml"], f.name) if by_engine else getattr(base, f.name)
+        value = getattr(first, f.name)
         text = f"{f.name}={'auto' if value is None else value}"
-        if by_engine and getattr(by_engine["ad"], f.name) != value:
-            text += f" (ad: {getattr(by_engine['ad'], f.name)})"
+        for name, options in list(by_engine.items())[1:]:
+            if getattr(options, f.name) != value:
+                text += f" ({name}: {getattr(options, f.name)})"
         items.append(text)
     return ", ".join(items)
 
@@ -245,11 +255,9 @@ def merge(cls: type, group, shortcuts: dict, keyword: str, merged: tuple = ()):
 
 def _other_engines(unknown, name) -> str:
     """``'beta' is a setting of engine 'lsqml', not 'rpie'`` for settings of other engines."""
-    from .execution.engine_registry import ENGINES
-
     found = []
     for key in unknown:
-        owners = [e for e, spec in ENGINES.items() if key in spec.options.__dataclass_fields__]
+        owners = [e for e, spec in ENGINE_SPECS.items() if key in spec.options.__dataclass_fields__]
         if owners:
             found.append(f"{key!r} is a setting of engine {' and '.join(repr(o) for o in owners)}, not {name!r}")
     return "; ".join(found)
@@ -271,7 +279,7 @@ class Options:
     execution_given: frozenset = frozenset()
 
 
-def resolve(engine="lsqml", *, refine_positions=False, probe_model=None, sample=None, execution=None,
+def resolve(engine=DEFAULT_ENGINE, *, refine_positions=False, probe_model=None, sample=None, execution=None,
             run=None, **shortcuts) -> Options:
     """``reconstruct``'s groups and keyword shortcuts as one :class:`Options` (before any work)."""
     groups = {"probe_model": probe_model, "sample": sample, "execution": execution, "run": run}
@@ -279,7 +287,7 @@ def resolve(engine="lsqml", *, refine_positions=False, probe_model=None, sample=
     by_group: dict[str, dict] = {g.keyword: {} for g in GROUPS}
     settings = {}
     name = engine_group.name if isinstance(engine_group, EngineOptions) else \
-        (engine_group or {}).get("name", "lsqml") if isinstance(engine_group, dict) else None
+        (engine_group or {}).get("name", DEFAULT_ENGINE) if isinstance(engine_group, dict) else None
     for key, value in shortcuts.items():
         if value is None and key in SHORTCUTS:
             continue  # None leaves a shortcut unset (the defaults of reconstruct's old signature)

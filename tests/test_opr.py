@@ -297,10 +297,9 @@ def test_settings_left_none_take_the_engines_defaults():
     model = pm.ProbeModelOptions(opr_modes=2, eigen_step=0.3)
     assert model.curvature_damping is None
     lsqml, ad = model.for_engine("lsqml"), model.for_engine("ad")
-    assert (lsqml.curvature_damping, ad.curvature_damping) == (pm.ENGINE_DEFAULTS["lsqml"]["curvature_damping"],
-                                                               pm.ENGINE_DEFAULTS["ad"]["curvature_damping"])
+    assert (lsqml.curvature_damping, ad.curvature_damping) == (0.02, 0.002)
     assert lsqml.eigen_step == ad.eigen_step == 0.3      # a given setting is kept
-    assert pm.ProbeModelOptions(opr_modes=2).for_engine("lsqml").eigen_step == pm.ENGINE_DEFAULTS["lsqml"]["eigen_step"]
+    assert pm.ProbeModelOptions(opr_modes=2).for_engine("lsqml").eigen_step == 0.5
     assert (lsqml.weight_momentum, ad.weight_momentum) == (0.5, 0.0)
     # momentum is per-pattern state only where it is used
     assert set(pm.initial_local(4, lsqml)) == {"opr_weights", "opr_velocity"}

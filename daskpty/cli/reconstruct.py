@@ -9,15 +9,15 @@ import re
 import sys
 
 from ..engines.sample_options import MAX_SLICES
+from ..engines.specs import ENGINE_SPECS
 from ..execution.options import DEVICES
 from ..options import (DEFAULT_EPOCHS, GROUPS, EngineOptions, ExecutionOptions, PositionOptions, ProbeModelOptions,
                        RunOptions, SampleOptions, default_of, defaults_text)
 from ..physics.noise_models import noise_model_names
 
 NAME = "reconstruct"
-#: the engines of daskpty.execution.engine_registry.ENGINES, in its order (not imported here: it
-#: loads dask; tests/test_cli.py checks that the two agree)
-ENGINE_NAMES = ["lsqml", "ad", "rpie", "epie"]
+#: the registered engines, in the spec table's order
+ENGINE_NAMES = list(ENGINE_SPECS)
 
 
 def add_parser(subparsers):
@@ -34,9 +34,7 @@ def add_parser(subparsers):
     engine = EngineOptions()
     g = p.add_argument_group(title["engine"])
     g.add_argument("--engine", default=engine.name, choices=ENGINE_NAMES,
-                   help="lsqml: least-squares maximum likelihood (Odstrčil 2018); ad: gradient "
-                        "descent on a loss with exact adjoints; rpie: regularised PIE in minibatch "
-                        "rounds (Maiden 2017); epie: rPIE with alpha = 1")
+                   help="; ".join(f"{name}: {spec.summary}" for name, spec in ENGINE_SPECS.items()))
     g.add_argument("--epochs", type=int, default=DEFAULT_EPOCHS,
                    help="total passes over all patterns (with --resume: including those already done)")
     g.add_argument("--noise", default=engine.noise, choices=noise_model_names(lsqml=True),
@@ -203,13 +201,14 @@ GROUP = {group.keyword: group for group in GROUPS}
 def _engine_defaults() -> str:
     """``lsqml (LSQMLOptions): beta=0.9, ...; ad (ADOptions): ...`` without the settings that
     have their own flags."""
-    from ..engines import ad, lsqml, pie
-
     own = ("noise", "loss", "optimizer", "lr", "probe_lr")
-    epie = ", ".join(f"{k}={v}" for k, v in pie.VARIANTS["epie"].items())
-    return "; ".join(f"{name} ({cls.__name__}): {defaults_text(cls, skip=own)}"
-                     for name, cls in (("lsqml", lsqml.LSQMLOptions), ("ad", ad.ADOptions),
-                                       ("rpie", pie.PIEOptions))) + f"; epie: rpie's with {epie}"
+
+    def text(name, spec):
+        if spec.variant_of:
+            return f"{name}: {spec.variant_of}'s with {', '.join(f'{k}={v}' for k, v in spec.defaults.items())}"
+        return f"{name} ({spec.options.__name__}): {defaults_text(spec.options, skip=own)}"
+
+    return "; ".join(text(name, spec) for name, spec in ENGINE_SPECS.items())
 
 
 def _percent(text: str) -> str:
@@ -269,8 +268,10 @@ def run(args) -> int:
         raise ValueError(f"--slice-spacing {args.slice_spacing:g} is the distance between object slices but "
                          f"the run has one slice; add --slices K (K > 1) for a thick sample, or drop "
                          f"--slice-spacing")
-    if args.engine != "ad" and any(v is not None for v in (args.loss, args.optimizer, args.lr, args.probe_lr)):
-        raise ValueError("--loss, --optimizer, --lr and --probe-lr apply to --engine ad only")
+    if not ENGINE_SPECS[args.engine].gradient_based and any(v is not None for v in (args.loss, args.optimizer,
+                                                                                     args.lr, args.probe_lr)):
+        takers = " or ".join(n for n, s in ENGINE_SPECS.items() if s.gradient_based)
+        raise ValueError(f"--loss, --optimizer, --lr and --probe-lr apply to --engine {takers} only")
     from daskpty.options import resolve
 
     _check_follow_flags(args)
@@ -395,7 +396,7 @@ def _summary(args, rec, data) -> None:
     if last:
         from daskpty.monitor.progress import loss_label
 
-        kind = (args.loss or args.noise) if args.engine == "ad" else args.noise
+        kind = (args.loss or args.noise) if ENGINE_SPECS[args.engine].gradient_based else args.noise
         line += f", final {loss_label(kind)} {last['loss']:.4g}, {last['seconds']:.3g} s/epoch"
     if _has_truth_object(getattr(data, "truth", None)):
         line += _nrmse_vs_truth(rec, data)

@@ -88,13 +88,6 @@ class PIEOptions:
             raise ValueError(f"normalize_every must be >= 0, got {self.normalize_every}")
 
 
-#: the named members of the family: engine name -> option defaults
-VARIANTS = {"rpie": {}, "epie": {"alpha": 1.0, "probe_alpha": 1.0}}
-#: the forward-model parts the family takes (the registry's features): refined positions, and
-#: K slices and/or a near-field detector (:mod:`.pie_multislice`)
-FEATURES = frozenset({"positions", "multislice"})
-
-
 def updates_probe(state: LSQMLState, options: PIEOptions) -> bool:
     return options.probe_start_epoch is not None and state.epoch >= options.probe_start_epoch
 

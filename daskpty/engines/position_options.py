@@ -18,12 +18,6 @@ class PositionsDiverged(ValueError):
     """Position refinement moved a pattern too far from its nominal position (or to NaN)."""
 
 
-#: Each engine's defaults of the settings left None (:meth:`PositionOptions.for_engine`),
-#: measured on the 576 × 64² scan of benchmarks/bench_positions.py (docs/benchmarks.md).
-ENGINE_DEFAULTS = {"lsqml": {"affine_gain": 6.0, "start_epoch": "auto", "window_every": 1},
-                   "ad": {"affine_gain": 2.0, "start_epoch": 5, "window_every": 2}}
-ENGINE_DEFAULTS["rpie"] = ENGINE_DEFAULTS["epie"] = ENGINE_DEFAULTS["lsqml"]   # the same shift, momentum and fits
-
 #: ``start_epoch="auto"``: refinement starts in the epoch after the first one in which the probe
 #: changed by at most PROBE_SETTLED (‖P_e − P_e−1‖ / ‖P_e‖, all modes), but not before epoch
 #: AUTO_EARLIEST and at the latest in epoch AUTO_LATEST. LSQML on 576 × 64² (1 px + 1.5 % +
@@ -54,7 +48,7 @@ class PositionOptions:
     start_epoch: first epoch whose chunk steps move positions (epochs count from 0), or
         ``"auto"``: the epoch after the probe has settled (:data:`PROBE_SETTLED`, between epochs
         :data:`AUTO_EARLIEST` and :data:`AUTO_LATEST`). None: the engine's own
-        (:data:`ENGINE_DEFAULTS`: LSQML ``"auto"``, AD 5). LSQML waits until the object and
+        (``EngineSpec.position_defaults``: LSQML ``"auto"``, AD 5). LSQML waits until the object and
         probe have roughly formed: its shifts from a blurred object over-step, and from a probe
         still far off the windows' scale follows the probe's size; how soon that is depends on
         the start probe (:data:`AUTO_START`). AD's Adam steps with the window correction gain
@@ -83,7 +77,7 @@ class PositionOptions:
         refinement. Per-pattern updates fix random errors within a few tens of epochs but move
         the global part only slowly (the object stretches to follow it). The extra move is one
         affine map for every pattern, so the random part is untouched. None: the engine's own
-        (:data:`ENGINE_DEFAULTS`: LSQML 6, AD 2); much larger gains oscillate.
+        (``EngineSpec.position_defaults``: LSQML 6, AD 2); much larger gains oscillate.
     affine_blend: fraction of the way to the affine map each epoch (0 … 1; the classical affine
         constraint). Default 0: it pulls the random part of the errors back towards the map of
         the nominal positions. Raise it when the scan is known to be an affine map of the
@@ -100,7 +94,7 @@ class PositionOptions:
     window_every: take the windows' sums and correct in every this many epochs of refinement
         (its first, then every ``window_every``-th; 1 … 10), each correction ``window_every``
         times ``window_gain``, so the correction per epoch stays ``window_gain``. None: the
-        engine's (:data:`ENGINE_DEFAULTS`: LSQML 1, AD 2). The sums are most of what refinement
+        engine's (``EngineSpec.position_defaults``: LSQML 1, AD 2). The sums are most of what refinement
         costs in a chunk step; AD loses no accuracy taking them every 2nd epoch, LSQML's noise
         draws do.
     window_scale: also correct the symmetric part of L (scale and shear; both engines). The probe's size
@@ -189,7 +183,7 @@ class PositionOptions:
 
     def for_engine(self, engine: str) -> "PositionOptions":
         """These options with every setting left None set to ``engine``'s default."""
-        return with_engine_defaults(self, ENGINE_DEFAULTS, engine)
+        return with_engine_defaults(self, "position", engine)
 
     def for_start_probe(self, guessed: bool) -> "PositionOptions":
         """These options with ``window_scale`` None resolved: off when the start probe is

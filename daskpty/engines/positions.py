@@ -43,7 +43,6 @@ from .position_options import (  # noqa: F401  (re-exported)
     AUTO_EARLIEST,
     AUTO_LATEST,
     AUTO_START,
-    ENGINE_DEFAULTS,
     LOSS_SETTLED,
     OPTIMIZERS,
     PROBE_SETTLED,
@@ -52,11 +51,13 @@ from .position_options import (  # noqa: F401  (re-exported)
 )
 
 
-def initial_local(nominal, options: PositionOptions, engine: str = "lsqml") -> dict:
-    """The per-pattern state of one chunk before its first refinement step."""
+def initial_local(nominal, options: PositionOptions, gradient_based: bool = False) -> dict:
+    """The per-pattern state of one chunk before its first refinement step; a gradient-based
+    engine (``EngineSpec.gradient_based``) steps positions with ``options.optimizer``, and Adam
+    keeps a second moment."""
     nominal = np.asarray(nominal, dtype=np.float64)
     local = {"positions": nominal.copy(), "velocity": np.zeros_like(nominal)}
-    if engine == "ad" and options.optimizer == "adam":
+    if gradient_based and options.optimizer == "adam":
         local["moment2"] = np.zeros_like(nominal)
     return local
 

@@ -59,18 +59,6 @@ BRIGHTNESS_SCALE = 0.25
 #: 1.045 / 1.057×, 0.75 1.030 / 1.038 / 1.045×, 1 1.028 / 1.033 / 1.030×.
 SMOOTH_NORM_DAMPING = 1.0
 
-#: Each engine's defaults of the settings left None (:meth:`ProbeModelOptions.for_engine`),
-#: measured on the drifting, flickering scan of benchmarks/bench_opr.py (docs/benchmarks.md,
-#: OPR). AD takes the nearly exact weight curvature (damping 0.002: 1.43× → 1.14× the
-#: constant-probe NRMSE); LSQML's weights need the stronger damping. LSQML's weights take
-#: heavy-ball momentum (0.5, its object's own): without it the flux that each pattern's object
-#: window took up before ``start_epoch`` comes back to the weight with a time constant of ~10
-#: epochs, and the eigen-probes had to creep (0.02) or they fitted the weights' lag. K = 2,
-#: 40 / 80 epochs, mean of five seeds: 1.33 / 1.43× the constant-probe NRMSE without momentum
-#: (eigen step 0.02), 1.05 / 1.04× with it and full eigen-probe steps (0.5, as AD's).
-ENGINE_DEFAULTS = {"lsqml": {"curvature_damping": 0.02, "eigen_step": 0.5, "weight_momentum": 0.5},
-                   "ad": {"curvature_damping": 0.002, "eigen_step": 0.5, "weight_momentum": 0.0}}
-
 
 class ProbeModelDiverged(ValueError):
     """A per-pattern probe weight or intensity factor became non-finite (or absurdly large)."""
@@ -101,20 +89,20 @@ class ProbeModelOptions:
         the constant-probe NRMSE): 1.11 against 1.05× at 40 epochs, 1.30 against 1.04× at 80.
         Off by default.
     eigen_step: damping of the eigen-probe updates, 0 < step ≤ 1 (None: the engine's own,
-        :data:`ENGINE_DEFAULTS`: 0.5).
+        ``EngineSpec.probe_model_defaults``: 0.5).
     background_step: damping of the background update, 0 < step ≤ 1.
     max_weight: |weight| (relative to the mean probe) or intensity factor beyond which the run
         stops with :class:`ProbeModelDiverged`.
     curvature_damping: the weights' Levenberg–Marquardt damping, relative to the exit-wave
         curvature ‖U_k O_j‖² (see :meth:`~.pattern_probes.PatternProbes.weight_curvature`); None: the engine's
-        own (:data:`ENGINE_DEFAULTS`: LSQML 0.02, AD 0.002).
+        own (``EngineSpec.probe_model_defaults``: LSQML 0.02, AD 0.002).
     weight_smoothing: σ in object pixels of a Gaussian smoothing of the eigen-probe weights
         (k ≥ 1) over neighbouring scan positions after each step (0: off). The probe's shape
         drifts slowly, so neighbours share it; the mean probe's weight (flux) is never smoothed.
         Within a chunk only (each chunk keeps its own weights).
     weight_momentum: heavy-ball momentum μ of the OPR weights' steps, 0 ≤ μ < 1: each pattern's
         step is Δw_j + μ v_j, v_j its last one (kept with the weights, ``opr_velocity``). None:
-        the engine's own (:data:`ENGINE_DEFAULTS`: LSQML 0.5, as its object's momentum; AD 0).
+        the engine's own (``EngineSpec.probe_model_defaults``: LSQML 0.5, as its object's momentum; AD 0).
     flat_brightness: leave the smooth part over the scan of the fitted brightness to the object,
         which the data cannot tell it from: the intensity factors keep only their
         pattern-to-pattern part (:func:`flatten_model_local`), OPR's weights without them only
@@ -177,7 +165,7 @@ class ProbeModelOptions:
 
     def for_engine(self, engine: str) -> "ProbeModelOptions":
         """These options with every setting left None set to ``engine``'s default."""
-        return with_engine_defaults(self, ENGINE_DEFAULTS, engine)
+        return with_engine_defaults(self, "probe_model", engine)
 
     @classmethod
     def from_arguments(cls, opr_modes=None, fit_intensity=False, background=None,
@@ -221,11 +209,14 @@ class ProbeModelOptions:
     def active(self, epoch: int) -> bool:
         return epoch >= self.start_epoch
 
-    def check_run(self, n_patterns: int, probe_updated: bool, engine: str = "lsqml") -> None:
+    def check_run(self, n_patterns: int, probe_updated: bool, engine: str) -> None:
         """Refuse settings that cannot work on this data set or engine."""
-        if self.brightness_first and engine != "lsqml":
-            raise ValueError("probe model: brightness_first is an LSQML setting (AD steps every parameter "
-                             "from one gradient); drop it or use engine='lsqml'")
+        from .specs import ENGINE_SPECS, engine_spec  # the spec table imports the engines, which import this
+
+        if self.brightness_first and not engine_spec(engine).brightness_first:
+            takers = " or ".join(f"engine={n!r}" for n, s in ENGINE_SPECS.items() if s.brightness_first)
+            raise ValueError(f"probe model: brightness_first is an LSQML setting (AD steps every parameter "
+                             f"from one gradient); drop it or use {takers}")
         k = self.opr_modes
         if k and n_patterns < PATTERNS_PER_MODE * k:
             raise ValueError(f"opr_modes={k} is too many for {n_patterns} patterns: OPR needs at least "

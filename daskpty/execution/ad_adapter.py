@@ -112,7 +112,7 @@ class ADAdapter:
         return self.positions is not None or (self.probe_model is not None and self.probe_model.per_pattern)
 
     def initial_local(self, nominal) -> dict:
-        local = {} if self.positions is None else initial_local(nominal, self.positions, "ad")
+        local = {} if self.positions is None else initial_local(nominal, self.positions, gradient_based=True)
         if self.probe_model is not None:
             local.update(self.probe_model.initial_local(len(nominal)))
         return local

@@ -100,7 +100,7 @@ class LSQMLAdapter:
         return self.positions is not None or (self.probe_model is not None and self.probe_model.per_pattern)
 
     def initial_local(self, nominal) -> dict:
-        local = {} if self.positions is None else initial_local(nominal, self.positions, "lsqml")
+        local = {} if self.positions is None else initial_local(nominal, self.positions)
         if self.positions is not None and sm.carries_position_sums(self.sample):
             local.update(initial_ratios(len(nominal)))
         if self.probe_model is not None:

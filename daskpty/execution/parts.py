@@ -11,6 +11,7 @@ import numpy as np
 
 from ..engines.probe_model import ProbeModelOptions
 from ..engines.sample_model import SampleModel
+from ..engines.specs import engine_spec
 from .ad_adapter import check_probe_model_optimizer
 from .probe_model_part import ProbeModelPart
 
@@ -19,7 +20,7 @@ def with_probe_model(adapter, model: ProbeModelOptions | None):
     """``adapter`` with the varying probe ``model`` (None: the probe does not vary)."""
     if model is None:
         return adapter
-    if adapter.name == "ad":
+    if engine_spec(adapter.name).gradient_based:
         check_probe_model_optimizer(adapter.options)
     adapter.probe_model = ProbeModelPart(model, adapter.name)
     return adapter
@@ -40,6 +41,6 @@ def with_sample(adapter, sample):
     the engine's defaults that follow the slices resolved (AD's SGD momentum, LSQML's
     preconditioner δ: ``ADOptions.for_slices``, ``LSQMLOptions.for_slices``)."""
     adapter.sample = sample_model(sample)
-    if adapter.name in ("ad", "lsqml"):
+    if hasattr(adapter.options, "for_slices"):
         adapter.options = adapter.options.for_slices(sample.n_slices)
     return adapter

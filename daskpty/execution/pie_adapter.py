@@ -99,7 +99,7 @@ class PIEAdapter:
     def initial_local(self, nominal) -> dict:
         if self.positions is None:
             return {}
-        local = initial_local(nominal, self.positions, "lsqml")
+        local = initial_local(nominal, self.positions)
         if sm.carries_position_sums(self.sample):
             local.update(initial_ratios(len(nominal)))
         return local
