@@ -75,3 +75,16 @@ def test_the_callback_sees_persisted_chunks_held(tmp_path, three_workers):
                         rounds_per_epoch=3, check_data=False, object=np.ones_like(ds.truth.object),
                         callback=lambda e, s, m: held.append(sum(three_workers.run(_data_chunks_held).values())))
     assert min(held) >= 6  # 144 patterns in chunks of 24
+
+
+def test_in_memory_data_asked_out_of_core_run_on_tiles(three_workers):
+    """``persist=False`` on arrays from memory (scattered to the workers, no store to re-read):
+    the chunks stay in worker memory and the tiles run (a tile task's read of a chunk failed with
+    ``Missing dependency ndarray-...``); the result is that of the persisted run."""
+    ds = make_dataset(grid=8, seed=3)
+    kw = dict(engine="lsqml", epochs=2, rounds_per_epoch=2, chunk_length=16, tiles=True, check_data=False,
+              object=np.ones_like(ds.truth.object), client=three_workers)
+    asked = daskpty.reconstruct(daskpty.from_arrays(ds.intensities, ds.positions), persist=False, **kw)
+    kept = daskpty.reconstruct(daskpty.from_arrays(ds.intensities, ds.positions), persist=True, **kw)
+    np.testing.assert_array_equal(asked.object, kept.object)
+    np.testing.assert_array_equal(asked.probe, kept.probe)

@@ -187,7 +187,8 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
     intensities: dask or NumPy array (N, n, n), DC at the centre (as recorded), counts stay in
     their dtype. positions: (N, 2) float64 in the object frame.
     persist: True keeps the chunks in worker memory (spilled by dask when needed); False re-reads
-    them from their source (e.g. Zarr) every round — the out-of-core mode; "auto" persists when
+    them from their source (e.g. Zarr) every round — the out-of-core mode (data already scattered
+    to the workers from memory are kept there: they have no source to re-read); "auto" persists when
     the data take at most half of the cluster's memory.
     device: "cpu" (NumPy chunks) or "gpu" (CuPy chunks on dask-cuda workers).
     shift: move the zero frequency to index 0 (far field); False keeps the patterns as recorded
@@ -226,10 +227,16 @@ def prepare_data(client, intensities, positions, *, chunk_length: int | None = N
         intensities = intensities.map_blocks(_ifftshift_patterns, dtype=intensities.dtype,
                                              meta=intensities._meta)
     pos = da.from_array(positions, chunks=(intensities.chunks[0], 2))
+    from distributed import futures_of, wait
+
     if persist == "auto":
         persist = should_persist(client, intensities.nbytes)
+    if not persist and futures_of(intensities):
+        # In-memory data scattered to the workers have no store to read again each round: a
+        # chunk could not be read outside the graph that holds their futures. They are in worker
+        # memory already, so they are kept there (persisted), shifted and in the engine's order.
+        persist = True
     if persist:
-        from distributed import futures_of, wait
 
         intensities = persist_balanced(client, intensities)
         pos = client.persist(pos)
