@@ -14,6 +14,7 @@ from .engines.initial import (object_frame, probe_diameter_from_scan, probe_from
 from .engines.positions import PositionOptions, PositionsDiverged
 from .engines.probe_model import ProbeModelDiverged, effective_weights
 from .engines.sample_options import aperture_probe
+from .engines.specs import DEFAULT_ENGINE
 from .execution.cluster import client_context, current_client, live_workers, wait_for_workers
 from .execution.data import (auto_rounds, choose_chunk_length, gpu_steps_per_chunk, prepare_data, should_persist,
                              workers_have_gpus)
@@ -293,7 +294,7 @@ def _saying_what_is_kept(exc, checkpoint, checkpointer):
     return type(exc)(f"{exc}; {kept}")
 
 
-def reconstruct(data, engine="lsqml", epochs: int = DEFAULT_EPOCHS, *, probe=None, object=None,
+def reconstruct(data, engine=DEFAULT_ENGINE, epochs: int = DEFAULT_EPOCHS, *, probe=None, object=None,
                 probe_modes: int | None = None, refine_positions=False, probe_model=None, sample=None,
                 execution=None, run=None, client=None, **shortcuts) -> Reconstruction:
     """Reconstruct object and probe from a ptychography data set on a dask cluster.
@@ -413,7 +414,7 @@ def reconstruct(data, engine="lsqml", epochs: int = DEFAULT_EPOCHS, *, probe=Non
     return _start(data, epochs, probe, object, probe_modes, client, opts)
 
 
-def reconstruct_snapshot(data, epochs: int, *, live: dict, engine="lsqml", probe=None, object=None,
+def reconstruct_snapshot(data, epochs: int, *, live: dict, engine=DEFAULT_ENGINE, probe=None, object=None,
                          probe_modes: int | None = None, client=None, **options) -> Reconstruction:
     """One snapshot of a scan still being written (:func:`daskpty.workflows.follow`):
     :func:`reconstruct` of the frames committed so far, where ``resume`` may hold fewer of them.
