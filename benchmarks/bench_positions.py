@@ -269,10 +269,10 @@ def chunk_cost(n: int, patterns: int, calls: int = 25) -> None:
         "lsqml refined, window_scale": lambda: lsqml.refining_chunk_step(obj, probe, y, pos, local, options=lo,
                                                                          positions=scaled, epoch=1),
         "ad": lambda: chunk_gradient(obj, probe, y, pos, options=ao),
-        "ad refined": lambda: refining_chunk_gradient(obj, probe, y, pos, initial_local(pos, refine, "ad"),
+        "ad refined": lambda: refining_chunk_gradient(obj, probe, y, pos, initial_local(pos, refine, gradient_based=True),
                                                       options=ao, positions=refine, epoch=1),
         "ad refined, window_scale": lambda: refining_chunk_gradient(obj, probe, y, pos,
-                                                                    initial_local(pos, scaled, "ad"),
+                                                                    initial_local(pos, scaled, gradient_based=True),
                                                                     options=ao, positions=scaled, epoch=1),
     }
     times = {name: [] for name in steps}
