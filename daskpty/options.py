@@ -36,6 +36,7 @@ from typing import Callable
 
 import numpy as np
 
+from .faults import OptionError  # noqa: F401 (also named here)
 from .engines.positions import PositionOptions
 from .engines.probe_model import ProbeModelOptions
 from .execution.options import ExecutionOptions
@@ -45,11 +46,6 @@ from .engines.specs import DEFAULT_ENGINE, ENGINE_SPECS, engine_spec
 
 #: reconstruct's default number of epochs (also the CLI's --epochs)
 DEFAULT_EPOCHS = 100
-
-
-class OptionError(TypeError, ValueError):
-    """A keyword given twice with different values, or one that names no setting. A TypeError,
-    as Python's own for a bad keyword; also a ValueError, so the CLI reports it in one line."""
 
 
 def _flag(name, value, none: bool = False):

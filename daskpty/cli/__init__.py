@@ -13,20 +13,30 @@ import sys
 import warnings
 
 from .. import __version__, _interrupted_while_starting
-from ..execution.watchdog import (ReconstructionDiverged, ReconstructionStalled, install_loss_filter,
-                                 quiet_handled_losses)
-from ..io.epoch_handle import StateLost
-from ..io.safety import StoreWriteError
+from ..execution.watchdog import install_loss_filter, quiet_handled_losses
+from ..faults import ReconstructionDiverged, ReconstructionStalled, ScanStopped, StateLost, StoreWriteError
 from . import export, import_data, info, reconstruct, show, simulate
 from .interrupts import INTERRUPTED, InterruptGuard, forget_handled_interrupt
 
 #: subcommand modules, in the order ``daskpty --help`` lists them
 COMMANDS = [simulate, info, import_data, reconstruct, show, export]
 
-#: exceptions that mean "bad input": reported as one line on stderr with exit code 2
+#: exceptions that mean "bad input" or a run that cannot go on as asked (daskpty.faults)
 USER_ERRORS = (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError,
                IsADirectoryError, PermissionError, StoreWriteError, ReconstructionStalled, ReconstructionDiverged,
                StateLost)
+
+#: the exit code of each error a command reports as one line on stderr, the first match wins;
+#: an interrupt is 130 (:data:`~.interrupts.INTERRUPTED`), anything else a traceback and 1
+EXIT_CODES = (
+    (ScanStopped, 3),   # a live scan's writer stopped without ending it: the snapshot is kept
+    (USER_ERRORS, 2),   # what the user can fix: input, options, stores, the cluster, a diverged run
+)
+
+
+def exit_code(exc: BaseException) -> int | None:
+    """The exit code :data:`EXIT_CODES` gives ``exc``, or None (not one the command reports)."""
+    return next((code for kinds, code in EXIT_CODES if isinstance(exc, kinds)), None)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -95,12 +105,15 @@ def _run_command(args) -> int:
     except BrokenPipeError:  # `daskpty info X | head -1`: the reader had enough, not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except ScanStopped as exc:  # (not an error of the run: the scan it followed stopped)
+        print(f"daskpty: {one_line(exc)}", file=sys.stderr)
+        return exit_code(exc)
     except USER_ERRORS as exc:
         print(f"daskpty: error: {one_line(exc)}", file=sys.stderr)
-        return 2
+        return exit_code(exc)
     except KeyboardInterrupt:
         print("daskpty: interrupted; no output was left behind", file=sys.stderr)
         return 130
 
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "EXIT_CODES", "build_parser", "exit_code", "main"]

@@ -326,9 +326,10 @@ def _check_follow_flags(args) -> None:
 
 def _run_follow(args, given: dict) -> int:
     """``reconstruct --follow``: :func:`daskpty.workflows.follow` into the output store, one line
-    per snapshot on stderr, the usual summary at the end; a stopped scan is one line, exit 3."""
+    per snapshot on stderr, the usual summary at the end; a stopped scan (``ScanStopped``) is one
+    line, exit 3 (``daskpty.cli.EXIT_CODES``)."""
     import daskpty
-    from daskpty.workflows import ScanStopped, follow
+    from daskpty.workflows import follow
 
     given = dict(given)
     resume = given.pop("resume", None)
@@ -339,9 +340,6 @@ def _run_follow(args, given: dict) -> int:
         rec = follow(args.data, args.output, args.epochs, resume=resume, client=client, probe=args.probe,
                      probe_modes=args.probe_modes, progress=not args.quiet,
                      on_snapshot=None if args.quiet else _snapshot_line, **timing, **given)
-    except ScanStopped as exc:
-        print(f"daskpty: {exc}", file=sys.stderr)
-        return 3
     except KeyboardInterrupt:
         kept = _kept(args.output)
         if kept is not None:

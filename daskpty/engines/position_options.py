@@ -9,13 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..faults import PositionsDiverged  # noqa: F401 (also named here)
 from .engine_defaults import with_engine_defaults
 
 OPTIMIZERS = ("momentum", "adam")
-
-
-class PositionsDiverged(ValueError):
-    """Position refinement moved a pattern too far from its nominal position (or to NaN)."""
 
 
 #: ``start_epoch="auto"``: refinement starts in the epoch after the first one in which the probe

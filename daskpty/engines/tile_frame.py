@@ -17,13 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..faults import PositionsLeftTile  # noqa: F401 (also named here)
 from ..physics.shifts import split_positions
 
 _KEY = "tile_frame"
-
-
-class PositionsLeftTile(ValueError):
-    """A refined position's window left the rows its tile holds (the halo)."""
 
 
 @dataclass(frozen=True)

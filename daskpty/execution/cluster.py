@@ -15,7 +15,8 @@ import warnings
 
 from distributed import Client, LocalCluster, wait
 
-from .watchdog import ReconstructionStalled, seconds_from_env
+from ..faults import ClusterUnavailable, SchedulerLost, WorkersPaused  # noqa: F401 (also named here)
+from .watchdog import seconds_from_env
 
 
 def current_client():
@@ -266,14 +267,6 @@ def client_context(client: Client | None = None, n_workers: int | None = None, *
 
 # --- A cluster that is there: workers to run on, a scheduler that answers -------------------------
 
-class ClusterUnavailable(ReconstructionStalled):
-    """The cluster cannot run the reconstruction: no worker within the wait, no dask scheduler at
-    the address, or the scheduler gone. The message is one line saying what is missing."""
-
-
-class SchedulerLost(ClusterUnavailable):
-    """The connection to the dask scheduler is gone (the scheduler died or the network dropped)."""
-
 
 #: Default wait for a first worker, seconds (``DASKPTY_WORKER_WAIT_SECONDS`` overrides it).
 DEFAULT_WORKER_WAIT_SECONDS = 60.0
@@ -441,10 +434,6 @@ def connect(address: str, timeout: float = 10.0):
     except (OSError, TimeoutError) as exc:
         raise ClusterUnavailable(f"cannot connect to a dask scheduler at {address} within {timeout:.0f} s "
                                  f"({' '.join(str(exc).split())})") from None
-
-
-class WorkersPaused(ClusterUnavailable):
-    """Every worker stayed paused at its memory limit: the round cannot progress."""
 
 
 #: A wait during which every worker stays paused at its memory limit this long ends the run

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 
 
-
+from ..faults import StaleRoundState  # noqa: F401 (also named here)
 from .device_state import follow_partials, has_device_arrays, resident
 from .placement import GraphInputs
 from .rounds import (
@@ -192,12 +192,6 @@ class SubmittedEpoch:
         """Release the last round's futures once the next epoch, which reads them, is submitted."""
         for future in self.last_round:
             future.release()
-
-
-class StaleRoundState(RuntimeError):
-    """A fused round task did not find the state it continues on its worker (its worker was
-    lost and one came back under the same address, or the task ran elsewhere); the driver
-    restarts the epoch with the split graph."""
 
 
 class _HandledStaleRounds(logging.Filter):

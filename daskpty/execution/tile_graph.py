@@ -39,6 +39,7 @@ import uuid
 
 import numpy as np
 
+from ..faults import TileWorkerLost, TilesUnsupported  # noqa: F401 (also named here)
 from ..engines.partials import BoxedArray, Partial, covers, sum_partials_into, sum_partials_releasing
 from ..engines.tile_frame import TileFrame, with_frame
 from .device_state import follow_partials, has_device_arrays, resident, to_host
@@ -49,15 +50,6 @@ from .rounds import ChunkedData, FixedTree, count_reduced, default_split_every, 
 from . import tile_halo
 from .tiles import TileLayout
 from .tuning import release_memory
-
-
-class TileWorkerLost(ConnectionError):
-    """A worker that holds a tile of the running epoch left the cluster (its tasks, pinned to
-    it, would wait for it forever): the epoch is started again on the workers there are."""
-
-
-class TilesUnsupported(ValueError):
-    """What was asked cannot run on tiles (yet); the message says what to change."""
 
 
 def check_tiles_supported(adapter) -> None:

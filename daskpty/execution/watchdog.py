@@ -21,20 +21,14 @@ import os
 
 import numpy as np
 
+from ..faults import ReconstructionDiverged, ReconstructionStalled  # noqa: F401 (also named here)
+
 #: The floor of the wait for one epoch, seconds (``DASKPTY_STALL_SECONDS`` overrides it).
 DEFAULT_STALL_SECONDS = 300.0
 #: The bound is this multiple of the slowest epoch so far, when that is above the floor.
 EPOCH_FACTOR = 20.0
 #: How often one epoch is restarted after lost workers or a missed bound before the run stops.
 MAX_EPOCH_RESTARTS = 3
-
-
-class ReconstructionStalled(RuntimeError):
-    """No epoch finished within the watchdog's bound, even after restarting it."""
-
-
-class ReconstructionDiverged(FloatingPointError):
-    """The data loss of an epoch became NaN or infinite: the object or probe steps diverged."""
 
 
 def check_finite_result(obj, probe, epoch: int) -> None:

@@ -7,10 +7,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-
-class StateLost(RuntimeError):
-    """An :class:`EpochHandle`'s state is gone: the worker that held it died with it (the run
-    itself goes on from an earlier copy, so a periodic checkpoint of that epoch is skipped)."""
+from ..faults import StateLost  # noqa: F401 (also named here)
 
 
 @runtime_checkable

@@ -12,13 +12,10 @@ from __future__ import annotations
 import json
 import os
 
+from ..faults import DataChanged  # noqa: F401 (also named here)
 from .live_format import LIVE_ATTR
 
 WATCHED = ("zarr.json", "intensities", "positions", "mask")
-
-
-class DataChanged(ValueError):
-    """The data-set store was modified or replaced while a reconstruction was reading it."""
 
 
 def store_fingerprint(path, frames: int | None = None) -> tuple:

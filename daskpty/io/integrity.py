@@ -23,17 +23,13 @@ import numpy as np
 import zarr
 from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
 
+from ..faults import DamagedStoreError  # noqa: F401 (also named here)
 from .safety import is_daskpty_store, store_format, stored_epoch
-from .validate import DataError
 
 #: key in the ``daskpty`` root attribute: the writer wrote every chunk (all-zero ones too)
 EVERY_CHUNK = "every_chunk_written"
 #: zarr array config that makes the writer store all-zero chunks as files
 WRITE_ALL = {"write_empty_chunks": True}
-
-
-class DamagedStoreError(DataError):
-    """A store's file is missing or cannot be decoded; the message names it and what to do."""
 
 
 def _hint(store: str) -> str:

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 
+from ..faults import StoreLocked  # noqa: F401 (also named here)
 from .write_errors import write_error
 
 LOCK_SUFFIX = ".lock"
@@ -30,10 +31,6 @@ UNREADABLE_STALE_S = 10.0
 
 _held: dict[str, int] = {}
 _guard = threading.Lock()
-
-
-class StoreLocked(FileExistsError):
-    """Another process writes the store; the message names it."""
 
 
 def lock_path(path) -> str:

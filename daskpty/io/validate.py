@@ -14,6 +14,7 @@ import math
 
 import numpy as np
 
+from ..faults import DataError  # noqa: F401 (also named here)
 from .dask_client import current_client
 from .safety import FORMAT_VERSIONS
 from .scan import unit_mistake
@@ -28,10 +29,6 @@ PHYSICS_KEYS = ("focus_to_sample_m", "electron_voltage_v", "reciprocal_pixel_rad
 DETECTORS = ("far_field", "near_field")
 #: accelerating voltages accepted for electrons, volts (= daskpty.physics.geometry's; io stays below physics)
 ELECTRON_VOLTAGE_RANGE_V = (1e3, 3e6)
-
-
-class DataError(ValueError):
-    """A data set (store or arrays) is not usable; the message says what is wrong and how to fix it."""
 
 
 def _one_line(msg: str) -> str:

@@ -5,17 +5,11 @@ from __future__ import annotations
 
 import errno
 
+from ..faults import StoreWriteError  # noqa: F401 (also named here)
+
 #: errno values of a write that cannot succeed by retrying: reported in one line (exit 2)
 WRITE_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS,
                                      errno.EACCES, errno.EPERM, errno.EFBIG) if e is not None)
-
-
-class StoreWriteError(OSError):
-    """A store could not be written (disk full, read-only, no permission); one line saying what
-    failed, where, and what is intact."""
-
-    def __str__(self) -> str:
-        return str(self.strerror)
 
 
 def write_error(exc: OSError, what: str, path, intact: str) -> StoreWriteError | None:

@@ -22,6 +22,7 @@ import numpy as np
 import zarr
 from zarr.codecs import BloscCodec
 
+from ..faults import WriteCancelled  # noqa: F401 (also named here)
 from .dask_client import current_client
 from .lock import StoreLock, check_unlocked
 from .integrity import EVERY_CHUNK, WRITE_ALL
@@ -42,11 +43,6 @@ MIN_SHARD_BYTES = 1 * MiB
 
 _MARKER = ".daskpty-writing"
 _TOKEN_PREFIX = ".daskpty-w-"
-
-
-class WriteCancelled(RuntimeError):
-    """A shard write found its store being discarded (another shard failed)."""
-
 
 
 # --------------------------------------------------------------------------- layout helpers
@@ -86,7 +82,6 @@ def _compressor(dtype):
     dtype = np.dtype(dtype)
     shuffle = "bitshuffle" if dtype.kind in "iu" else "shuffle"
     return BloscCodec(cname="zstd", clevel=3, shuffle=shuffle)
-
 
 
 # --------------------------------------------------------------------------- writing
@@ -323,7 +318,6 @@ def write_blocks(x: da.Array, arr, root: str, *, client=None, progress: bool = F
             raise
         finally:
             bar.close()
-
 
 
 __all__ = ["DEFAULT_INNER_BYTES", "DEFAULT_MIN_SHARDS", "DEFAULT_SHARD_BYTES", "MIN_SHARD_BYTES",

@@ -16,6 +16,7 @@ import os
 import time
 import warnings
 
+from ..faults import ScanStopped  # noqa: F401 (also named here)
 from ..api import reconstruct_snapshot
 from ..execution.cluster import client_context
 from ..io.live import LiveStore
@@ -32,10 +33,6 @@ TIMEOUT_SECONDS = 60.0
 _CYCLE_EPOCHS = 100_000
 #: settings the follow loop owns
 _OWNED = ("checkpoint", "resume", "callback", "object")
-
-
-class ScanStopped(RuntimeError):
-    """The writer stopped without ending the scan; the last snapshot is kept in the result store."""
 
 
 def follow(data, output, epochs: int = DEFAULT_EPOCHS, *, min_frames: int | None = None,
