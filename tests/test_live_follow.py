@@ -183,3 +183,61 @@ def test_a_grown_canvas_keeps_every_pixel_where_it_was():
     assert np.all(moment[dy:dy + 40, dx:dx + 50] == 0.5) and np.all(moment[:dy] == 0)
     with pytest.raises(ValueError, match="not the first frames"):
         extended_to(rec, more[::-1], "R")
+
+
+#: a follower on the frame schedule (``snapshot_frames``), as its own process: DATA OUT [--resume]
+FRAME_FOLLOWER = """
+import sys
+from daskpty.workflows import follow
+
+if __name__ == "__main__":
+    data, out = sys.argv[1], sys.argv[2]
+    follow(data, out, {epochs}, min_frames=24, snapshot_frames=24, snapshot_epochs={per_cycle}, timeout=30,
+           resume=out if "--resume" in sys.argv else None, n_workers=1, seed=1, checkpoint_every=1,
+           progress=False, on_snapshot=lambda rec: print("snapshot", rec.live["frames_used"], rec.epochs, flush=True))
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_follower_resumed_ends_bit_identical_to_one_never_killed(tmp_path):
+    """Snapshots set by frames (``snapshot_frames``): the writer writes the whole scan at
+    12 frames/s; follower A is SIGKILLed inside its second snapshot cycle (the checkpoint of an
+    epoch part-way through it, every epoch being checkpointed) and restarted on its output;
+    follower B is never killed. A's final object, probe and loss history equal B's bit for bit:
+    each cycle's frames and epochs follow from the scan and the epoch count alone, B too starts
+    each cycle from its stored snapshot, the checkpoint holds the whole state at its own
+    precision (complex64 / float32 / float64 as computed), and one worker reduces in a fixed
+    order."""
+    per_cycle, epochs = 4, 4
+    script = tmp_path / "follower.py"
+    script.write_text(FRAME_FOLLOWER.format(epochs=epochs, per_cycle=per_cycle))
+    data, a, b = tmp_path / "scan.zarr", tmp_path / "a.zarr", tmp_path / "b.zarr"
+
+    def follower(out, *extra):
+        return subprocess.Popen([sys.executable, str(script), str(data), str(out), *extra], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+    writer = _writer(data, rate=12, grid="12x12")            # 144 frames: 12 s
+    never, killed = follower(b), follower(a)
+    from daskpty.io.safety import stored_epoch
+
+    deadline, epoch = time.monotonic() + 90, None
+    while time.monotonic() < deadline and killed.poll() is None:
+        epoch = stored_epoch(a) if os.path.isdir(a) else None
+        if epoch is not None and epoch > per_cycle:         # inside the second cycle (48 frames)
+            break
+        time.sleep(0.002)
+    assert killed.poll() is None, f"A ended before it could be killed: {killed.communicate()}"
+    _kill(killed)
+    kept = Reconstruction.from_zarr(a)
+    assert kept.epochs > per_cycle and kept.live["frames_used"] < 144, (kept.epochs, kept.live)
+    resumed = follower(a, "--resume")
+    for proc in (resumed, never, writer):
+        rc, out, err = _wait(proc)
+        assert rc == 0, err[-3000:]
+    ra, rb = Reconstruction.from_zarr(a), Reconstruction.from_zarr(b)
+    assert ra.live["frames_used"] == rb.live["frames_used"] == 144
+    assert ra.epochs == rb.epochs == 6 * per_cycle + epochs        # cycles on 24, 48, ..., 144 frames
+    assert np.array_equal(ra.object, rb.object) and np.array_equal(ra.probe, rb.probe)
+    assert np.array_equal(ra.positions, rb.positions)
+    assert [h["loss"] for h in ra.history] == [h["loss"] for h in rb.history]

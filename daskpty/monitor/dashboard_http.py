@@ -78,7 +78,8 @@ def state_of(scheduler, full_history: bool = False) -> dict:
     plugin = _plugin_of(scheduler)
     if plugin is None:
         state = {"plugin_installed": False, "run_id": None, "epoch": None, "loss": None,
-                 "history": {k: [] for k in HISTORY_KEYS}, "object": None, "probe": None, "images": []}
+                 "history": {k: [] for k in HISTORY_KEYS}, "object": None, "probe": None, "live": None,
+                 "images": []}
     else:
         state = plugin.snapshot(full_history=full_history)
     state["workers"] = workers_view(scheduler)

@@ -30,7 +30,9 @@ class DashboardPlugin(SchedulerPlugin):
     """Scheduler plugin holding the live reconstruction state and serving ``/daskpty``.
 
     Updated through the scheduler handler ``daskpty_dashboard_update`` (see
-    :class:`~daskpty.monitor.dashboard.DashboardPublisher`); round progress is followed through ``update_graph``.
+    :class:`~daskpty.monitor.dashboard.DashboardPublisher`, and for a followed scan
+    :class:`~daskpty.monitor.live_board.LiveBoard`: a ``live`` document and the ``live-phase``
+    image); round progress is followed through ``update_graph``.
     """
 
     name = PLUGIN_NAME
@@ -56,6 +58,7 @@ class DashboardPlugin(SchedulerPlugin):
         self.positions_meta = None
         self.opr_meta = None
         self.images: dict[str, bytes] = {}
+        self.live = None  # a followed scan (daskpty.monitor.live_board): frames, lag, its state
         self.rounds_since_epoch = 0
         self.rounds_total = 0
         self.round_group = None
@@ -138,6 +141,11 @@ class DashboardPlugin(SchedulerPlugin):
             for k, png in enumerate(opr.pop("weight_pngs")):
                 self.images[f"weights-{k}"] = png
             self.opr_meta = dict(opr, epoch=epoch, version=self._image_counter)
+        live = msg.get("live")
+        if live:
+            if msg.get("live_png"):
+                self.images["live-phase"] = msg["live_png"]
+            self.live = dict(live)
         self.updated = time.time()
         return "OK"
 
@@ -186,6 +194,7 @@ class DashboardPlugin(SchedulerPlugin):
             "probe": self.probe_meta,
             "positions": self.positions_meta,
             "opr": self.opr_meta,
+            "live": self.live,
             "images": sorted(self.images),
             "finished": finished,
             "updated": self.updated,

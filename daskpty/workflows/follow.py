@@ -9,10 +9,18 @@ their initial values. A cycle runs whole epochs until ``snapshot_every`` seconds
 (at least one), so every engine and part works as it does offline. The result store is the
 checkpoint and each snapshot carries ``live`` attributes (``frames_used``, ``snapshot_unix``).
 Once the scan has ended and every frame is in, ``epochs`` more run on the whole scan.
+
+``snapshot_frames`` sets the cycles by the frames instead of the clock (:class:`_FrameSchedule`):
+the same scan then gives the same snapshots whatever the timing of writer and follower, so a
+follower killed and resumed ends where one never stopped does. ``dashboard=True`` shows the
+follow on the dask dashboard's ``/daskpty`` page (:class:`daskpty.monitor.live_board.LiveBoard`):
+the newest snapshot's phase, frames committed and used, the lag and the scan's state.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import sys
 import time
 import warnings
 
@@ -38,6 +46,7 @@ _OWNED = ("checkpoint", "resume", "callback", "object")
 def follow(data, output, epochs: int = DEFAULT_EPOCHS, *, min_frames: int | None = None,
            snapshot_every: float = SNAPSHOT_SECONDS, timeout: float = TIMEOUT_SECONDS, resume=None,
            client=None, n_workers: int | None = None, on_snapshot=None, poll: float = 0.1,
+           snapshot_frames: int | None = None, snapshot_epochs: int = 1, dashboard: bool = False,
            **options) -> Reconstruction:
     """Reconstruct the live data-set store ``data`` while it is written, into ``output``.
 
@@ -55,6 +64,14 @@ def follow(data, output, epochs: int = DEFAULT_EPOCHS, *, min_frames: int | None
     (usually ``output``) to go on from. ``options``: those of :func:`daskpty.reconstruct`
     (engine, parts, execution, ``progress`` for the final epochs), but not ``checkpoint``,
     ``resume``, ``callback`` or ``object``, which following sets.
+
+    ``snapshot_frames``: cycles set by the frames, not the clock: snapshot k is made after
+    ``snapshot_epochs`` epochs on the first ``min_frames + k * snapshot_frames`` frames (all of
+    them once the scan has ended), waiting for them; ``snapshot_every`` is then unused. The
+    snapshots depend on the scan only, not on when frames arrive, so a run is reproducible and a
+    follower killed and resumed (``resume=output``) ends with the result of one never stopped;
+    the lag grows when the follower is slower than the writer. ``dashboard``: show the follow on
+    the dask dashboard's ``/daskpty`` page (its address is printed on stderr).
     """
     owned = sorted(set(options) & set(_OWNED))
     if owned:
@@ -65,64 +82,148 @@ def follow(data, output, epochs: int = DEFAULT_EPOCHS, *, min_frames: int | None
     if not snapshot_every > 0 or not timeout > 0:
         raise ValueError(f"snapshot_every and timeout must be positive seconds, got {snapshot_every!r} "
                          f"and {timeout!r}")
+    schedule = None if snapshot_frames is None else _FrameSchedule(snapshot_frames, snapshot_epochs)
     path, output = os.path.abspath(os.fspath(data)), os.fspath(output)
     previous = Reconstruction.from_zarr(resume) if resume is not None else None
     live = {"started_unix": ((previous.live or {}) if previous is not None else {}).get("started_unix",
                                                                                           time.time())}
     progress = options.pop("progress", None)
     with client_context(client, n_workers=n_workers) as c:
-        loop = _Loop(path, output, live, resume, previous, c, options, on_snapshot)
-        store = _wait_for_store(path, timeout, poll)
-        if store is not None and not store.status().ended:
-            loop.grow(store, min_frames, snapshot_every, timeout, poll)
-        return loop.finish(epochs, progress)
+        board = _board(c, dashboard, previous)
+        loop = _Loop(path, output, live, resume, previous, c, options, on_snapshot, board)
+        try:
+            store = _wait_for_store(path, timeout, poll)
+            if store is not None and (schedule is not None or not store.status().ended):  # (by frames:
+                loop.grow(store, min_frames, schedule or _TimeSchedule(snapshot_every), timeout, poll)  # same cycles after the end)
+            return loop.finish(epochs, progress)
+        except ScanStopped as exc:
+            board.stopped(str(exc))
+            raise
+
+
+def _board(client, dashboard: bool, previous):
+    """The dashboard's live page (a no-op board without ``dashboard``)."""
+    if not dashboard:
+        return _NoBoard()
+    from ..monitor.live_board import LiveBoard  # lazy: the page's code, only when asked
+
+    board = LiveBoard(client, previous)
+    if board.link:
+        print(f"daskpty dashboard: {board.link}", file=sys.stderr, flush=True)
+    return board
+
+
+class _NoBoard:
+    """The dashboard's hooks of :class:`~daskpty.monitor.live_board.LiveBoard`, doing nothing."""
+
+    def callback(self, clock):
+        return clock
+
+    def watching(self, store) -> None:
+        pass
+
+    def status(self, status) -> None:
+        pass
+
+    def starting(self, frames: int, epochs: int | None) -> None:
+        pass
+
+    def snapshot(self, rec) -> None:
+        pass
+
+    def stopped(self, message: str) -> None:
+        pass
 
 
 class _Loop:
     """The cycles of one follow: where the last snapshot is, how many frames and epochs it holds."""
 
-    def __init__(self, path, output, live, resume, previous, client, options, on_snapshot):
+    def __init__(self, path, output, live, resume, previous, client, options, on_snapshot, board):
         self.path, self.output, self.live, self.client = path, output, live, client
-        self.options, self.on_snapshot = options, on_snapshot
+        self.options, self.on_snapshot, self.board = options, on_snapshot, board
         self.source = resume  # the store the next cycle resumes from (None: start afresh)
         self.previous = previous
         self.used = len(previous.positions) if previous is not None else 0
         self.epochs = previous.epochs if previous is not None else 0
 
-    def grow(self, store: LiveStore, min_frames, snapshot_every, timeout, poll) -> None:
+    def grow(self, store: LiveStore, min_frames, schedule, timeout, poll) -> None:
         """Cycles until the scan has ended and a snapshot used every frame, or ScanStopped."""
-        status = store.status()
-        watch = _CommitWatch(store, timeout)
-        status = watch.wait_for(_min_frames(store, status, min_frames), poll, self)
-        while not status.ended or 0 < self.used < status.frames_committed:  # (the end: one snapshot of all)
-            if status.frames_committed > self.used or not watch.stalled():
-                self.cycle(open_data(self.path, frames="committed"), _Clock(snapshot_every, store),
-                           {**self.live, "scan_ended": status.ended})
-            else:
+        watch = _CommitWatch(store, timeout, self.board)
+        self.board.watching(store)
+        first = _min_frames(store, store.status(), min_frames)
+        if not self.used:  # (a resumed follow goes on at once)
+            watch.wait_for(first, poll, self)
+        while True:
+            frames, until = schedule.next(self, first)
+            status = watch.wait_for(frames, poll, self) if frames is not None else watch.update()
+            n = status.frames_committed if frames is None else min(frames, status.frames_committed)
+            if status.ended and self.used == n == status.frames_committed and not self.epochs % schedule.epochs:
+                return  # (every frame is in the last snapshot: the final epochs take over)
+            if n <= self.used and watch.stalled():
                 raise ScanStopped(watch.message(status, self))
-            status = watch.update()
+            live = {**self.live, "scan_ended": status.ended, "newest_frame_commit_unix": watch.commit_unix(n)}
+            self.cycle(_first_frames(self.path, n), until(store), live)
 
     def finish(self, epochs: int, progress) -> Reconstruction:
         """``epochs`` more epochs on the whole (ended) scan: the final result."""
         stored = (self.previous.live or {}) if self.previous is not None else {}
         start = stored.get("final_from_epoch") if stored.get("scan_ended") else None
         start = self.epochs if start is None else int(start)
-        live = {**self.live, "scan_ended": True, "final_from_epoch": start}
-        return self.run(open_data(self.path), start + epochs, live, progress=progress)
+        data = open_data(self.path)
+        live = {**self.live, "scan_ended": True, "final_from_epoch": start,
+                "newest_frame_commit_unix": _ended_unix(self.path)}
+        return self.run(data, start + epochs, live, progress=progress)
 
-    def cycle(self, data, clock, live) -> None:
+    def cycle(self, data, until, live) -> None:
+        """One snapshot: epochs on ``data`` until ``until`` (an epoch count, or a callback that
+        stops the run)."""
+        epochs, clock = (until, None) if isinstance(until, int) else (self.epochs + _CYCLE_EPOCHS, until)
         with warnings.catch_warnings():  # a part starting at a later epoch: it will, in a later cycle
             warnings.filterwarnings("ignore", message=r".*so it never runs", category=UserWarning)
-            self.run(data, self.epochs + _CYCLE_EPOCHS, live, callback=clock, progress=False)
+            self.run(data, epochs, live, callback=self.board.callback(clock), progress=False)
 
     def run(self, data, epochs: int, live, **run) -> Reconstruction:
+        self.board.starting(data.n_patterns, epochs if "final_from_epoch" in live else None)
         rec = reconstruct_snapshot(data, epochs, live=live, client=self.client, checkpoint=self.output,
                                    resume=self.source, **run, **self.options)
         self.source, self.previous = self.output, rec
         self.used, self.epochs = len(rec.positions), rec.epochs
+        self.board.snapshot(rec)
         if self.on_snapshot is not None:
             self.on_snapshot(rec)
         return rec
+
+
+class _TimeSchedule:
+    """Cycles set by the clock: each takes every frame committed when it starts and runs until
+    ``seconds`` have passed (at least one epoch)."""
+
+    epochs = 1  # (any epoch may end a cycle)
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def next(self, loop: "_Loop", first: int):
+        """(frames to wait for, None: those committed; the cycle's end)."""
+        return None, lambda store: _Clock(self.seconds, store)
+
+
+class _FrameSchedule:
+    """Cycles set by the frames: cycle k runs ``epochs`` epochs (up to epoch (k + 1) · epochs)
+    on the first ``first + k · frames`` frames, waiting for them; the scan's end cuts the count.
+    The cycle and its frames follow from the epoch a snapshot holds, so a resumed follower picks
+    up where its checkpoint stands, mid-cycle too."""
+
+    def __init__(self, frames: int, epochs: int):
+        for name, value in (("snapshot_frames", frames), ("snapshot_epochs", epochs)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.frames, self.epochs = frames, epochs
+
+    def next(self, loop: "_Loop", first: int):
+        k, into = divmod(loop.epochs, self.epochs)
+        frames = loop.used if into else first + k * self.frames  # (mid-cycle: the cycle's frames)
+        return frames, lambda store: (k + 1) * self.epochs
 
 
 class _Clock:
@@ -143,16 +244,24 @@ class _Clock:
 class _CommitWatch:
     """When the committed count last grew; a scan with none for ``timeout`` seconds has stalled."""
 
-    def __init__(self, store: LiveStore, timeout: float):
-        self.store, self.timeout = store, timeout
+    def __init__(self, store: LiveStore, timeout: float, board):
+        self.store, self.timeout, self.board = store, timeout, board
         self.count, self.since = -1, time.monotonic()
+        self.commits = {}  # frames committed -> the commit record's time when first seen
         self.update()
 
     def update(self):
         status = self.store.status()
         if status.frames_committed != self.count:
             self.count, self.since = status.frames_committed, time.monotonic()
+            self.commits.setdefault(status.frames_committed, status.updated_unix)
+        self.board.status(status)
         return status
+
+    def commit_unix(self, frames: int) -> float | None:
+        """When frame ``frames`` (counting from one) was committed: the time of the first count
+        seen that holds it (None: not seen)."""
+        return min((t for count, t in self.commits.items() if count >= frames), default=None)
 
     def stalled(self) -> bool:
         return time.monotonic() - self.since > self.timeout
@@ -161,7 +270,7 @@ class _CommitWatch:
         """Wait for ``frames`` committed frames (or the scan's end); ScanStopped when stalled."""
         while True:
             status = self.update()
-            if status.ended or status.frames_committed >= frames or loop.used:
+            if status.ended or status.frames_committed >= frames:
                 return status
             if self.stalled():
                 raise ScanStopped(self.message(status, loop, waiting_for=frames))
@@ -196,6 +305,23 @@ def _wait_for_store(path: str, timeout: float, poll: float) -> LiveStore | None:
     while not os.path.exists(os.path.join(path, COMMIT_FILE)):  # (created with the store: a moment)
         time.sleep(poll)
     return LiveStore(path)
+
+
+def _first_frames(path: str, n: int):
+    """The first ``n`` committed frames of the live store at ``path`` (a snapshot's data)."""
+    data = open_data(path, frames="committed")
+    if data.n_patterns == n:
+        return data
+    return dataclasses.replace(data, intensities=data.intensities[:n], positions=data.positions[:n])
+
+
+def _ended_unix(path: str) -> float | None:
+    """The time of a live store's last commit (None: an ordinary store)."""
+    import zarr
+
+    if LIVE_ATTR not in zarr.open_group(path, mode="r").attrs:
+        return None
+    return LiveStore(path).status().updated_unix
 
 
 def _min_frames(store: LiveStore, status, given: int | None) -> int:

@@ -1,0 +1,154 @@
+"""The dashboard of a followed scan (:func:`daskpty.workflows.follow` with ``dashboard=True``).
+
+:class:`LiveBoard` keeps one :class:`~daskpty.monitor.dashboard.DashboardPublisher` for the
+whole follow (its cycles are one run on the page: the loss history goes on across snapshots)
+and sends the scheduler's :class:`~daskpty.monitor.dashboard_plugin.DashboardPlugin` what a
+person at the instrument looks for:
+
+- the newest snapshot's object phase (the image ``live-phase``),
+- frames committed (the store's commit record) against frames used (the newest snapshot),
+- the lag: from the commit of the newest frame a snapshot used to the snapshot's time,
+- the scan's state: ``waiting`` (for the first frames), ``live``, ``ended``, ``stopped``.
+
+The page's "Live scan" panel shows them; ``/daskpty/json`` has them under ``live``.
+"""
+from __future__ import annotations
+
+import time
+
+from .dashboard import DashboardPublisher
+from .dashboard_images import object_images
+
+#: seconds between updates of the committed count while nothing else changes
+STATUS_INTERVAL = 0.5
+#: snapshots kept in the page's table of frames and lag
+HISTORY = 500
+
+
+class LiveBoard:
+    """The follow loop's hooks for the dashboard; never raises into the follow (a failure is
+    one warning)."""
+
+    def __init__(self, client, previous=None, image_size: int = 256):
+        self.publisher = DashboardPublisher(client, image_interval=1.0)
+        self.image_size = int(image_size)
+        self.store = None
+        self.sent = -float("inf")
+        self.images = 0
+        self.live = {"scan": "waiting", "frames_committed": None, "planned_frames": None, "frames_used": None,
+                     "snapshots": 0, "snapshot_unix": None, "snapshot_epoch": None,
+                     "newest_frame_commit_unix": None, "lag_seconds": None, "last_commit_unix": None,
+                     "writer": "", "message": "", "final_epochs": None, "image_version": None,
+                     "history": {"snapshot_unix": [], "frames_used": [], "frames_committed": [],
+                                 "lag_seconds": []}}
+        prior = (previous.live or {}) if previous is not None else {}
+        if prior.get("frames_used"):
+            self.live.update(frames_used=int(prior["frames_used"]), snapshot_unix=prior.get("snapshot_unix"),
+                             snapshot_epoch=previous.epochs)
+
+    @property
+    def link(self) -> str | None:
+        """The page's address (installs the scheduler plugin first)."""
+        return self.publisher.link
+
+    # -------------------------------------------------------------- the follow loop's hooks
+
+    def watching(self, store) -> None:
+        """The live store followed: its commit record is read again at each epoch."""
+        self.store = store
+
+    def status(self, status, force: bool = False) -> None:
+        """The store's commit record (a :class:`~daskpty.io.live.LiveStatus`)."""
+        live = self.live
+        changed = status.frames_committed != live["frames_committed"] or status.ended != (live["scan"] == "ended")
+        if changed:
+            live["last_commit_unix"] = status.updated_unix
+        live.update(frames_committed=status.frames_committed, planned_frames=status.planned_frames,
+                    writer=status.writer)
+        if live["scan"] != "stopped":
+            live["scan"] = "ended" if status.ended else ("live" if live["frames_used"] else "waiting")
+        if changed or force or time.monotonic() - self.sent >= STATUS_INTERVAL:
+            self._send()
+
+    def starting(self, frames: int, epochs: int | None) -> None:
+        """A cycle on ``frames`` frames begins; ``epochs``: the run's last epoch (final epochs)."""
+        self.publisher.n_patterns = int(frames)
+        self.publisher.epochs = epochs
+        if epochs is not None:
+            self.live["final_epochs"] = int(epochs)
+
+    def snapshot(self, rec) -> None:
+        """A snapshot is in the result store: its phase, frames and lag go to the page."""
+        info = rec.live or {}
+        live = self.live
+        used, at = int(info.get("frames_used", len(rec.positions))), info.get("snapshot_unix")
+        commit = info.get("newest_frame_commit_unix")
+        lag = at - commit if at is not None and commit is not None else None
+        live.update(frames_used=used, snapshot_unix=at, snapshot_epoch=int(rec.epochs), lag_seconds=lag,
+                    newest_frame_commit_unix=commit, snapshots=live["snapshots"] + 1)
+        if live["scan"] == "waiting":
+            live["scan"] = "live"
+        history = live["history"]
+        for key, value in (("snapshot_unix", at), ("frames_used", used),
+                           ("frames_committed", live["frames_committed"]), ("lag_seconds", lag)):
+            history[key] = (history[key] + [value])[-HISTORY:]
+        image = None
+        try:
+            image = object_images(rec.object, rec.illumination, self.image_size)
+        except Exception as exc:
+            self._warn(f"daskpty dashboard: the snapshot's image failed: {exc!r}")
+        if image is not None:
+            self.images += 1
+            live.update(image_version=self.images, image_shape=image["image_shape"],
+                        phase_range=image["phase_range"], object_shape=image["shape"])
+        self._send(None if image is None else image["phase_png"])
+
+    def stopped(self, message: str) -> None:
+        """The scan stopped without its end: the follow ends with ``message``."""
+        self.live.update(scan="stopped", message=message)
+        self._send()
+
+    def callback(self, clock):
+        """A cycle's epoch callback: the publisher's epoch update, the committed count, then
+        ``clock`` (which may end the cycle; None: the cycle's epoch count does)."""
+        board = self
+
+        class _Epoch:
+            takes_epoch_state = True
+
+            def __call__(self, epoch, state, metrics):
+                board.publisher(epoch, state, metrics)
+                board.refresh()
+                return None if clock is None else clock(epoch, state, metrics)
+
+        return _Epoch()
+
+    def refresh(self) -> None:
+        """Read the commit record again (at most every :data:`STATUS_INTERVAL` seconds)."""
+        if self.store is not None and time.monotonic() - self.sent >= STATUS_INTERVAL:
+            try:
+                self.status(self.store.status())
+            except Exception as exc:
+                self._warn(f"daskpty dashboard: reading the scan's commit record failed: {exc!r}")
+
+    # -------------------------------------------------------------- sending
+
+    def _send(self, png: bytes | None = None) -> None:
+        self.sent = time.monotonic()
+        publisher = self.publisher
+        try:
+            if not publisher.install():
+                return
+            message = {"run_id": publisher.run_id, "live": dict(self.live, updated_unix=time.time())}
+            if png is not None:
+                message["live_png"] = png
+            client = publisher.client
+            client.sync(client.scheduler.daskpty_dashboard_update, message=message)
+        except Exception as exc:
+            self._warn(f"daskpty dashboard update failed: {exc!r}")
+
+    def _warn(self, text: str) -> None:
+        self.publisher._warn(text)
+
+
+__all__ = ["LiveBoard"]
