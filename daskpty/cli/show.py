@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 import uuid
 
 from ..io.safety import write_error
@@ -50,10 +51,47 @@ def _check_output(path: str, overwrite: bool) -> str:
     return FORMATS[suffix]
 
 
+#: reads of a store a running follow or checkpoint replaced while it was read, before giving up
+READ_TRIES = 5
+
+
 def _read_reconstruction(path: str):
+    """The reconstruction at ``path``, read whole while no checkpoint replaced it.
+
+    A running reconstruction (``reconstruct --follow`` publishing snapshots, any checkpoint)
+    swaps a new store in by renames (:meth:`~daskpty.io.results.Reconstruction.to_zarr`) and
+    removes the old one: a read that overlapped a swap is repeated (the directory at ``path`` is
+    another one after it), and ``PATH.previous`` alone is read only once it stays so (a swap
+    left half done, not one in progress)."""
+    path = os.fspath(path).rstrip("/") or path
+    for attempt in range(READ_TRIES):
+        before = _identity(path)
+        if before is None and attempt + 1 < READ_TRIES and os.path.isdir(path + ".previous"):
+            time.sleep(0.2)  # (between a swap's two renames: a moment)
+            continue
+        try:
+            rec = _read_once(path)
+        except (ValueError, OSError):
+            if _identity(path) != before and attempt + 1 < READ_TRIES:
+                continue
+            raise
+        if _identity(path) == before:
+            return rec
+    return rec
+
+
+def _identity(path: str):
+    """(device, inode) of the directory at ``path``: a swapped-in store is another directory."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _read_once(path: str):
     from daskpty.io.results import Reconstruction  # lazy: zarr stays out of the CLI's start
 
-    path = os.fspath(path).rstrip("/") or path
     if not os.path.exists(path) and not os.path.isdir(path + ".previous"):  # see Reconstruction.to_zarr
         raise FileNotFoundError(f"{path}: no such reconstruction store")
     if os.path.exists(path) and not os.path.isdir(path):
@@ -127,8 +165,9 @@ def _read_data(path: str, rec):
 
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such data-set store")
-    data = open_data(path, validate="metadata")
-    if data.n_patterns != len(rec.positions):
+    data = open_data(path, validate="metadata", frames="committed")  # (a live scan: those so far)
+    snapshot = bool(getattr(rec, "live", None)) and data.n_patterns > len(rec.positions)
+    if data.n_patterns != len(rec.positions) and not snapshot:
         raise ValueError(f"{path} has {data.n_patterns} patterns but the reconstruction has "
                          f"{len(rec.positions)} positions; was it reconstructed from this data set?")
     px = data.metadata.get("object_pixel_size_m")

@@ -7,7 +7,8 @@ person at the instrument looks for:
 
 - the newest snapshot's object phase (the image ``live-phase``),
 - frames committed (the store's commit record) against frames used (the newest snapshot),
-- the lag: from the commit of the newest frame a snapshot used to the snapshot's time,
+- the lag: from the commit of the newest frame a snapshot used to the time the snapshot was in
+  the result store (as ``benchmarks/bench_live.py`` measures it),
 - the scan's state: ``waiting`` (for the first frames), ``live``, ``ended``, ``stopped``.
 
 The page's "Live scan" panel shows them; ``/daskpty/json`` has them under ``live``.
@@ -81,7 +82,7 @@ class LiveBoard:
         """A snapshot is in the result store: its phase, frames and lag go to the page."""
         info = rec.live or {}
         live = self.live
-        used, at = int(info.get("frames_used", len(rec.positions))), info.get("snapshot_unix")
+        used, at = int(info.get("frames_used", len(rec.positions))), time.time()  # (in the store by now)
         commit = info.get("newest_frame_commit_unix")
         lag = at - commit if at is not None and commit is not None else None
         live.update(frames_used=used, snapshot_unix=at, snapshot_epoch=int(rec.epochs), lag_seconds=lag,

@@ -437,5 +437,9 @@ def summary_figure(rec, truth=None, pixel_size_m=None, *, figsize=None):
                                                if len(slice_names) < n_slices else ""))
     if pixel_size_m:
         bits.append(f"pixel {format_length(pixel_size_m)}")
+    live = getattr(rec, "live", None) or {}
+    if live.get("frames_used") and "final_from_epoch" not in live:  # a snapshot of a scan being followed
+        bits.insert(0, f"snapshot of {int(live['frames_used']):,} frames"
+                       + ("" if live.get("scan_ended") else " (scan live)"))
     fig.suptitle("daskpty reconstruction — " + ", ".join(bits), fontsize=11)
     return fig
