@@ -15,12 +15,13 @@ The page's "Live scan" panel shows them; ``/daskpty/json`` has them under ``live
 """
 from __future__ import annotations
 
+import threading
 import time
 
 from .dashboard import DashboardPublisher
 from .dashboard_images import object_images
 
-#: seconds between updates of the committed count while nothing else changes
+#: seconds between reads of the scan's commit record (a thread beside the follow)
 STATUS_INTERVAL = 0.5
 #: snapshots kept in the page's table of frames and lag
 HISTORY = 500
@@ -33,8 +34,9 @@ class LiveBoard:
     def __init__(self, client, previous=None, image_size: int = 256):
         self.publisher = DashboardPublisher(client, image_interval=1.0)
         self.image_size = int(image_size)
-        self.store = None
-        self.sent = -float("inf")
+        self.lock = threading.RLock()  # (the reading thread and the follow both update the page)
+        self.done = threading.Event()
+        self.reader = None
         self.images = 0
         self.live = {"scan": "waiting", "frames_committed": None, "planned_frames": None, "frames_used": None,
                      "snapshots": 0, "snapshot_unix": None, "snapshot_epoch": None,
@@ -55,20 +57,43 @@ class LiveBoard:
     # -------------------------------------------------------------- the follow loop's hooks
 
     def watching(self, store) -> None:
-        """The live store followed: its commit record is read again at each epoch."""
-        self.store = store
+        """Follow the live store's commit record: a thread reads it every
+        :data:`STATUS_INTERVAL` seconds (an epoch may take longer) until :meth:`close`."""
+        if self.reader is None:
+            self.store = store
+            self.reader = threading.Thread(target=self._read, name="daskpty-live-board", daemon=True)
+            self.reader.start()
 
-    def status(self, status, force: bool = False) -> None:
+    def _read(self) -> None:
+        while True:
+            self._read_once()
+            if self.done.wait(STATUS_INTERVAL):
+                return
+
+    def _read_once(self) -> None:
+        try:
+            self.status(self.store.status())
+        except Exception as exc:
+            self._warn(f"daskpty dashboard: reading the scan's commit record failed: {exc!r}")
+
+    def close(self) -> None:
+        """Stop reading the commit record (the follow has ended); the page keeps the last one."""
+        self.done.set()
+        if self.reader is not None:
+            self.reader.join(timeout=5)
+            self.reader = None
+            self._read_once()
+
+    def status(self, status) -> None:
         """The store's commit record (a :class:`~daskpty.io.live.LiveStatus`)."""
-        live = self.live
-        changed = status.frames_committed != live["frames_committed"] or status.ended != (live["scan"] == "ended")
-        if changed:
-            live["last_commit_unix"] = status.updated_unix
-        live.update(frames_committed=status.frames_committed, planned_frames=status.planned_frames,
-                    writer=status.writer)
-        if live["scan"] != "stopped":
-            live["scan"] = "ended" if status.ended else ("live" if live["frames_used"] else "waiting")
-        if changed or force or time.monotonic() - self.sent >= STATUS_INTERVAL:
+        with self.lock:
+            live = self.live
+            if status.frames_committed != live["frames_committed"] or live["last_commit_unix"] is None:
+                live["last_commit_unix"] = status.updated_unix
+            live.update(frames_committed=status.frames_committed, planned_frames=status.planned_frames,
+                        writer=status.writer)
+            if live["scan"] != "stopped":
+                live["scan"] = "ended" if status.ended else ("live" if live["frames_used"] else "waiting")
             self._send()
 
     def starting(self, frames: int, epochs: int | None) -> None:
@@ -76,10 +101,20 @@ class LiveBoard:
         self.publisher.n_patterns = int(frames)
         self.publisher.epochs = epochs
         if epochs is not None:
-            self.live["final_epochs"] = int(epochs)
+            with self.lock:
+                self.live["final_epochs"] = int(epochs)
 
     def snapshot(self, rec) -> None:
         """A snapshot is in the result store: its phase, frames and lag go to the page."""
+        image = None
+        try:
+            image = object_images(rec.object, rec.illumination, self.image_size)
+        except Exception as exc:
+            self._warn(f"daskpty dashboard: the snapshot's image failed: {exc!r}")
+        with self.lock:
+            self._snapshot(rec, image)
+
+    def _snapshot(self, rec, image) -> None:
         info = rec.live or {}
         live = self.live
         used, at = int(info.get("frames_used", len(rec.positions))), time.time()  # (in the store by now)
@@ -93,11 +128,6 @@ class LiveBoard:
         for key, value in (("snapshot_unix", at), ("frames_used", used),
                            ("frames_committed", live["frames_committed"]), ("lag_seconds", lag)):
             history[key] = (history[key] + [value])[-HISTORY:]
-        image = None
-        try:
-            image = object_images(rec.object, rec.illumination, self.image_size)
-        except Exception as exc:
-            self._warn(f"daskpty dashboard: the snapshot's image failed: {exc!r}")
         if image is not None:
             self.images += 1
             live.update(image_version=self.images, image_shape=image["image_shape"],
@@ -106,36 +136,27 @@ class LiveBoard:
 
     def stopped(self, message: str) -> None:
         """The scan stopped without its end: the follow ends with ``message``."""
-        self.live.update(scan="stopped", message=message)
-        self._send()
+        with self.lock:
+            self.live.update(scan="stopped", message=message)
+            self._send()
 
     def callback(self, clock):
-        """A cycle's epoch callback: the publisher's epoch update, the committed count, then
-        ``clock`` (which may end the cycle; None: the cycle's epoch count does)."""
-        board = self
+        """A cycle's epoch callback: the publisher's epoch update, then ``clock`` (which may
+        end the cycle; None: the cycle's epoch count does)."""
+        publisher = self.publisher
 
         class _Epoch:
             takes_epoch_state = True
 
             def __call__(self, epoch, state, metrics):
-                board.publisher(epoch, state, metrics)
-                board.refresh()
+                publisher(epoch, state, metrics)
                 return None if clock is None else clock(epoch, state, metrics)
 
         return _Epoch()
 
-    def refresh(self) -> None:
-        """Read the commit record again (at most every :data:`STATUS_INTERVAL` seconds)."""
-        if self.store is not None and time.monotonic() - self.sent >= STATUS_INTERVAL:
-            try:
-                self.status(self.store.status())
-            except Exception as exc:
-                self._warn(f"daskpty dashboard: reading the scan's commit record failed: {exc!r}")
-
     # -------------------------------------------------------------- sending
 
     def _send(self, png: bytes | None = None) -> None:
-        self.sent = time.monotonic()
         publisher = self.publisher
         try:
             if not publisher.install():

@@ -99,6 +99,8 @@ def follow(data, output, epochs: int = DEFAULT_EPOCHS, *, min_frames: int | None
         except ScanStopped as exc:
             board.stopped(str(exc))
             raise
+        finally:
+            board.close()
 
 
 def _board(client, dashboard: bool, previous):
@@ -122,9 +124,6 @@ class _NoBoard:
     def watching(self, store) -> None:
         pass
 
-    def status(self, status) -> None:
-        pass
-
     def starting(self, frames: int, epochs: int | None) -> None:
         pass
 
@@ -132,6 +131,9 @@ class _NoBoard:
         pass
 
     def stopped(self, message: str) -> None:
+        pass
+
+    def close(self) -> None:
         pass
 
 
@@ -148,7 +150,7 @@ class _Loop:
 
     def grow(self, store: LiveStore, min_frames, schedule, timeout, poll) -> None:
         """Cycles until the scan has ended and a snapshot used every frame, or ScanStopped."""
-        watch = _CommitWatch(store, timeout, self.board)
+        watch = _CommitWatch(store, timeout)
         self.board.watching(store)
         first = _min_frames(store, store.status(), min_frames)
         if not self.used:  # (a resumed follow goes on at once)
@@ -244,8 +246,8 @@ class _Clock:
 class _CommitWatch:
     """When the committed count last grew; a scan with none for ``timeout`` seconds has stalled."""
 
-    def __init__(self, store: LiveStore, timeout: float, board):
-        self.store, self.timeout, self.board = store, timeout, board
+    def __init__(self, store: LiveStore, timeout: float):
+        self.store, self.timeout = store, timeout
         self.count, self.since = -1, time.monotonic()
         self.commits = {}  # frames committed -> the commit record's time when first seen
         self.update()
@@ -255,7 +257,6 @@ class _CommitWatch:
         if status.frames_committed != self.count:
             self.count, self.since = status.frames_committed, time.monotonic()
             self.commits.setdefault(status.frames_committed, status.updated_unix)
-        self.board.status(status)
         return status
 
     def commit_unix(self, frames: int) -> float | None:
