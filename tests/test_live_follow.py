@@ -241,3 +241,11 @@ def test_a_killed_follower_resumed_ends_bit_identical_to_one_never_killed(tmp_pa
     assert np.array_equal(ra.object, rb.object) and np.array_equal(ra.probe, rb.probe)
     assert np.array_equal(ra.positions, rb.positions)
     assert [h["loss"] for h in ra.history] == [h["loss"] for h in rb.history]
+
+
+@pytest.mark.parametrize("bad", [{"snapshot_frames": 0}, {"snapshot_frames": 2.5}, {"snapshot_frames": 8, "snapshot_epochs": 0}])
+def test_frame_schedule_settings_are_refused_in_one_line(tmp_path, bad):
+    from daskpty.workflows import follow
+
+    with pytest.raises(ValueError, match=r"must be a positive integer, got"):
+        follow(tmp_path / "scan.zarr", tmp_path / "r.zarr", **bad)
