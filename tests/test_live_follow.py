@@ -202,13 +202,13 @@ if __name__ == "__main__":
 def test_a_killed_follower_resumed_ends_bit_identical_to_one_never_killed(tmp_path):
     """Snapshots set by frames (``snapshot_frames``): the writer writes the whole scan at
     12 frames/s; follower A is SIGKILLed inside its second snapshot cycle (the checkpoint of an
-    epoch part-way through it, every epoch being checkpointed) and restarted on its output;
-    follower B is never killed. A's final object, probe and loss history equal B's bit for bit:
-    each cycle's frames and epochs follow from the scan and the epoch count alone, B too starts
-    each cycle from its stored snapshot, the checkpoint holds the whole state at its own
-    precision (complex64 / float32 / float64 as computed), and one worker reduces in a fixed
-    order."""
-    per_cycle, epochs = 4, 4
+    epoch part-way through it, every epoch being checkpointed), restarted on its output, killed
+    again in its final epochs after the scan's end and restarted again; follower B is never
+    killed. A's final object, probe, positions and loss history equal B's bit for bit: each
+    cycle's frames and epochs follow from the scan and the epoch count alone, B too starts each
+    cycle from its stored snapshot, the checkpoint holds the whole state at the precision it was
+    computed in (complex64 / float32 / float64), and one worker reduces in a fixed order."""
+    per_cycle, epochs, cycles = 4, 8, 6                       # cycles on 24, 48, ..., 144 frames
     script = tmp_path / "follower.py"
     script.write_text(FRAME_FOLLOWER.format(epochs=epochs, per_cycle=per_cycle))
     data, a, b = tmp_path / "scan.zarr", tmp_path / "a.zarr", tmp_path / "b.zarr"
@@ -217,27 +217,32 @@ def test_a_killed_follower_resumed_ends_bit_identical_to_one_never_killed(tmp_pa
         return subprocess.Popen([sys.executable, str(script), str(data), str(out), *extra], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
 
-    writer = _writer(data, rate=12, grid="12x12")            # 144 frames: 12 s
-    never, killed = follower(b), follower(a)
-    from daskpty.io.safety import stored_epoch
+    def kill_after(proc, epoch):
+        """SIGKILL ``proc`` once A's store holds an epoch past ``epoch``; the store as kept."""
+        from daskpty.io.safety import stored_epoch
 
-    deadline, epoch = time.monotonic() + 90, None
-    while time.monotonic() < deadline and killed.poll() is None:
-        epoch = stored_epoch(a) if os.path.isdir(a) else None
-        if epoch is not None and epoch > per_cycle:         # inside the second cycle (48 frames)
-            break
-        time.sleep(0.002)
-    assert killed.poll() is None, f"A ended before it could be killed: {killed.communicate()}"
-    _kill(killed)
-    kept = Reconstruction.from_zarr(a)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            held = stored_epoch(a) if os.path.isdir(a) else None
+            if held is not None and held > epoch:
+                break
+            time.sleep(0.002)
+        assert proc.poll() is None, f"A ended before it could be killed: {proc.communicate()}"
+        _kill(proc)
+        return Reconstruction.from_zarr(a)
+
+    writer = _writer(data, rate=12, grid="12x12")            # 144 frames: 12 s
+    never = follower(b)
+    kept = kill_after(follower(a), per_cycle)                # inside the second cycle (48 frames)
     assert kept.epochs > per_cycle and kept.live["frames_used"] < 144, (kept.epochs, kept.live)
-    resumed = follower(a, "--resume")
-    for proc in (resumed, never, writer):
+    kept = kill_after(follower(a, "--resume"), cycles * per_cycle)   # in the final epochs
+    assert kept.live["final_from_epoch"] == cycles * per_cycle < kept.epochs, kept.live
+    for proc in (follower(a, "--resume"), never, writer):
         rc, out, err = _wait(proc)
         assert rc == 0, err[-3000:]
     ra, rb = Reconstruction.from_zarr(a), Reconstruction.from_zarr(b)
     assert ra.live["frames_used"] == rb.live["frames_used"] == 144
-    assert ra.epochs == rb.epochs == 6 * per_cycle + epochs        # cycles on 24, 48, ..., 144 frames
+    assert ra.epochs == rb.epochs == cycles * per_cycle + epochs
     assert np.array_equal(ra.object, rb.object) and np.array_equal(ra.probe, rb.probe)
     assert np.array_equal(ra.positions, rb.positions)
     assert [h["loss"] for h in ra.history] == [h["loss"] for h in rb.history]

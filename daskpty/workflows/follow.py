@@ -93,8 +93,9 @@ def follow(data, output, epochs: int = DEFAULT_EPOCHS, *, min_frames: int | None
         loop = _Loop(path, output, live, resume, previous, c, options, on_snapshot, board)
         try:
             store = _wait_for_store(path, timeout, poll)
-            if store is not None and (schedule is not None or not store.status().ended):  # (by frames:
-                loop.grow(store, min_frames, schedule or _TimeSchedule(snapshot_every), timeout, poll)  # same cycles after the end)
+            growing = store is not None and not loop.finishing  # (by frames: the same cycles after the end)
+            if growing and (schedule is not None or not store.status().ended):
+                loop.grow(store, min_frames, schedule or _TimeSchedule(snapshot_every), timeout, poll)
             return loop.finish(epochs, progress)
         except ScanStopped as exc:
             board.stopped(str(exc))
@@ -147,6 +148,12 @@ class _Loop:
         self.previous = previous
         self.used = len(previous.positions) if previous is not None else 0
         self.epochs = previous.epochs if previous is not None else 0
+
+    @property
+    def finishing(self) -> bool:
+        """Whether the store resumed from is in the final epochs already (the scan had ended)."""
+        stored = (self.previous.live or {}) if self.previous is not None else {}
+        return bool(stored.get("scan_ended")) and "final_from_epoch" in stored
 
     def grow(self, store: LiveStore, min_frames, schedule, timeout, poll) -> None:
         """Cycles until the scan has ended and a snapshot used every frame, or ScanStopped."""
