@@ -254,3 +254,32 @@ def test_frame_schedule_settings_are_refused_in_one_line(tmp_path, bad):
 
     with pytest.raises(ValueError, match=r"must be a positive integer, got"):
         follow(tmp_path / "scan.zarr", tmp_path / "r.zarr", **bad)
+
+
+def test_the_frame_schedule_from_the_command_line_equals_the_api(followed, tmp_path):
+    """``--snapshot-frames Q --snapshot-epochs E`` runs the cycles of ``follow(snapshot_frames=Q,
+    snapshot_epochs=E)``: on the finished scan both end bit-identical, after (cycles x E) + epochs."""
+    from daskpty.workflows import follow
+
+    data = followed["data"]
+    cli_out, api_out = tmp_path / "cli.zarr", tmp_path / "api.zarr"
+    rc, _, err = _wait(_cli("reconstruct", data, "-o", cli_out, "--follow", "--follow-min-frames", 48,
+                            "--snapshot-frames", 74, "--snapshot-epochs", 2, "--epochs", 3, "--seed", 1,
+                            "--workers", 1, "--quiet"))
+    assert rc == 0, err[-3000:]
+    follow(data, api_out, 3, min_frames=48, snapshot_frames=74, snapshot_epochs=2, n_workers=1, seed=1,
+           progress=False)
+    a, b = Reconstruction.from_zarr(cli_out), Reconstruction.from_zarr(api_out)
+    assert a.epochs == b.epochs == 3 * 2 + 3          # cycles on 48, 122 and 196 frames
+    assert np.array_equal(a.object, b.object) and np.array_equal(a.probe, b.probe)
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--snapshot-frames", "8", "--snapshot-every", "1"], "give one of them"),
+    (["--snapshot-epochs", "2"], "applies with --snapshot-frames only"),
+    (["--snapshot-frames", "0"], "must be a positive number"),
+])
+def test_frame_schedule_flags_are_refused_in_one_line(tmp_path, capsys, flags, says):
+    rc = main(["reconstruct", str(tmp_path / "scan.zarr"), "-o", str(tmp_path / "r.zarr"), "--follow", *flags])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and says in err and len(err.splitlines()) == 1, err

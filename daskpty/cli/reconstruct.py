@@ -141,6 +141,13 @@ def add_parser(subparsers):
                         "at most an eighth of the planned scan)")
     g.add_argument("--snapshot-every", type=float, default=None, metavar="SECONDS",
                    help=f"seconds between snapshots, at least one epoch each (default: {_follow_default('SNAPSHOT')})")
+    g.add_argument("--snapshot-frames", type=int, default=None, metavar="N",
+                   help="snapshots set by the frames instead of the clock: snapshot k after "
+                        "--snapshot-epochs epochs on the first --follow-min-frames + k * N frames; "
+                        "reproducible, and a killed follower resumed with --resume ends as one never "
+                        "stopped (replaces --snapshot-every)")
+    g.add_argument("--snapshot-epochs", type=int, default=None, metavar="E",
+                   help="epochs per snapshot with --snapshot-frames (default: 1)")
     g.add_argument("--follow-timeout", type=float, default=None, metavar="SECONDS",
                    help="seconds without a new frame after which an unfinished scan is taken as stopped: "
                         "one line says where, the snapshot is kept, exit code 3 (default: "
@@ -315,10 +322,16 @@ def run(args) -> int:
 def _check_follow_flags(args) -> None:
     """The follow flags: positive, and only with --follow."""
     values = {"--follow-min-frames": args.follow_min_frames, "--snapshot-every": args.snapshot_every,
+              "--snapshot-frames": args.snapshot_frames, "--snapshot-epochs": args.snapshot_epochs,
               "--follow-timeout": args.follow_timeout}
     given = [flag for flag, value in values.items() if value is not None]
     if given and not args.follow:
         raise ValueError(f"{', '.join(given)} apply with --follow only; add --follow or drop them")
+    if args.snapshot_frames is not None and args.snapshot_every is not None:
+        raise ValueError("--snapshot-frames sets the snapshots by frames, --snapshot-every by the clock; "
+                         "give one of them")
+    if args.snapshot_epochs is not None and args.snapshot_frames is None:
+        raise ValueError("--snapshot-epochs applies with --snapshot-frames only; add it or drop --snapshot-epochs")
     for flag in given:
         if not (values[flag] > 0 and math.isfinite(values[flag])):
             raise ValueError(f"{flag} must be a positive number, got {values[flag]:g}")
@@ -334,6 +347,8 @@ def _run_follow(args, given: dict) -> int:
     given = dict(given)
     resume = given.pop("resume", None)
     timing = {k: v for k, v in (("min_frames", args.follow_min_frames), ("snapshot_every", args.snapshot_every),
+                                 ("snapshot_frames", args.snapshot_frames),
+                                 ("snapshot_epochs", args.snapshot_epochs),
                                  ("timeout", args.follow_timeout)) if v is not None}
     client, scope = _client(args)
     try:
