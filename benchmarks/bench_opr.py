@@ -169,13 +169,14 @@ def chunk_timing(n: int, patterns: int, modes: int = 3, calls: int = 15) -> None
     local = pm.initial_local(len(y), model)
     local["opr_weights"][:, 1:] = 0.01
     lo, ao = lsqml.LSQMLOptions(), ADOptions()
-    common = dict(model=model, eigen=eigen, transform=None, background=None, epoch=1)
+    common = dict(eigen=eigen, transform=None, background=None, epoch=1)
     steps = {
         "lsqml": lambda: lsqml.chunk_step(obj, probe, y, pos, options=lo),
-        "lsqml OPR": lambda: lsqml_opr.variable_chunk_step(obj, probe, y, pos, local, options=lo,
-                                                           update_probe=True, **common),
+        "lsqml OPR": lambda: lsqml_opr.variable_chunk_step(obj, probe, y, pos, local, options=lo, update_probe=True,
+                                                           model=model.for_engine("lsqml"), **common),
         "ad": lambda: chunk_gradient(obj, probe, y, pos, options=ao),
-        "ad OPR": lambda: ad_opr.variable_chunk_gradient(obj, probe, y, pos, local, options=ao, **common),
+        "ad OPR": lambda: ad_opr.variable_chunk_gradient(obj, probe, y, pos, local, options=ao,
+                                                         model=model.for_engine("ad"), **common),
     }
     best = dict.fromkeys(steps, np.inf)
     for f in steps.values():

@@ -95,9 +95,9 @@ def step_function(engine: str, part: str, n: int, chunk: int, modes: int, slices
     sample = {"kernel": kernel, "detector": detector}
     positions = part == "positions"
     if part == "OPR":
-        model = pm.ProbeModelOptions(opr_modes=3, start_epoch=0)
+        model = pm.ProbeModelOptions(opr_modes=3, start_epoch=0).for_engine("lsqml" if engine == "lsqml" else "ad")
         eigen = initial_eigen_probes(probe[0], 2)
-        local = pm.initial_local(chunk, model.for_engine("lsqml" if engine == "lsqml" else "ad"))
+        local = pm.initial_local(chunk, model)
         extra = dict(model=model, eigen=eigen, transform=None, background=None, epoch=1)
         if engine == "lsqml":
             return (obj, probe, y, pos), lambda o, p, yy, q: lsqml_opr.variable_chunk_step(

@@ -43,7 +43,7 @@ def summarise(tree: dict, top: int) -> str:
     lines += [f"  {100 * n / total:5.1f}%  {frame}" for frame, n in own.most_common(top)]
     lines.append("daskpty functions, time in all:")
     ours = [(f, n) for f, n in inclusive.most_common() if "daskpty" in f or f.split(" (")[1].startswith(
-        ("epoch_graph", "rounds", "lsqml", "partials", "device_state", "lsqml_adapter", "patches", "kernels"))]
+        ("epoch_graph", "rounds", "lsqml", "partials", "device_state", "adapter", "patches", "kernels"))]
     lines += [f"  {100 * n / total:5.1f}%  {frame}" for frame, n in ours[:top]]
     return "\n".join(lines)
 

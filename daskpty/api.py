@@ -24,7 +24,7 @@ from .execution.local_state import PatternLayout
 from .execution.memory import (check_step_fits, clamp_chunk_length, held_shape, largest_fitting_chunk, state_bytes,
                                step_bytes, tiles_fit_where_replicas_do_not)
 from .execution.options import ExecutionOptions
-from .execution.parts import with_probe_model, with_sample
+from .execution.parts import sample_model
 from .execution.scatter import scatter_in_memory
 from .execution import tile_halo
 from .execution.tile_graph import TilesUnsupported, check_tiles_supported
@@ -466,27 +466,25 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
             check_separate(checkpoint, data_path)
     if epochs == 0 and resume is None:
         checkpoint = None  # epochs=0 is a no-op: nothing is written (docs/reliability.md)
-    options, adapter = eng.make()
-    adapter.positions = opts.positions  # (the features the engine takes were checked by resolve)
-    _warn_late_start(epochs, adapter.positions, model)
-    if model is not None:
-        adapter = with_probe_model(adapter, model)
+    positions_options = opts.positions  # (the features the engine takes were checked by resolve)
+    _warn_late_start(epochs, positions_options, model)
 
     data, intensities, positions = checked_data(data)
     n = intensities.shape[-1]
     thick = sample.resolve(getattr(data, "metadata", None), n)  # slices and detector operator
     spec.check_features(multislice=thick.multislice)
-    adapter = with_sample(adapter, thick)  # slices and the detector (None: one slice, far field)
+    if positions_options is not None:  # the window scale follows the start probe's size
+        positions_options = positions_options.for_start_probe(guessed=_probe_is_guessed(probe, data))
+    mask = getattr(data, "mask", None)
+    valid = None if mask is None else np.asarray(mask, dtype=bool)
+    if valid is not None and not thick.near_field:  # far field: DC at index 0
+        valid = np.fft.ifftshift(valid)
+    options, adapter = eng.make(positions=positions_options, probe_model=model, sample=sample_model(thick),
+                                valid=valid, slices=thick.n_slices)
     if execution.tiles:  # before any work: what tiles cannot run yet is refused here
         check_tiles_supported(adapter)
-    if adapter.positions is not None:  # the window scale follows the start probe's size
-        adapter.positions = adapter.positions.for_start_probe(guessed=_probe_is_guessed(probe, data))
     if model is not None:
         model.check_run(len(positions), options.probe_start_epoch is not None, engine)
-    mask = getattr(data, "mask", None)
-    adapter.valid = None if mask is None else np.asarray(mask, dtype=bool)
-    if adapter.valid is not None and not thick.near_field:  # far field: DC at index 0
-        adapter.valid = np.fft.ifftshift(adapter.valid)
 
     if resume is None:
         resumed = None
@@ -506,12 +504,12 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
     execution = execution.replace(chunk_length=clamp_chunk_length(execution.chunk_length, len(positions)))
     obj, origin = _initial_object(object, resumed, thick, positions, n)
     frame_positions = positions + origin
-    run_positions = _fixed_positions(resumed, adapter.positions, frame_positions)
+    run_positions = _fixed_positions(resumed, positions_options, frame_positions)
     check_windows_inside(split_positions(run_positions, n)[0], n, obj.shape)
     if checkpoint is not None:
         check_free_space(checkpoint, reconstruction_bytes(obj.shape, (probe_modes or 1, n, n), len(positions)))
 
-    run_options = _run_options(engine, epochs, eng.seed, execution, options, adapter.positions, model,
+    run_options = _run_options(engine, epochs, eng.seed, execution, options, positions_options, model,
                                sample if thick.multislice else None)
     layout = PatternLayout()
     make_result = _result_maker(layout, adapter, thick, frame_positions, origin, run_options, run_positions, live,
@@ -541,8 +539,8 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
                                                 held_shape(obj.shape, n, tiles_of, halo_reach),
                                                 _probe_modes_hint(probe, probe_modes, resumed), thick)
         run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist)
-        if model is not None:  # the brightness' smooth part follows the rounds per epoch
-            adapter.probe_model.model = model.for_rounds(execution.rounds_per_epoch)
+        # the brightness' smooth part of a varying probe follows the rounds per epoch
+        adapter.probe_model = adapter.probe_model.for_rounds(execution.rounds_per_epoch)
         publisher = None
         if run.dashboard:
             from .monitor.dashboard import DashboardPublisher  # lazy: ~0.9 s of page code, only when asked

@@ -97,13 +97,14 @@ class EngineOptions:
     def setting_names(self) -> set:
         return {f.name for f in dataclasses.fields(self.spec().options)}
 
-    def make(self):
-        """The engine's validated options and a fresh execution adapter: ``(options, adapter)``.
+    def make(self, **parts):
+        """The engine's validated options and a fresh execution adapter with ``parts``
+        (:meth:`daskpty.execution.engine_registry.EngineSpec.make`): ``(options, adapter)``.
         (Imported here: the registry of adapters loads dask, and ``daskpty --help`` reads these
         classes without it.)"""
         from .execution.engine_registry import engine_spec as registered
 
-        return registered(self.name).make(self.noise, self.loss, self.optimizer, self.lr, self.settings)
+        return registered(self.name).make(self.noise, self.loss, self.optimizer, self.lr, self.settings, **parts)
 
 
 @dataclass(frozen=True)

@@ -6,12 +6,14 @@ from distributed import Client, LocalCluster
 import daskpty
 from daskpty.engines import ad
 from daskpty.engines.partials import sum_partials
-from daskpty.execution.ad_adapter import ADAdapter
+from daskpty.execution.engine_registry import adapter_of
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
 from daskpty.metrics import nrmse
 
 from synthetic import make_dataset
+
+ADAdapter = adapter_of("ad")
 
 FD_TOLERANCE = 1e-6
 
@@ -502,10 +504,10 @@ def test_start_and_stop_epochs_select_the_updated_parameters():
 
 def test_sgd_momentum_follows_the_slices():
     """momentum=None: 0.9 for one slice, 1 − K · 0.1 for K slices (floored at 0), resolved when the
-    adapter takes the sample (execution.parts.with_sample); a given momentum is kept."""
+    adapter takes the sample (EngineSpec.make's ``slices``); a given momentum is kept."""
     from daskpty.engines.sample_options import SampleOptions
-    from daskpty.execution.ad_adapter import ADAdapter
-    from daskpty.execution.parts import with_sample
+    from daskpty.execution.engine_registry import engine_spec
+    from daskpty.execution.parts import sample_model
 
     assert ad.ADOptions().momentum is None and ad.ADOptions().make_optimizer().momentum == 0.9
     assert [ad.ADOptions().for_slices(k).momentum for k in (1, 2, 3, 12)] == [0.9, 0.8, 0.7, 0.0]
@@ -513,7 +515,7 @@ def test_sgd_momentum_follows_the_slices():
     for k, want in ((1, 0.9), (3, 0.7)):
         sample = SampleOptions(slices=k, slice_spacing_m=2e-9, wavelength_m=1.97e-12,
                                object_pixel_size_m=0.25e-10).resolve(None, 32)
-        adapter = with_sample(ADAdapter(ad.ADOptions()), sample)
+        _, adapter = engine_spec("ad").make("gaussian", sample=sample_model(sample), slices=sample.n_slices)
         assert adapter.options.momentum == want and adapter.options.make_optimizer().momentum == want
     with pytest.raises(ValueError, match="momentum"):
         ad.ADOptions(momentum=1.0)

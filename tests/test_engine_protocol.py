@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from daskpty.engines.position_options import PositionOptions
 from daskpty.engines.probe_model import ProbeModelOptions
 from daskpty.execution.engine_protocol import EngineAdapter, RunsOwnRounds
 from daskpty.execution.engine_registry import ENGINES, FEATURES, engine_spec
 from daskpty.engines.sample_model import SampleModel
-from daskpty.execution.parts import with_probe_model
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
@@ -21,18 +21,20 @@ def test_registered_adapters_have_the_interface(name):
 
 @pytest.mark.parametrize("name", [n for n, s in ENGINES.items() if "probe_model" in s.features])
 def test_varying_probe_adapters_keep_the_interface(name):
-    _, adapter = engine_spec(name).make("gaussian", optimizer="adam" if name == "ad" else None)
-    assert isinstance(with_probe_model(adapter, ProbeModelOptions(opr_modes=2)), EngineAdapter)
+    _, adapter = engine_spec(name).make("gaussian", optimizer="adam" if name == "ad" else None,
+                                        probe_model=ProbeModelOptions(opr_modes=2))
+    assert isinstance(adapter, EngineAdapter)
 
 
 @pytest.mark.parametrize("name", [n for n, s in ENGINES.items() if "multislice" in s.features])
 def test_adapters_with_every_part_keep_the_interface(name):
     """One adapter class per engine: slices, positions and a varying probe are parts it holds."""
-    _, adapter = engine_spec(name).make("gaussian", optimizer="adam" if name == "ad" else None)
-    plain = type(adapter)
-    adapter = with_probe_model(adapter, ProbeModelOptions(opr_modes=2))
-    adapter.sample = SampleModel(3)
-    assert type(adapter) is plain and isinstance(adapter, EngineAdapter)
+    spec = engine_spec(name)
+    _, plain = spec.make("gaussian", optimizer="adam" if name == "ad" else None)
+    model = ProbeModelOptions(opr_modes=2) if "probe_model" in spec.features else None
+    _, adapter = spec.make("gaussian", optimizer="adam" if name == "ad" else None, probe_model=model,
+                           sample=SampleModel(3), positions=PositionOptions())
+    assert type(adapter) is type(plain) and isinstance(adapter, EngineAdapter)
 
 
 @pytest.mark.parametrize("name", list(ENGINES))

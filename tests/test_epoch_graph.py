@@ -9,13 +9,15 @@ from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from daskpty.engines import ad, lsqml
-from daskpty.execution.ad_adapter import ADAdapter
+from daskpty.execution.engine_registry import adapter_of
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
-from daskpty.execution.lsqml_adapter import LSQMLAdapter
 from daskpty.execution.epoch_graph import EpochCarry
 
 from synthetic import make_dataset
+
+ADAdapter = adapter_of("ad")
+LSQMLAdapter = adapter_of("lsqml")
 
 
 class _GraphCounter(SchedulerPlugin):
@@ -198,7 +200,7 @@ def test_round_by_round_chunk_tasks_run_on_the_chunks_workers(process_client):
     payload = adapter.payload(adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy()))
     log = _RestrictionLog()
     process_client.register_plugin(log, name=log.name)
-    from daskpty.execution.lsqml_adapter import forward_sums_chunk
+    from daskpty.execution.adapter import forward_sums_chunk
 
     for r in range(3):
         map_reduce(process_client, data, forward_sums_chunk, payload, round_index=r, rounds=3)

@@ -191,10 +191,10 @@ def test_apply_adds_the_preconditioned_step_and_keeps_the_epochs_largest_illumin
 
 def test_the_preconditioner_floor_follows_the_slices():
     """delta=None: 0.1 for one slice, 0.5 for K > 1, resolved when the adapter takes the sample
-    (execution.parts.with_sample); a given delta is kept; unresolved options read as 0.1."""
+    (EngineSpec.make's ``slices``); a given delta is kept; unresolved options read as 0.1."""
     from daskpty.engines.sample_options import SampleOptions
-    from daskpty.execution.lsqml_adapter import LSQMLAdapter
-    from daskpty.execution.parts import with_sample
+    from daskpty.execution.engine_registry import engine_spec
+    from daskpty.execution.parts import sample_model
 
     LSQMLOptions = lsqml.LSQMLOptions
     assert LSQMLOptions().delta is None and LSQMLOptions().object_delta == 0.1
@@ -203,6 +203,7 @@ def test_the_preconditioner_floor_follows_the_slices():
     for k, want in ((1, 0.1), (3, 0.5)):
         sample = SampleOptions(slices=k, slice_spacing_m=2e-9, wavelength_m=1.97e-12,
                                object_pixel_size_m=0.25e-10).resolve(None, 32)
-        assert with_sample(LSQMLAdapter(LSQMLOptions()), sample).options.object_delta == want
+        options, adapter = engine_spec("lsqml").make("gaussian", sample=sample_model(sample), slices=sample.n_slices)
+        assert options.delta is None and adapter.options.object_delta == want
     with pytest.raises(ValueError, match="delta"):
         LSQMLOptions(delta=0.0)

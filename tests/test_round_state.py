@@ -15,8 +15,12 @@ from distributed import Client, LocalCluster, get_worker
 from daskpty.engines import lsqml
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
-from daskpty.execution.lsqml_adapter import LSQMLAdapter, lsqml_chunk
+from daskpty.execution.adapter import chunk as lsqml_chunk
+from daskpty.execution.engine_registry import adapter_of
+
 from synthetic import make_dataset
+
+LSQMLAdapter = adapter_of("lsqml")
 
 MEMORY_LIMIT = 1024 * 2**20
 

@@ -12,18 +12,19 @@ import pytest
 import daskpty
 from daskpty.engines import ad
 from daskpty.engines.probe_model import ProbeModelOptions
-from daskpty.execution.ad_adapter import ADAdapter
+from daskpty.execution.engine_registry import adapter_of
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
-from daskpty.execution.parts import with_probe_model
 from daskpty.execution.tile_graph import TilesUnsupported, crop_state, stitch_states
 from synthetic import make_dataset
+
+ADAdapter = adapter_of("ad")
 
 
 def _run(client, ds, options, tiles: bool, model=None, epochs=4, rounds=3):
     with client.as_current():
         data = prepare_data(client, ds.intensities, ds.positions, chunk_length=24, persist=True, row_bands=True)
-    adapter = with_probe_model(ADAdapter(options), model)
+    adapter = ADAdapter(options, probe_model=model)
     start = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
     return run_epochs(client, data, adapter, start, epochs=epochs, rounds_per_epoch=rounds, split_every=2,
                       tiles=tiles)

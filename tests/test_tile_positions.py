@@ -17,12 +17,14 @@ from daskpty.engines import ad, lsqml
 from daskpty.engines.pie import PIEOptions
 from daskpty.engines.positions import PositionOptions
 from daskpty.engines.tile_frame import PositionsLeftTile, TileFrame
-from daskpty.execution.ad_adapter import ADAdapter
+from daskpty.execution.engine_registry import adapter_of
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
-from daskpty.execution.lsqml_adapter import LSQMLAdapter
-from daskpty.execution.pie_adapter import PIEAdapter
 from synthetic import make_dataset
+
+ADAdapter = adapter_of("ad")
+LSQMLAdapter = adapter_of("lsqml")
+PIEAdapter = adapter_of("rpie")
 
 #: a narrow halo (3 px beyond the windows): without each epoch's refresh, the resampling's
 #: stale edge rows would reach the windows within these epochs

@@ -17,10 +17,11 @@ from daskpty.engines import lsqml
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
 from daskpty.engines.probe_model import ProbeModelOptions
-from daskpty.execution.lsqml_adapter import LSQMLAdapter
-from daskpty.execution.parts import with_probe_model
+from daskpty.execution.engine_registry import adapter_of
 from daskpty.execution.tile_graph import TilesUnsupported, crop_state, stitch_states
 from synthetic import make_dataset
+
+LSQMLAdapter = adapter_of("lsqml")
 
 OPTIONS = lsqml.LSQMLOptions(noise="poisson", momentum=0.5, normalize_every=2)
 
@@ -28,7 +29,7 @@ OPTIONS = lsqml.LSQMLOptions(noise="poisson", momentum=0.5, normalize_every=2)
 def _run(client, ds, tiles: bool, epochs=4, rounds=3, modes=1, model=None):
     with client.as_current():
         data = prepare_data(client, ds.intensities, ds.positions, chunk_length=24, persist=True, row_bands=True)
-    adapter = with_probe_model(LSQMLAdapter(OPTIONS), model)
+    adapter = LSQMLAdapter(OPTIONS, probe_model=model)
     probe = ds.truth.probe.copy() if modes == 1 else np.concatenate([ds.truth.probe, 0.1 * ds.truth.probe])
     start = adapter.new_state(np.ones_like(ds.truth.object), probe)
     return run_epochs(client, data, adapter, start, epochs=epochs, rounds_per_epoch=rounds, split_every=2,
@@ -143,14 +144,12 @@ def test_what_tiles_cannot_do_yet_is_refused_in_one_line(one_worker, engine, set
 
 
 def test_every_engine_adapter_declares_the_tile_protocol(one_worker):
-    from daskpty.execution.ad_adapter import ADAdapter
     from daskpty.engines import ad
     from daskpty.execution.engine_protocol import RunsOnTiles
-    from daskpty.execution.pie_adapter import PIEAdapter
 
     assert isinstance(LSQMLAdapter(OPTIONS), RunsOnTiles)
-    assert isinstance(ADAdapter(ad.ADOptions()), RunsOnTiles)
-    assert isinstance(PIEAdapter(), RunsOnTiles)
+    assert isinstance(adapter_of("ad")(ad.ADOptions()), RunsOnTiles)
+    assert isinstance(adapter_of("rpie")(), RunsOnTiles)
 
 
 @pytest.mark.parametrize("modes", [1, 2])
@@ -158,8 +157,8 @@ def test_rpie_on_three_tiles_equals_one_tile_and_the_replicas(three_workers, one
     """rPIE in minibatch rounds on tiles: the denominator's max D and the scale's mean |O| over
     every tile. 3 tiles equal 1 tile bit for bit, and the replicas to float32 rounding."""
     from daskpty.engines.pie import PIEOptions
-    from daskpty.execution.pie_adapter import PIEAdapter
 
+    PIEAdapter = adapter_of("rpie")
     ds = make_dataset(grid=12, seed=4)
     probe = ds.truth.probe.copy() if modes == 1 else np.concatenate([ds.truth.probe, 0.1 * ds.truth.probe])
 
@@ -233,7 +232,7 @@ def _killing_chunk(intensities, positions, payload, local=None):
     the marker file named in DASKPTY_TILE_KILL)."""
     import os
 
-    from daskpty.execution.lsqml_adapter import lsqml_chunk
+    from daskpty.execution.adapter import chunk as lsqml_chunk
 
     marker = os.environ.get("DASKPTY_TILE_KILL")
     if marker:

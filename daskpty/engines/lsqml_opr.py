@@ -88,8 +88,8 @@ def variable_chunk_step(obj, probe, intensities, nominal, local: dict | None, *,
                         eigen, transform, background, epoch: int, update_probe: bool, valid=None,
                         positions=None, affine=None, step=None, frame=None):
     """One LSQML chunk step with the varying probe (and refined positions when ``positions``);
-    ``step`` the sample's chunk step (default: :func:`daskpty.engines.lsqml.chunk_step`)."""
-    model = model.for_engine("lsqml")
+    ``step`` the sample's chunk step (default: :func:`daskpty.engines.lsqml.chunk_step`);
+    ``model`` resolved for the engine (:meth:`ProbeModelOptions.for_engine`), as everywhere here."""
     mlocal = model_local(local, transform)
     variable = PatternProbes(model, probe, eigen, mlocal, intensities, active=model.active(epoch),
                              background=background)
@@ -109,7 +109,6 @@ def variable_chunk_step(obj, probe, intensities, nominal, local: dict | None, *,
 
 def apply(state, total, model: ProbeModelOptions, delta: float = 0.1, valid=None) -> None:
     """The probe model's share of ``lsqml.apply``: eigen-probe and background updates (new arrays)."""
-    model = model.for_engine("lsqml")
     arrays = total.arrays
     if "opr_eigen_num" in arrays and state.eigen_probes is not None:
         num, den = centred_eigen_terms(arrays, total.scalars.get("n", 1.0))

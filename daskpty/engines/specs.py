@@ -1,8 +1,8 @@
 """The engines by name, without dask: what each takes and its defaults, so that the CLI, the
 options and execution's registry (which adds each engine's adapter) read one table.
 
-Adding an engine: its per-chunk math in ``daskpty/engines/<name>.py``, one :class:`EngineSpec`
-line in :data:`ENGINE_SPECS` and its adapter in ``daskpty.execution.engine_registry.ADAPTERS``.
+Adding an engine: its per-chunk math and its core (:mod:`daskpty.engines.core`) in
+``daskpty/engines``, and one :class:`EngineSpec` line in :data:`ENGINE_SPECS`.
 A feature an engine does not declare is refused in one line, never ignored.
 """
 from __future__ import annotations
@@ -25,7 +25,8 @@ class EngineSpec:
     """One engine.
 
     options_path: ``"module:Class"`` of its frozen options class (:attr:`options`; imported when
-    asked, so the table loads without the engines and the engines may read it); features: the keys of :data:`FEATURES` it takes;
+    asked, so the table loads without the engines and the engines may read it); core_path: the
+    same of its core (:attr:`core`, :mod:`daskpty.engines.core`); features: the keys of :data:`FEATURES` it takes;
     defaults: option values of a named variant of ``variant_of`` (ePIE is rPIE with α = 1);
     gradient_based: it steps every parameter from one gradient, so the ``loss`` / ``optimizer`` /
     ``lr`` arguments apply (and positions keep Adam's second moment); brightness_first: it can fit
@@ -44,12 +45,17 @@ class EngineSpec:
     brightness_first: bool = False
     position_defaults: dict | None = None
     probe_model_defaults: dict | None = None
+    core_path: str = ""
 
     @property
     def options(self) -> type:
         """The engine's options class."""
-        module, _, name = self.options_path.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return _imported(self.options_path)
+
+    @property
+    def core(self) -> type:
+        """The engine's core (:class:`daskpty.engines.core.EngineCore`): its chunk steps and updates."""
+        return _imported(self.core_path)
 
     def check_features(self, **requested: bool) -> None:
         """One-line ValueError when a requested feature (``positions=True``, ...) is not taken."""
@@ -60,9 +66,15 @@ class EngineSpec:
                                  f"{' or '.join(repr(t) for t in takers)} for it, or leave it off")
 
 
+def _imported(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 _ALL = frozenset(FEATURES)
 #: the PIE family: refined positions, and K slices and/or a near-field detector (:mod:`.pie_multislice`)
 _PIE = frozenset({"positions", "multislice"})
+_PIE_CORE = "daskpty.engines.pie_core:PIECore"
 
 #: Position refinement's settings left None, measured on the 576 × 64² scan of
 #: benchmarks/bench_positions.py (docs/benchmarks.md). The PIE family takes LSQML's shift,
@@ -85,16 +97,16 @@ _GRADIENT_PROBE_MODEL = {"curvature_damping": 0.002, "eigen_step": 0.5, "weight_
 ENGINE_SPECS: dict[str, EngineSpec] = {
     "lsqml": EngineSpec("lsqml", "daskpty.engines.lsqml:LSQMLOptions", "least-squares maximum likelihood (Odstrčil et al. 2018)",
                         _ALL, brightness_first=True, position_defaults=_SHIFT_POSITIONS,
-                        probe_model_defaults=_LSQML_PROBE_MODEL),
+                        probe_model_defaults=_LSQML_PROBE_MODEL, core_path="daskpty.engines.lsqml_core:LSQMLCore"),
     "ad": EngineSpec("ad", "daskpty.engines.ad:ADOptions", "gradient descent with exact adjoints (SGD, Adam, CG)", _ALL,
                      gradient_based=True, position_defaults=_GRADIENT_POSITIONS,
-                     probe_model_defaults=_GRADIENT_PROBE_MODEL),
+                     probe_model_defaults=_GRADIENT_PROBE_MODEL, core_path="daskpty.engines.ad.core:ADCore"),
     "rpie": EngineSpec("rpie", "daskpty.engines.pie:PIEOptions",
                        "regularised PIE in minibatch rounds (Maiden et al. 2017)", _PIE,
-                       position_defaults=_SHIFT_POSITIONS),
+                       position_defaults=_SHIFT_POSITIONS, core_path=_PIE_CORE),
     "epie": EngineSpec("epie", "daskpty.engines.pie:PIEOptions", "extended PIE: rPIE with alpha = 1", _PIE,
                        defaults={"alpha": 1.0, "probe_alpha": 1.0}, variant_of="rpie",
-                       position_defaults=_SHIFT_POSITIONS),
+                       position_defaults=_SHIFT_POSITIONS, core_path=_PIE_CORE),
 }
 DEFAULT_ENGINE = next(iter(ENGINE_SPECS))
 

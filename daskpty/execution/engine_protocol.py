@@ -1,10 +1,12 @@
-"""The interface between an engine and the round loop, written down as typing Protocols.
+"""The interface between the round loop and an engine, written down as typing Protocols.
 
-An engine's per-chunk mathematics lives in ``daskpty/engines`` (no dask); its *adapter* binds it
-to the round loop of :mod:`.driver` and :mod:`.epoch_graph`. :class:`EngineAdapter` is what every
-adapter has; :class:`RunsOwnRounds` is the one optional hook (an engine whose apply needs extra
-map-reduces, as AD's CG line search); :class:`RunsOnTiles` lets the state be cut into tiles. :mod:`.engine_registry` makes adapters by engine name, and
-tests/test_engine_protocol.py checks every registered adapter against these Protocols.
+An engine writes its per-chunk mathematics and a small core in ``daskpty/engines``
+(:mod:`daskpty.engines.core`); execution's one adapter (:mod:`.adapter`) binds core and parts
+to the round loop of :mod:`.driver`, :mod:`.epoch_graph` and :mod:`.tile_graph` and implements
+these Protocols. :class:`EngineAdapter` is what every adapter has; :class:`UpdatesInPlace`,
+:class:`RunsOwnRounds` (an apply with extra map-reduces, as AD's CG line search) and
+:class:`RunsOnTiles` are there where the core offers them. tests/test_engine_protocol.py checks
+every registered engine's adapter against them.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ class EngineAdapter(Protocol):
 
     Attributes: ``name`` (the engine's registry name), ``options`` (its frozen options),
     ``valid`` ((n, n) detector mask with the zero frequency at index 0, or None), ``positions``
-    (position-refinement options or None), ``local_state`` (True when chunks carry per-pattern
+    (the position part, :mod:`.parts`), ``local_state`` (True when chunks carry per-pattern
     state from round to round), ``device_fields`` (state attributes kept in GPU memory on GPU
     workers), ``chunk_function`` (module-level, picklable:
     ``chunk_function(intensities, positions, payload, local=None) -> Partial``).
@@ -102,7 +104,7 @@ class RunsOnTiles(Protocol):
     tile_sums_function: Callable  # chunk function of the first epoch's sums, on a tile's payload
     tile_round_stages: int  # rounds of shares an update needs (2: a second needs the first's sums)
     tile_warped_fields: tuple  # tile_fields the window correction resamples (their halos refreshed)
-    positions: object  # position refinement's options (None: fixed; windows then reach no farther)
+    positions: object  # the position part (:mod:`.parts`; its ``reach`` widens the halo)
 
     def tile_initialise(self, state, sums):
         """``initialise`` from ``tile_sums_function``'s sums over all chunks (reduced)."""

@@ -1,41 +1,34 @@
 """The engines by name with their execution adapters: each entry of
-:data:`daskpty.engines.specs.ENGINE_SPECS` (options class, features, defaults) with how its adapter
-is made, so that ``reconstruct`` and resume make adapters from one table.
-
-Adding an engine: its spec in :mod:`daskpty.engines.specs`, its adapter in
-``daskpty/execution/<name>_adapter.py`` and one line in :data:`ADAPTERS`.
+:data:`daskpty.engines.specs.ENGINE_SPECS` (options class, features, defaults, core) makes its
+adapter (:func:`.adapter.adapter_class`), so that ``reconstruct`` and resume make adapters from
+one table, and an engine registered there runs without a line here.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import partial
-from typing import Callable
 
 from ..engines import specs
 from ..engines.specs import FEATURES  # noqa: F401  (re-exported)
-from .ad_adapter import ADAdapter
-from .lsqml_adapter import LSQMLAdapter
-from .pie_adapter import PIEAdapter
-
-#: engine name -> the adapter factory, called with the engine's validated options
-ADAPTERS: dict[str, Callable] = {
-    "lsqml": LSQMLAdapter,
-    "ad": ADAdapter,
-    "rpie": partial(PIEAdapter, name="rpie"),
-    "epie": partial(PIEAdapter, name="epie"),
-}
+from .adapter import adapter_class
 
 
 @dataclass(frozen=True)
 class EngineSpec(specs.EngineSpec):
-    """An engine's spec with ``adapter``, which builds its execution adapter from validated options."""
+    """An engine's spec that makes its execution adapter."""
 
-    adapter: Callable | None = None
+    @property
+    def adapter(self) -> type:
+        """The engine's adapter class (:func:`.adapter.adapter_class`)."""
+        return adapter_class(specs.engine_spec(self.name))
 
-    def make(self, noise: str, loss=None, optimizer=None, lr=None, engine_options: dict | None = None):
-        """Validated options and a fresh adapter: ``(options, adapter)``."""
+    def make(self, noise: str, loss=None, optimizer=None, lr=None, engine_options: dict | None = None,
+             slices: int | None = None, **parts):
+        """Validated options and a fresh adapter with ``parts`` (``positions``, ``probe_model``,
+        ``sample``, ``valid``): ``(options, adapter)``; ``slices``: the adapter's options resolved
+        for that many slices (``for_slices``, where the options have it)."""
         engine_options = dict(engine_options or {})
         if not self.gradient_based and (loss is not None or optimizer is not None or lr is not None):
             takers = " or ".join(f"engine={n!r}" for n, s in ENGINES.items() if s.gradient_based)
@@ -51,16 +44,33 @@ class EngineSpec(specs.EngineSpec):
             options = self.options(loss=loss or noise, optimizer=optimizer, lr=lr, **settings)
         else:
             options = self.options(noise=noise, **settings)
-        return options, self.adapter(options)
+        run_options = options.for_slices(slices) if slices and hasattr(options, "for_slices") else options
+        return options, self.adapter(run_options, **parts)
+
+
+class _Engines(Mapping):
+    """The registered engines by name, read from the spec table each time."""
+
+    def __getitem__(self, name: str) -> EngineSpec:
+        spec = specs.ENGINE_SPECS[name]
+        return EngineSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
+
+    def __iter__(self):
+        return iter(specs.ENGINE_SPECS)
+
+    def __len__(self) -> int:
+        return len(specs.ENGINE_SPECS)
 
 
 #: the registered engines, in the spec table's order
-ENGINES: dict[str, EngineSpec] = {
-    name: EngineSpec(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}, adapter=ADAPTERS[name])
-    for name, spec in specs.ENGINE_SPECS.items()
-}
+ENGINES: Mapping[str, EngineSpec] = _Engines()
 
 
 def engine_spec(name: str) -> EngineSpec:
     """The registered engine ``name`` with its adapter; one-line ValueError (with close matches) otherwise."""
     return ENGINES[specs.engine_spec(name).name]
+
+
+def adapter_of(name: str) -> type:
+    """The adapter class of the registered engine ``name``."""
+    return engine_spec(name).adapter

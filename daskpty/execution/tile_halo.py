@@ -25,14 +25,14 @@ WARP_MARGIN = 2
 
 
 def refines_positions(adapter) -> bool:
-    """Whether ``adapter`` refines positions (``RunsOnTiles.positions`` set)."""
-    return getattr(adapter, "positions", None) is not None
+    """Whether ``adapter`` refines positions (its positions part moves the windows)."""
+    return adapter.positions.refines
 
 
 def reach(adapter, n: int) -> float:
     """Rows beyond its chunks' nominal windows that a tile must hold for ``adapter``: the largest
     displacement position refinement allows (0 without refinement)."""
-    return float(adapter.positions.displacement_limit(n)) if refines_positions(adapter) else 0.0
+    return adapter.positions.reach(n)
 
 
 def margin(adapter) -> int:

@@ -49,8 +49,8 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
                             keep_gram: bool = False):
     """One AD chunk gradient with the varying probe; the chunk's weights and intensity factors
     take their step here (``part.local``), the global gradients ride ``part.arrays``; ``gradient``
-    the sample's chunk gradient (default :func:`daskpty.engines.ad.chunk_gradient`)."""
-    model = model.for_engine("ad")
+    the sample's chunk gradient (default :func:`daskpty.engines.ad.chunk_gradient`); ``model``
+    resolved for the engine (:meth:`ProbeModelOptions.for_engine`), as everywhere here."""
     mlocal = model_local(local, transform)
     cdtype = np.complex128 if np.dtype(obj.dtype) == np.complex128 or np.dtype(probe.dtype) == np.complex128 \
         else np.complex64
@@ -108,7 +108,6 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
 
 def apply(state, total, model: ProbeModelOptions, loss: str, delta: float = 0.1) -> None:
     """The probe model's share of ``ad.apply``: eigen-probe and background steps (new arrays)."""
-    model = model.for_engine("ad")
     arrays = total.arrays
     n = max(total.scalars.get("n", 1.0), 1.0)
     pixels = None

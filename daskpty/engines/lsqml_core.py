@@ -1,0 +1,69 @@
+"""LSQML's engine core (:mod:`.core`): its chunk steps for every part combination, apply and the
+epoch's end for the sample in use, on whole objects, in place and on tiles."""
+from __future__ import annotations
+
+import copy
+
+from . import lsqml, lsqml_opr, lsqml_tiles
+from . import sample_model as sm
+from .core import EngineCore, InPlaceSteps, TileSteps
+
+
+def _plain(p, intensities, positions, local=None):
+    return sm.lsqml_step(p.sample)(p.object, p.probe, intensities, positions, options=p.options, valid=p.valid,
+                                   **p.engine)
+
+
+def _refining(p, intensities, positions, local):
+    return lsqml.refining_chunk_step(p.object, p.probe, intensities, positions, local, options=p.options,
+                                     positions=p.positions, epoch=p.epoch, affine=p.affine, valid=p.valid,
+                                     step=sm.lsqml_step(p.sample), frame=p.frame, **p.engine)
+
+
+def _varying(p, intensities, positions, local):
+    return lsqml_opr.variable_chunk_step(
+        p.object, p.probe, intensities, positions, local, options=p.options, model=p.model, eigen=p.eigen,
+        transform=p.transform, background=p.background, epoch=p.epoch, valid=p.valid, positions=p.positions,
+        affine=p.affine, step=sm.lsqml_step(p.sample), frame=p.frame, **p.engine)
+
+
+def _apply_in_place(state, total, options):
+    return state if total is None else lsqml_tiles.apply_in_place(state, total, options)
+
+
+def _end_epoch(state, run, in_place: bool = False):
+    return sm.lsqml_end_epoch(run.sample.model)(state, run.options, in_place=in_place)
+
+
+class LSQMLCore(EngineCore):
+    steps = {"plain": _plain, "refining": _refining, "varying": _varying}
+    device_fields = ("object", "probe", "velocity", "illumination", "epoch_start_object")
+    tiles = TileSteps(("object", "velocity", "epoch_start_object", "illumination"), ("object", "velocity"),
+                      lsqml_tiles.round_sums, lsqml_tiles.apply, lsqml_tiles.end_sums, lsqml_tiles.end_epoch)
+    in_place = InPlaceSteps(lsqml_tiles.begin_epoch, _apply_in_place,
+                            lambda state, run: _end_epoch(state, run, in_place=True))
+    begin_epoch = staticmethod(lsqml.begin_epoch)
+    end_epoch = staticmethod(_end_epoch)
+    rescale_probe = staticmethod(lsqml.rescale_probe)
+    resample = staticmethod(lsqml.resample_object_state)
+    copy_state = staticmethod(copy.copy)  # apply rebinds the state's arrays
+
+    @staticmethod
+    def flags(state, options) -> dict:
+        return {"update_probe": state.update_probe(options)}
+
+    @staticmethod
+    def new_state(obj, probe, epoch: int, stored: dict):
+        return lsqml.LSQMLState(object=obj, probe=probe, epoch=epoch, velocity=stored.get("velocity"))
+
+    @staticmethod
+    def stored(state) -> dict:
+        return {} if state.velocity is None else {"velocity": state.velocity}
+
+    @staticmethod
+    def apply(state, total, run):
+        return sm.lsqml_apply(run.sample.model)(state, total, run.options)
+
+    @staticmethod
+    def apply_probe_model(state, total, model, run) -> None:
+        lsqml_opr.apply(state, total, model, run.options.object_delta, run.valid)

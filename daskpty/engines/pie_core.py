@@ -1,0 +1,54 @@
+"""The PIE family's engine core (:mod:`.core`; rPIE, ePIE): its chunk steps and the epoch's
+end for one slice (:mod:`.pie`) or K slices / the near field (:mod:`.pie_multislice`)."""
+from __future__ import annotations
+
+import copy
+from functools import partial
+
+from . import lsqml, pie, pie_multislice, pie_tiles
+from .core import EngineCore, TileSteps
+
+
+def _step(sample):
+    """The rPIE chunk step of ``sample`` (one slice in the far field: :func:`pie.chunk_step`)."""
+    if sample is None:
+        return pie.chunk_step
+    return partial(pie_multislice.chunk_step, kernel=sample.kernel, detector=sample.detector)
+
+
+def _plain(p, intensities, positions, local=None):
+    return _step(p.sample)(p.object, p.probe, intensities, positions, options=p.options, valid=p.valid, **p.engine)
+
+
+def _refining(p, intensities, positions, local):
+    return pie.refining_chunk_step(p.object, p.probe, intensities, positions, local, options=p.options,
+                                   positions=p.positions, epoch=p.epoch, affine=p.affine, valid=p.valid,
+                                   step=_step(p.sample), frame=p.frame, **p.engine)
+
+
+class PIECore(EngineCore):
+    steps = {"plain": _plain, "refining": _refining}
+    device_fields = ("object", "probe", "illumination")
+    tiles = TileSteps(("object", "illumination"), ("object",), pie_tiles.round_sums, pie_tiles.apply,
+                      pie_tiles.end_sums, pie_tiles.end_epoch)
+    begin_epoch = staticmethod(pie.begin_epoch)
+    rescale_probe = staticmethod(lsqml.rescale_probe)
+    resample = staticmethod(lsqml.resample_object_state)
+    copy_state = staticmethod(copy.copy)  # apply rebinds the state's arrays
+
+    @staticmethod
+    def flags(state, options) -> dict:
+        return {"update_probe": pie.updates_probe(state, options)}
+
+    @staticmethod
+    def new_state(obj, probe, epoch: int, stored: dict):
+        return lsqml.LSQMLState(object=obj, probe=probe, epoch=epoch)
+
+    @staticmethod
+    def apply(state, total, run):
+        return pie.apply(state, total, run.options)
+
+    @staticmethod
+    def end_epoch(state, run):
+        end = pie.end_epoch if run.sample.model is None else pie_multislice.end_epoch
+        return end(state, run.options)
