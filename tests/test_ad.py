@@ -6,14 +6,14 @@ from distributed import Client, LocalCluster
 import daskpty
 from daskpty.engines import ad
 from daskpty.engines.partials import sum_partials
-from daskpty.execution.engine_registry import adapter_of
+from daskpty.execution.engine_registry import engine_spec
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
 from daskpty.metrics import nrmse
 
 from synthetic import make_dataset
 
-ADAdapter = adapter_of("ad")
+ADAdapter = engine_spec("ad").adapter
 
 FD_TOLERANCE = 1e-6
 

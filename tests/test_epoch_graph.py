@@ -9,15 +9,15 @@ from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from daskpty.engines import ad, lsqml
-from daskpty.execution.engine_registry import adapter_of
+from daskpty.execution.engine_registry import engine_spec
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
 from daskpty.execution.epoch_graph import EpochCarry
 
 from synthetic import make_dataset
 
-ADAdapter = adapter_of("ad")
-LSQMLAdapter = adapter_of("lsqml")
+ADAdapter = engine_spec("ad").adapter
+LSQMLAdapter = engine_spec("lsqml").adapter
 
 
 class _GraphCounter(SchedulerPlugin):

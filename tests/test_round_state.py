@@ -16,11 +16,11 @@ from daskpty.engines import lsqml
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
 from daskpty.execution.adapter import chunk as lsqml_chunk
-from daskpty.execution.engine_registry import adapter_of
+from daskpty.execution.engine_registry import engine_spec
 
 from synthetic import make_dataset
 
-LSQMLAdapter = adapter_of("lsqml")
+LSQMLAdapter = engine_spec("lsqml").adapter
 
 MEMORY_LIMIT = 1024 * 2**20
 

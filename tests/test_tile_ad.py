@@ -12,13 +12,13 @@ import pytest
 import daskpty
 from daskpty.engines import ad
 from daskpty.engines.probe_model import ProbeModelOptions
-from daskpty.execution.engine_registry import adapter_of
+from daskpty.execution.engine_registry import engine_spec
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
 from daskpty.execution.tile_graph import TilesUnsupported, crop_state, stitch_states
 from synthetic import make_dataset
 
-ADAdapter = adapter_of("ad")
+ADAdapter = engine_spec("ad").adapter
 
 
 def _run(client, ds, options, tiles: bool, model=None, epochs=4, rounds=3):

@@ -17,14 +17,14 @@ from daskpty.engines import ad, lsqml
 from daskpty.engines.pie import PIEOptions
 from daskpty.engines.positions import PositionOptions
 from daskpty.engines.tile_frame import PositionsLeftTile, TileFrame
-from daskpty.execution.engine_registry import adapter_of
+from daskpty.execution.engine_registry import engine_spec
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
 from synthetic import make_dataset
 
-ADAdapter = adapter_of("ad")
-LSQMLAdapter = adapter_of("lsqml")
-PIEAdapter = adapter_of("rpie")
+ADAdapter = engine_spec("ad").adapter
+LSQMLAdapter = engine_spec("lsqml").adapter
+PIEAdapter = engine_spec("rpie").adapter
 
 #: a narrow halo (3 px beyond the windows): without each epoch's refresh, the resampling's
 #: stale edge rows would reach the windows within these epochs

@@ -17,11 +17,11 @@ from daskpty.engines import lsqml
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
 from daskpty.engines.probe_model import ProbeModelOptions
-from daskpty.execution.engine_registry import adapter_of
+from daskpty.execution.engine_registry import engine_spec
 from daskpty.execution.tile_graph import TilesUnsupported, crop_state, stitch_states
 from synthetic import make_dataset
 
-LSQMLAdapter = adapter_of("lsqml")
+LSQMLAdapter = engine_spec("lsqml").adapter
 
 OPTIONS = lsqml.LSQMLOptions(noise="poisson", momentum=0.5, normalize_every=2)
 
@@ -148,8 +148,8 @@ def test_every_engine_adapter_declares_the_tile_protocol(one_worker):
     from daskpty.execution.engine_protocol import RunsOnTiles
 
     assert isinstance(LSQMLAdapter(OPTIONS), RunsOnTiles)
-    assert isinstance(adapter_of("ad")(ad.ADOptions()), RunsOnTiles)
-    assert isinstance(adapter_of("rpie")(), RunsOnTiles)
+    assert isinstance(engine_spec("ad").adapter(ad.ADOptions()), RunsOnTiles)
+    assert isinstance(engine_spec("rpie").adapter(), RunsOnTiles)
 
 
 @pytest.mark.parametrize("modes", [1, 2])
@@ -158,7 +158,7 @@ def test_rpie_on_three_tiles_equals_one_tile_and_the_replicas(three_workers, one
     every tile. 3 tiles equal 1 tile bit for bit, and the replicas to float32 rounding."""
     from daskpty.engines.pie import PIEOptions
 
-    PIEAdapter = adapter_of("rpie")
+    PIEAdapter = engine_spec("rpie").adapter
     ds = make_dataset(grid=12, seed=4)
     probe = ds.truth.probe.copy() if modes == 1 else np.concatenate([ds.truth.probe, 0.1 * ds.truth.probe])
 

@@ -1,13 +1,9 @@
-"""What an engine writes for the round loop: its chunk steps and state updates as one small class
-of functions, an *engine core*, named by the engine's spec (:mod:`.specs`, ``core_path``).
-
-Execution's one adapter (:mod:`daskpty.execution.adapter`) does the rest: the parts of the
-forward model (sample, positions, probe model: their per-pattern state, payload fields, stored
-arrays and epoch hooks), the payload, the first epoch's probe rescale and resume. A core's
-functions get the adapter (``run``: ``run.options``, ``run.valid``, ``run.sample.model``) where
-they need more than the state. Required: :attr:`EngineCore.steps`, :meth:`~EngineCore.new_state`,
-:meth:`~EngineCore.apply`, :meth:`~EngineCore.end_epoch`, :meth:`~EngineCore.rescale_probe`;
-the rest has defaults. No dask.
+"""What an engine writes for the round loop: an *engine core*, one small class of functions named
+by the engine's spec (:mod:`.specs`, ``core_path``). Execution's one adapter
+(:mod:`daskpty.execution.adapter`) adds the parts of the forward model, the payload, the first
+epoch's probe rescale and resume. Functions that need more than the state get the adapter
+(``run``: ``run.options``, ``run.valid``, ``run.sample.model``). Required: :attr:`~EngineCore.steps`,
+``new_state``, ``apply``, ``end_epoch``, ``rescale_probe``; the rest has defaults. No dask.
 """
 from __future__ import annotations
 
@@ -18,7 +14,7 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class TileSteps:
-    """An engine's update on row tiles (:class:`daskpty.execution.engine_protocol.RunsOnTiles`):
+    """The update on row tiles (:class:`daskpty.execution.engine_protocol.RunsOnTiles`):
     ``round_sums(state, total, own, *earlier)``, ``apply(state, total, options, shares)``,
     ``end_sums(state, options, own)``, ``end_epoch(state, options, shares)``; ``fields``: state
     attributes in the object's frame, cut by rows; ``warped_fields``: those the window correction
@@ -35,13 +31,38 @@ class TileSteps:
 
 @dataclass(frozen=True)
 class InPlaceSteps:
-    """An engine's update into arrays of the epoch's own (:class:`~daskpty.execution.engine_protocol.UpdatesInPlace`):
-    ``begin_epoch(state, options)`` makes them, ``apply(state, total, options)`` and
-    ``end_epoch(state, run)`` write into them."""
+    """The update into arrays of the epoch's own: ``begin_epoch(state, options)`` makes them,
+    ``apply(state, total, options)`` and ``end_epoch(state, run)`` write into them."""
 
     begin_epoch: Callable
     apply: Callable
     end_epoch: Callable
+
+
+def chunk_steps(step_of, refine=None, vary=None, inject: str = "step", **by_sample) -> dict:
+    """An engine's :attr:`EngineCore.steps` from its forward step ``step_of(sample)`` (the sample
+    model's, :mod:`.sample_model`), its refining step ``refine`` and its varying-probe step
+    ``vary`` (None: not taken), which take the forward step as keyword ``inject``;
+    ``by_sample``: more keywords of theirs as functions of the sample."""
+
+    def plain(p, intensities, positions, local=None):
+        return step_of(p.sample)(p.object, p.probe, intensities, positions, options=p.options, valid=p.valid,
+                                 **p.engine)
+
+    def wrapped(p) -> dict:
+        return dict(options=p.options, positions=p.positions, epoch=p.epoch, affine=p.affine, valid=p.valid,
+                    frame=p.frame, **{inject: step_of(p.sample)}, **p.engine,
+                    **{key: of(p.sample) for key, of in by_sample.items()})
+
+    def refining(p, intensities, positions, local):
+        return refine(p.object, p.probe, intensities, positions, local, **wrapped(p))
+
+    def varying(p, intensities, positions, local):
+        return vary(p.object, p.probe, intensities, positions, local, model=p.model, eigen=p.eigen,
+                    transform=p.transform, background=p.background, **wrapped(p))
+
+    steps = {"plain": plain, "refining": refining, "varying": varying}
+    return {name: steps[name] for name, taken in (("plain", True), ("refining", refine), ("varying", vary)) if taken}
 
 
 class EngineCore:
@@ -51,17 +72,14 @@ class EngineCore:
     #: ``"plain"`` (one probe, fixed positions), ``"refining"`` (refined positions in ``local``),
     #: ``"varying"`` (a varying probe, positions refined or not)
     steps: dict = {}
-    #: state attributes kept in device memory on GPU workers
-    device_fields: tuple = ()
+    device_fields: tuple = ()             # state attributes kept in GPU memory on GPU workers
     tiles: TileSteps | None = None        # the update on row tiles (None: whole objects only)
     in_place: InPlaceSteps | None = None  # the update into the epoch's own arrays (None: new arrays)
-    #: the loss alone by the parts present, as :attr:`steps`, for an ``apply`` that evaluates it
-    #: (line searches; None: apply needs no evaluations)
-    loss_steps: dict | None = None
+    loss_steps: dict | None = None        # the loss alone by parts, as steps, for a line search
 
     @staticmethod
     def flags(state, options) -> dict:
-        """The engine's own fields of a round's payload (which parameters it updates)."""
+        """The engine's own fields of a round's payload (which parameters it moves)."""
         return {}
 
     @staticmethod
@@ -95,18 +113,15 @@ class EngineCore:
 
     @staticmethod
     def resample(state, matrix, offset) -> None:
-        """Position refinement's window correction: O(x) ← O(matrix · x + offset) and the
+        """With refined positions, the window correction: O(x) ← O(matrix · x + offset) and the
         object-sized memory that moves with it."""
         raise NotImplementedError
 
     @staticmethod
     def apply_probe_model(state, total, model, run) -> None:
-        """A varying probe's global update (eigen-probes, background) after ``apply``."""
+        """With a varying probe, its global update (eigen-probes, background) after ``apply``."""
 
-    @staticmethod
-    def copy_state(state):
-        """A copy that :meth:`apply` may change without touching ``state``."""
-        return copy.deepcopy(state)
+    copy_state = staticmethod(copy.deepcopy)  # a copy apply may change without touching the original
 
     @staticmethod
     def unsupported(options, part: str) -> str | None:

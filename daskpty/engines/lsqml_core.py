@@ -6,25 +6,7 @@ import copy
 
 from . import lsqml, lsqml_opr, lsqml_tiles
 from . import sample_model as sm
-from .core import EngineCore, InPlaceSteps, TileSteps
-
-
-def _plain(p, intensities, positions, local=None):
-    return sm.lsqml_step(p.sample)(p.object, p.probe, intensities, positions, options=p.options, valid=p.valid,
-                                   **p.engine)
-
-
-def _refining(p, intensities, positions, local):
-    return lsqml.refining_chunk_step(p.object, p.probe, intensities, positions, local, options=p.options,
-                                     positions=p.positions, epoch=p.epoch, affine=p.affine, valid=p.valid,
-                                     step=sm.lsqml_step(p.sample), frame=p.frame, **p.engine)
-
-
-def _varying(p, intensities, positions, local):
-    return lsqml_opr.variable_chunk_step(
-        p.object, p.probe, intensities, positions, local, options=p.options, model=p.model, eigen=p.eigen,
-        transform=p.transform, background=p.background, epoch=p.epoch, valid=p.valid, positions=p.positions,
-        affine=p.affine, step=sm.lsqml_step(p.sample), frame=p.frame, **p.engine)
+from .core import EngineCore, InPlaceSteps, TileSteps, chunk_steps
 
 
 def _apply_in_place(state, total, options):
@@ -36,7 +18,7 @@ def _end_epoch(state, run, in_place: bool = False):
 
 
 class LSQMLCore(EngineCore):
-    steps = {"plain": _plain, "refining": _refining, "varying": _varying}
+    steps = chunk_steps(sm.lsqml_step, lsqml.refining_chunk_step, lsqml_opr.variable_chunk_step)
     device_fields = ("object", "probe", "velocity", "illumination", "epoch_start_object")
     tiles = TileSteps(("object", "velocity", "epoch_start_object", "illumination"), ("object", "velocity"),
                       lsqml_tiles.round_sums, lsqml_tiles.apply, lsqml_tiles.end_sums, lsqml_tiles.end_epoch)

@@ -6,7 +6,7 @@ import copy
 from functools import partial
 
 from . import lsqml, pie, pie_multislice, pie_tiles
-from .core import EngineCore, TileSteps
+from .core import EngineCore, TileSteps, chunk_steps
 
 
 def _step(sample):
@@ -16,18 +16,8 @@ def _step(sample):
     return partial(pie_multislice.chunk_step, kernel=sample.kernel, detector=sample.detector)
 
 
-def _plain(p, intensities, positions, local=None):
-    return _step(p.sample)(p.object, p.probe, intensities, positions, options=p.options, valid=p.valid, **p.engine)
-
-
-def _refining(p, intensities, positions, local):
-    return pie.refining_chunk_step(p.object, p.probe, intensities, positions, local, options=p.options,
-                                   positions=p.positions, epoch=p.epoch, affine=p.affine, valid=p.valid,
-                                   step=_step(p.sample), frame=p.frame, **p.engine)
-
-
 class PIECore(EngineCore):
-    steps = {"plain": _plain, "refining": _refining}
+    steps = chunk_steps(_step, pie.refining_chunk_step)
     device_fields = ("object", "probe", "illumination")
     tiles = TileSteps(("object", "illumination"), ("object",), pie_tiles.round_sums, pie_tiles.apply,
                       pie_tiles.end_sums, pie_tiles.end_epoch)

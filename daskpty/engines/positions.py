@@ -203,11 +203,6 @@ def decide_start(epoch: int, change: float, fall: float = 0.0) -> int | None:
     return None
 
 
-def options_for(options: PositionOptions | None, state) -> PositionOptions | None:
-    """The refinement's options for the chunk steps of ``state``'s epoch (None: no refinement)."""
-    return None if options is None else options.for_state(state)
-
-
 def note_epoch_start(state, options: PositionOptions) -> None:
     """Start of an epoch, both engines: keep the probe for ``"auto"``'s start rule while
     undecided, and the last epoch's loss (``previous_loss``; the new one's sums from zero) for

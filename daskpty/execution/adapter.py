@@ -67,13 +67,11 @@ class Adapter:
     chunk_function = staticmethod(chunk)
 
     def __init__(self, options=None, valid=None, positions=None, *, probe_model=None, sample=None):
-        # the parts: ``parts.compose`` turns options (None: off) into parts
         self.name, self.core = self.spec.name, self.spec.core
         self.options = self.spec.options() if options is None else options
         self.valid = valid
         self.positions, self.probe_model, self.sample = _parts.compose(self.spec, positions, probe_model, sample)
-        for part in self.parts:
-            part.check(self)
+        self._each("check", self)
 
     def __reduce__(self):
         """Pickled with the engine's spec: the class is made by :func:`adapter_class`."""
@@ -86,6 +84,16 @@ class Adapter:
         """The parts in the order their epoch-end hooks run."""
         return self.sample, self.probe_model, self.positions
 
+    def _merged(self, hook: str, *args) -> dict:
+        """Every part's ``hook(*args)`` dict, merged."""
+        return {key: value for part in self.parts for key, value in getattr(part, hook)(*args).items()}
+
+    def _each(self, hook: str, state, *args):
+        """Every part's ``hook(state, *args)`` in turn; returns ``state``."""
+        for part in self.parts:
+            getattr(part, hook)(state, *args)
+        return state
+
     @property
     def device_fields(self) -> tuple:
         """What lives in device memory on GPU workers (:mod:`.device_state`)."""
@@ -97,21 +105,19 @@ class Adapter:
         return any(part.per_pattern for part in self.parts)
 
     def initial_local(self, nominal) -> dict:
-        return {key: value for part in self.parts for key, value in part.start(nominal, self).items()}
+        return self._merged("start", nominal, self)
 
     def payload(self, state) -> Payload:
-        fields = {key: value for part in self.parts for key, value in part.payload(state).items()}
+        fields = self._merged("payload", state)
         variant = max(self.parts, key=lambda part: part.rank).variant
         return Payload(state.object, state.probe, self.options, self.valid, state.epoch, self.core, variant,
                        self.core.flags(state, self.options), frame_of(state), **fields)
 
     def epoch_scalars(self, state) -> dict:
-        return {key: value for part in self.parts for key, value in part.epoch_scalars(state).items()}
+        return self._merged("epoch_scalars", state)
 
     def _after_apply(self, state, total):
-        for part in self.parts:
-            part.after_apply(state, total, self)
-        return state
+        return self._each("after_apply", state, total, self)
 
     def apply(self, state, total):
         return self._after_apply(self.core.apply(state, total, self), total)
@@ -120,20 +126,13 @@ class Adapter:
         return self.core.copy_state(state)
 
     def begin_epoch(self, state):
-        state = self.core.begin_epoch(state, self.options)
-        for part in self.parts:
-            part.begin_epoch(state)
-        return state
+        return self._each("begin_epoch", self.core.begin_epoch(state, self.options))
 
     def _end_epoch(self, state, end, finish: bool = True):
-        for part in self.parts:
-            part.end_epoch(state)
-        for part in self.parts if finish else ():
-            part.finish(state, self)
-        state = end(state)
-        for part in self.parts:
-            part.after_end(state)
-        return state
+        self._each("end_epoch", state)
+        if finish:
+            self._each("finish", state, self)
+        return self._each("after_end", end(state))
 
     def end_epoch(self, state):
         return self._end_epoch(state, lambda s: self.core.end_epoch(s, self))
@@ -142,21 +141,15 @@ class Adapter:
         """A state from an object, a probe and (when resuming) the arrays of :meth:`engine_state`."""
         stored = engine_state or {}
         state = self.core.new_state(self.sample.slices(obj), probe, epoch, stored)
-        for part in self.parts:
-            part.attach(state, probe, stored)
-        return state
+        return self._each("attach", state, probe, stored)
 
     def engine_state(self, state) -> dict:
         """The arrays beyond object and probe needed to continue bit for bit (checkpoints)."""
-        out = {key: value for part in self.parts for key, value in part.stored(state).items()}
-        return {**out, **self.core.stored(state)}
+        return {**self._merged("stored", state), **self.core.stored(state)}
 
     def _rescaled(self, state, sums):
         before = state.probe
-        state = self.core.rescale_probe(state, sums)
-        for part in self.parts:
-            part.after_rescale(state, before)
-        return state
+        return self._each("after_rescale", self.core.rescale_probe(state, sums), before)
 
     def initialise(self, client, data: ChunkedData, state, *, split_every: int):
         """First-epoch probe intensity rescale so that Σŷ = Σy."""
@@ -190,8 +183,7 @@ class OnTiles:
         return self.core.unsupported(self.options, "tiles")
 
     def tile_finish_positions(self, state) -> None:
-        for part in self.parts:
-            part.finish(state, self)
+        self._each("finish", state, self)
 
     def tile_initialise(self, state, sums):
         return self._rescaled(state, sums)

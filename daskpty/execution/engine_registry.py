@@ -69,8 +69,3 @@ ENGINES: Mapping[str, EngineSpec] = _Engines()
 def engine_spec(name: str) -> EngineSpec:
     """The registered engine ``name`` with its adapter; one-line ValueError (with close matches) otherwise."""
     return ENGINES[specs.engine_spec(name).name]
-
-
-def adapter_of(name: str) -> type:
-    """The adapter class of the registered engine ``name``."""
-    return engine_spec(name).adapter

@@ -4,7 +4,7 @@ whole objects and on tiles."""
 from __future__ import annotations
 
 from .. import sample_model as sm
-from ..core import EngineCore, TileSteps
+from ..core import EngineCore, TileSteps, chunk_steps
 from ..positions import positions_for_step
 from ..tile_frame import frame_of
 from ..window_deformation import warp_object
@@ -14,26 +14,6 @@ from ..lsqml import rescale_probe
 
 #: Adam's memory slots (:class:`daskpty.engines.ad.optimizers.Adam`).
 ADAM_SLOTS = ("m", "v")
-
-
-def _plain(p, intensities, positions, local=None):
-    return sm.ad_gradient(p.sample)(p.object, p.probe, intensities, positions, options=p.options, valid=p.valid,
-                                    **p.engine)
-
-
-def _refining(p, intensities, positions, local):
-    return refining_chunk_gradient(p.object, p.probe, intensities, positions, local, options=p.options,
-                                   positions=p.positions, epoch=p.epoch, affine=p.affine, valid=p.valid,
-                                   gradient=sm.ad_gradient(p.sample), frame=p.frame,
-                                   keep_gram=sm.carries_position_sums(p.sample), **p.engine)
-
-
-def _varying(p, intensities, positions, local):
-    return opr.variable_chunk_gradient(
-        p.object, p.probe, intensities, positions, local, options=p.options, model=p.model, eigen=p.eigen,
-        transform=p.transform, background=p.background, epoch=p.epoch, valid=p.valid, positions=p.positions,
-        affine=p.affine, gradient=sm.ad_gradient(p.sample), frame=p.frame,
-        keep_gram=sm.carries_position_sums(p.sample), **p.engine)
 
 
 def _loss(p, intensities, positions, local=None):
@@ -61,7 +41,8 @@ def warp_object_state(state, matrix, offset) -> None:
 
 
 class ADCore(EngineCore):
-    steps = {"plain": _plain, "refining": _refining, "varying": _varying}
+    steps = chunk_steps(sm.ad_gradient, refining_chunk_gradient, opr.variable_chunk_gradient, inject="gradient",
+                        keep_gram=sm.carries_position_sums)
     loss_steps = {"plain": _loss, "refining": _refining_loss}
     #: the optimiser's memory (Adam's moments) is object- and probe-sized
     device_fields = ("object", "probe", "illumination", "optimizer")
