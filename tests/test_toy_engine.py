@@ -1,0 +1,182 @@
+"""A fourth engine from this file and one spec: plain gradient descent on the amplitude loss
+(preconditioned by the illumination), its chunk gradient AD's through the sample model's
+injection. Registered here alone, it runs through ``daskpty.reconstruct`` with one slice and K
+slices, refined positions, a varying probe (OPR) and on tiles; the loss falls and the object
+approaches the truth."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+import pytest
+
+import daskpty
+from daskpty.engines import lsqml
+from daskpty.engines import sample_model as sm
+from daskpty.engines import specs
+from daskpty.engines.ad import opr
+from daskpty.engines.ad.gradient import refining_chunk_gradient
+from daskpty.engines.core import EngineCore, TileSteps, chunk_steps
+from daskpty.engines.positions import accumulate_affine, accumulate_window
+from daskpty.metrics import nrmse
+from daskpty.physics.backend import get_xp
+
+from synthetic import make_dataset
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyOptions:
+    """loss: the chunk gradient's loss; optimizer: plain steps only; lr: the step on the
+    illumination-preconditioned gradient; probe_start_epoch: first epoch moving the probe."""
+
+    loss: str = "gaussian"
+    optimizer: str | None = None
+    lr: float | None = None
+    probe_start_epoch: int | None = 1
+    delta: float = 0.1
+    eps: float = 1e-6
+
+    def __post_init__(self):
+        if self.optimizer not in (None, "sgd"):
+            raise ValueError(f"the toy engine takes plain gradient steps (optimizer None), not {self.optimizer!r}")
+
+    @property
+    def step(self) -> float:
+        return 0.5 if self.lr is None else self.lr
+
+
+def _descend(state, total, options, peak=None):
+    """x ← x − lr · g / (W + δ max W) for the object and the probe (``peak``: max W of every tile)."""
+    if total is None:
+        return state
+    accumulate_affine(state, total)
+    accumulate_window(state, total)
+    xp = get_xp(state.object)
+    illum = xp.zeros(state.object.shape, np.float32)
+    total.boxes["illumination"].add_into(illum)
+    peak = float(illum.max()) if peak is None else peak
+    if "object_grad" in total.boxes:
+        g = xp.zeros(state.object.shape, np.complex64)
+        total.boxes["object_grad"].add_into(g)
+        state.object = (state.object - options.step * g / (illum + options.delta * peak)).astype(np.complex64)
+    if "probe_grad" in total.arrays:
+        w = total.arrays["probe_illumination"][None]
+        state.probe = (state.probe - options.step * total.arrays["probe_grad"] / (w + options.delta * w.max())
+                       ).astype(np.complex64)
+    state.illumination = illum if state.illumination is None else np.maximum(state.illumination, illum)
+    return state
+
+
+def _peak_share(state, total, own, *earlier):
+    """The largest illumination over this tile's own rows."""
+    box = total.boxes["illumination"] if total is not None else None
+    if box is None:
+        return {"peak": 0.0}
+    a, b = max(own[0], box.offset[0]), min(own[1], box.stop[0])
+    rows = box.data[..., a - box.offset[0]:b - box.offset[0], :]
+    return {"peak": float(rows.max()) if a < b and rows.size else 0.0}
+
+
+def _next_epoch(state, options, shares=None):
+    state.epoch += 1
+    return state
+
+
+class ToyCore(EngineCore):
+    steps = chunk_steps(sm.ad_gradient, refining_chunk_gradient, opr.variable_chunk_gradient, inject="gradient",
+                        keep_gram=sm.carries_position_sums)
+    tiles = TileSteps(("object", "illumination"), ("object",), _peak_share,
+                      lambda state, total, options, shares: _descend(state, total, options,
+                                                                      max(s["peak"] for s in shares)),
+                      lambda state, options, own: {}, _next_epoch)
+    rescale_probe = staticmethod(lsqml.rescale_probe)
+    resample = staticmethod(lsqml.resample_object_state)
+    copy_state = staticmethod(copy.copy)  # the steps rebind the state's arrays
+
+    @staticmethod
+    def flags(state, options) -> dict:
+        moves = options.probe_start_epoch is not None and state.epoch >= options.probe_start_epoch
+        return {"want_object": True, "want_probe": moves}
+
+    @staticmethod
+    def new_state(obj, probe, epoch, stored):
+        return lsqml.LSQMLState(object=obj, probe=probe, epoch=epoch)
+
+    @staticmethod
+    def begin_epoch(state, options):
+        state.illumination, state.affine_sums = None, None
+        return state
+
+    @staticmethod
+    def apply(state, total, run):
+        return _descend(state, total, run.options)
+
+    @staticmethod
+    def end_epoch(state, run):
+        return _next_epoch(state, run.options)
+
+    @staticmethod
+    def apply_probe_model(state, total, model, run) -> None:
+        opr.apply(state, total, model, run.options.loss, run.options.delta)
+
+
+TOY = specs.EngineSpec("toy", f"{__name__}:ToyOptions", "plain gradient descent (a test's engine)",
+                       frozenset(specs.FEATURES), gradient_based=True,
+                       position_defaults=specs.ENGINE_SPECS["ad"].position_defaults,
+                       probe_model_defaults=specs.ENGINE_SPECS["ad"].probe_model_defaults,
+                       core_path=f"{__name__}:ToyCore")
+
+
+@pytest.fixture
+def toy(monkeypatch):
+    """The toy engine in the spec table for one test."""
+    monkeypatch.setitem(specs.ENGINE_SPECS, "toy", TOY)
+    return "toy"
+
+
+@pytest.fixture(scope="module")
+def data():
+    return make_dataset(grid=10, seed=3)
+
+
+def _run(data, client, epochs=12, **settings):
+    """A run from a flat object; its loss per epoch and its NRMSE against the truth where lit,
+    and the start's."""
+    start = np.ones_like(data.truth.object)
+    rec = daskpty.reconstruct(data, "toy", epochs, client=client, progress=False, object=start, **settings)
+    lit = rec.illumination > 0.3 * rec.illumination.max()
+    losses = [entry["loss"] for entry in rec.history]
+    return rec, losses, nrmse(rec.object, data.truth.object, mask=lit), nrmse(start, data.truth.object, mask=lit)
+
+
+def test_the_toy_engine_reconstructs_with_one_slice(toy, data, client):
+    rec, losses, error, start = _run(data, client)
+    assert rec.options["engine"] == "toy" and rec.options["tiles"] is False
+    assert losses[-1] < 0.4 * losses[0] and error < 0.7 * start, (losses, error, start)
+
+
+@pytest.mark.parametrize("settings", [{"tiles": True}, {"refine_positions": True},
+                                      {"opr_modes": 2, "probe_model": {"start_epoch": 2}}],
+                         ids=["tiles", "positions", "opr"])
+def test_the_toy_engine_takes_every_part(toy, data, client, settings):
+    rec, losses, error, start = _run(data, client, **settings)
+    assert losses[-1] < 0.4 * losses[0] and error < 0.7 * start, (losses, error, start)
+    assert rec.options["tiles"] is bool(settings.get("tiles"))
+    if "refine_positions" in settings:
+        assert np.abs(rec.positions - rec.nominal_positions).max() > 1e-3
+    if "opr_modes" in settings:
+        assert rec.probe_weights is not None and np.ptp(rec.probe_weights[:, 0]) > 0
+
+
+def test_the_toy_engine_reconstructs_through_slices(toy, data, client):
+    """Each slice takes the whole step's gradient: the step per slice is 1 / K of one slice's."""
+    sample = {"slices": 2, "slice_spacing_m": 2e-9, "wavelength_m": 1.97e-12, "object_pixel_size_m": 0.25e-10}
+    rec = daskpty.reconstruct(data, "toy", 12, client=client, progress=False, sample=sample, lr=0.25)
+    losses = [entry["loss"] for entry in rec.history]
+    assert np.shape(rec.object)[0] == 2 and losses[-1] < 0.4 * losses[0], losses
+
+
+def test_the_toy_engine_is_gone_with_its_spec():
+    with pytest.raises(ValueError, match="engine must be one of"):
+        specs.engine_spec("toy")
