@@ -401,14 +401,6 @@ def solve_weight_steps(gram, rhs, tikhonov: float = 1e-2, trust: float | None = 
     return step
 
 
-def background_frame(background, n: int) -> np.ndarray | None:
-    """The background as an (n, n) float32 frame (a constant one stored as shape (1, 1))."""
-    if background is None:
-        return None
-    b = np.asarray(background, dtype=np.float32)
-    return np.broadcast_to(b, (n, n)) if b.shape == (1, 1) else b
-
-
 def initial_background(options: ProbeModelOptions, n: int) -> np.ndarray | None:
     if options.background == "constant":
         return np.zeros((1, 1), np.float32)

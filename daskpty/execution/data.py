@@ -166,12 +166,6 @@ def workers_have_gpus(client) -> bool:
     return bool(answers) and all(answers.values())
 
 
-def cluster_memory_bytes(client) -> int:
-    """Sum of the workers' memory limits (0 when unknown/unlimited)."""
-    workers = client.scheduler_info(n_workers=-1).get("workers", {})
-    return int(sum(w.get("memory_limit") or 0 for w in workers.values()))
-
-
 def should_persist(client, nbytes: int, fraction: float = 0.5, working_bytes: int = 0) -> bool:
     """Persist the data when it takes at most ``fraction`` of the cluster's memory and each
     worker's share plus ``working_bytes`` stays under the spill target

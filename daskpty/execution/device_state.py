@@ -35,10 +35,6 @@ def set_device_state(enabled: bool) -> None:
     _ENABLED = bool(enabled)
 
 
-def device_state_enabled() -> bool:
-    return _ENABLED
-
-
 def _moved(value, convert):
     """``value`` with every array inside (dicts, dataclasses, tuples) passed through ``convert``;
     containers are copied, never changed in place (other copies of a state share them)."""
