@@ -1,8 +1,8 @@
 """A fourth engine from this file and one spec: plain gradient descent on the amplitude loss
 (preconditioned by the illumination), its chunk gradient AD's through the sample model's
 injection. Registered here alone, it runs through ``daskpty.reconstruct`` with one slice and K
-slices, refined positions, a varying probe (OPR) and on tiles; the loss falls and the object
-approaches the truth."""
+slices, in the near field, with refined positions, a varying probe (OPR) and on tiles; the loss
+falls and the object approaches the truth."""
 from __future__ import annotations
 
 import copy
@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from scipy.ndimage import gaussian_filter
 
 import daskpty
 from daskpty.engines import lsqml
@@ -21,6 +22,9 @@ from daskpty.engines.core import EngineCore, TileSteps, chunk_steps
 from daskpty.engines.positions import accumulate_affine, accumulate_window
 from daskpty.metrics import nrmse
 from daskpty.physics.backend import get_xp
+from daskpty.physics.geometry import NearFieldGeometry
+from daskpty.physics.multislice import multislice_intensities
+from daskpty.physics.propagation import near_field_kernel
 
 from synthetic import make_dataset
 
@@ -157,8 +161,9 @@ def test_the_toy_engine_reconstructs_with_one_slice(toy, data, client):
 
 
 @pytest.mark.parametrize("settings", [{"tiles": True}, {"refine_positions": True},
-                                      {"opr_modes": 2, "probe_model": {"start_epoch": 2}}],
-                         ids=["tiles", "positions", "opr"])
+                                      {"opr_modes": 2, "probe_model": {"start_epoch": 2}},
+                                      {"tiles": True, "refine_positions": True}],
+                         ids=["tiles", "positions", "opr", "tiles-positions"])
 def test_the_toy_engine_takes_every_part(toy, data, client, settings):
     rec, losses, error, start = _run(data, client, **settings)
     assert losses[-1] < 0.4 * losses[0] and error < 0.7 * start, (losses, error, start)
@@ -175,6 +180,29 @@ def test_the_toy_engine_reconstructs_through_slices(toy, data, client):
     rec = daskpty.reconstruct(data, "toy", 12, client=client, progress=False, sample=sample, lr=0.25)
     losses = [entry["loss"] for entry in rec.history]
     assert np.shape(rec.object)[0] == 2 and losses[-1] < 0.4 * losses[0], losses
+
+
+def _near_field_data(seed=0):
+    """36 holograms of a phase object 1.12 m behind a 32² probe, 3.65 mm from the sample."""
+    rng = np.random.default_rng(seed)
+    n = 32
+    obj = np.exp(1j * gaussian_filter(rng.standard_normal((60, 60)), 1.5) * 4).astype(np.complex64)
+    yy, xx = np.mgrid[0:n, 0:n] - n / 2
+    probe = np.exp(3j * gaussian_filter(rng.standard_normal((n, n)), 3)) * np.exp(-(yy**2 + xx**2) / (2 * (n / 3.5) ** 2))
+    probe = (probe * np.sqrt(1e5 / (np.abs(probe) ** 2).sum()))[None].astype(np.complex64)
+    grid = np.arange(6) * 5.0
+    positions = np.stack(np.meshgrid(grid, grid, indexing="ij"), -1).reshape(-1, 2) + n / 2 + 2
+    detector = near_field_kernel(n, 55e-6, 0.9795e-10, 1.12, 3.65e-3)
+    y = rng.poisson(multislice_intensities(obj[None], probe, positions, detector=detector)).astype(np.float32)
+    geometry = NearFieldGeometry(n, 1.12, 55e-6, 3.65e-3, wavelength_m=0.9795e-10)
+    return daskpty.from_arrays(y, positions, probe=probe, geometry=geometry)
+
+
+def test_the_toy_engine_reconstructs_in_the_near_field(toy, client):
+    rec = daskpty.reconstruct(_near_field_data(), "toy", 12, client=client, progress=False)
+    losses = [entry["loss"] for entry in rec.history]
+    assert rec.geometry["detector"] == "near_field" and "sample" in rec.options  # (the sample model's path)
+    assert losses[-1] < 0.4 * losses[0], losses
 
 
 def test_the_toy_engine_is_gone_with_its_spec():
