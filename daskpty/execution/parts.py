@@ -183,8 +183,8 @@ class ProbeModel(Part):
     def check(self, run) -> None:
         reason = run.core.unsupported(run.options, "probe_model")
         if reason:
-            raise ValueError(f"opr_modes / fit_intensity / background with engine={run.name!r} cannot use {reason} "
-                             "(it does not move per-pattern parameters); choose another optimizer")
+            raise ValueError(f"opr_modes / fit_intensity / background with engine={run.name!r} cannot run with "
+                             f"{reason}: its steps do not move per-pattern parameters; choose another optimizer")
 
     def after_apply(self, state, total, run) -> None:
         if total is not None:
