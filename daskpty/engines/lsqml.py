@@ -15,7 +15,7 @@ Plus :func:`end_epoch` (momentum, probe-mode orthogonalisation, scale-ambiguity 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -29,13 +29,15 @@ from ..physics import (
     shift_ramps,
     split_positions,
 )
-from ..physics.backend import asarray_like, channel_dots, is_cupy, real_dots, shares_memory, to_numpy
+from ..physics.backend import asarray_like, channel_dots, is_cupy, real_dots, to_numpy
 from ..physics.patches import PatchIndex
 from ..physics.shifts import outer_ramps, shift_ramp_factors
 from ..physics import kernels
 from .lsqml_epoch import (begin_epoch, close_epoch, end_epoch, normalize_scale,  # noqa: F401 (re-exported)
                           normalizes_now, owned_at_end)
 from .partials import BoxedArray, Partial
+from .forward_model import fft_in_place as _fft_in_place
+from .state import EngineState, trimmed_mean as _trimmed_mean
 from .window_deformation import WindowDeformation, squared_gradients, wants_window_sums, warp_object
 from .multislice_positions import keep_ratios, reused_sums
 from .tile_frame import frame_of, step_positions, whole_shape
@@ -106,32 +108,8 @@ class LSQMLOptions:
         return dataclasses.replace(self, delta=SLICES_DELTA if n_slices > 1 else DELTA)
 
 
-@dataclass
-class LSQMLState:
-    """Object (H, W) and probe (M, n, n), complex64 on the host, plus the engine's memory."""
-
-    object: np.ndarray
-    probe: np.ndarray
-    epoch: int = 0
-    velocity: np.ndarray | None = None      # momentum buffer (object frame)
-    epoch_start_object: np.ndarray | None = None
-    illumination: np.ndarray | None = None  # last epoch's Σ|S_f P|² (object frame, float32)
-    extra: dict = field(default_factory=dict)
-    affine: np.ndarray | None = None        # position refinement: map fitted after the last epoch
-    affine_boost: np.ndarray | None = None  # the extra affine move of the next epoch (see positions)
-    affine_sums: dict | None = None         # its normal equations, summed over this epoch's rounds
-    window_sums: dict | None = None         # the windows' deformation sums of this epoch (positions)
-    window_deformation: np.ndarray | None = None  # L (2, 2) of the last epoch, for the history
-    window_map: np.ndarray | None = None    # the positions' map of the next epoch (3, 2), or None
-    window_gram: np.ndarray | None = None   # the windows' normal matrix (4, 4) last formed (kept between)
-    positions_start: int | None = None   # start epoch decided by start_epoch='auto' (positions)
-    epoch_start_probe: np.ndarray | None = None  # the probe at the epoch's start, while undecided
-    eigen_probes: np.ndarray | None = None  # varying probe (engines.probe_model): OPR eigen-probes U_1…
-    weight_transform: np.ndarray | None = None  # T of the last orthonormalisation (chunks apply it)
-    background: np.ndarray | None = None    # fitted background, (1, 1) or (n, n)
-
-    def update_probe(self, options: LSQMLOptions) -> bool:
-        return options.probe_start_epoch is not None and self.epoch >= options.probe_start_epoch
+#: the state of LSQML (and of the PIE engines): :class:`~.state.EngineState`
+LSQMLState = EngineState
 
 
 def resample_object_state(state, matrix, offset) -> None:
@@ -139,14 +117,6 @@ def resample_object_state(state, matrix, offset) -> None:
     lives (NumPy or CuPy): the window correction's move of the object (:func:`warp_object`)."""
     frame = frame_of(state)  # (on a tile: rows placed in the whole object)
     state.object, state.velocity = (warp_object(a, matrix, offset, frame) for a in (state.object, state.velocity))
-
-
-def _trimmed_mean(x, xp, trim: float = 0.1) -> float:
-    n = x.shape[0]
-    k = int(n * trim)
-    if n - 2 * k <= 0:
-        return float(x.mean())
-    return float(xp.sort(x)[k:n - k].mean())
 
 
 def _preconditioner(illum, delta: float, peak: float | None = None):
@@ -161,14 +131,6 @@ def _preconditioner(illum, delta: float, peak: float | None = None):
 #: Target size of one sub-batch (b, M, n, n) complex64 block on the CPU: small enough that a
 #: block's temporaries stay in the L2/L3 caches between the FFTs and the element-wise passes.
 CPU_BLOCK_BYTES = 1 << 20
-
-
-def _fft_in_place(buf, inverse: bool = False):
-    """Orthonormal (inverse) 2-D FFT of ``buf`` written back into ``buf``."""
-    out = (ifft2 if inverse else fft2)(buf, overwrite=True)
-    if not shares_memory(out, buf):
-        buf[...] = out  # a copying transform: copy back
-    return buf
 
 
 def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, update_probe: bool = True,

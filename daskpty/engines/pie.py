@@ -20,30 +20,47 @@ Position refinement (:func:`refining_chunk_step`) takes LSQML's position shift: 
 g_j = Σ_k conj(S_f P_k) χ_jk, already formed for the object, each pattern moves by
 Re⟨∂_a O_j, g_j⟩ / ⟨|∂_a O_j|², Σ_k |S_f P_k|²⟩ along a = y, x, then through the machinery of
 :mod:`.positions` that LSQML and AD share (momentum, step limit, affine fit, the windows'
-deformation). K slices and the near-field detector: :mod:`.pie_multislice` (3PIE).
+deformation).
 
-The state is :class:`~.lsqml.LSQMLState` (object, probe, epoch, illumination; the position
+K slices and the near-field detector: 3PIE (Maiden, Humphry & Rodenburg, JOSA A 29, 1606,
+2012) with rPIE's regularised denominators, one chunk step against the sample's forward model
+(:mod:`.forward_model`). The exit wave's change Δψ_K = χ is carried back slice by slice,
+k = K … 1: slice k's numerator Σ_m conj(φ_k) Δψ_k and denominator Σ_m |φ_k|², then
+Δφ_k = conj(O_k) Δψ_k / ((1 − α_P)|O_k|² + α_P max|O_k|²) (rPIE's probe rule) and
+Δψ_{k−1} = 𝒫ᴴ Δφ_k; Δφ_1, shifted back by −f, is the pattern's probe update. With K = 1 in the
+far field this is rPIE above. The slices share the exit wave's correction: each slice's object
+numerator is divided by K. Every slice's full step explains nearly the same χ (its low
+frequencies above all), so together they overshoot K-fold: on a 2-slice electron scan
+(tests/test_compose_runs.py's, 49 patterns, 4 rounds) rPIE with full steps diverged in epoch 4
+(loss 2.7e3 → 6.7e6), with 1/K it fell monotonically (1982 after 12 epochs, one slice 2541).
+Position refinement through the slices takes the exit wave's exact change per unit position
+(:func:`daskpty.engines.multislice_positions.position_sums`).
+
+The state is :class:`~.state.EngineState` (object, probe, epoch, illumination; the position
 refinement's affine map and window sums; the extras LSQML adds for momentum stay None), so
 checkpoints and results read it as they read LSQML's. No dask here.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..physics import fft2, get_noise_model, get_xp, ifft2
-from ..physics.backend import asarray_like, channel_dots, real_dots, to_numpy
+from ..physics import get_noise_model, get_xp, ifft2
+from ..physics.backend import asarray_like
 from ..physics.kernels import far_field_update
-from ..physics.patches import PatchIndex
-from ..physics.shifts import shift_ramps, split_positions
-from .lsqml import LSQMLState, close_epoch
-from .partials import BoxedArray, Partial
-from .tile_frame import step_positions, whole_shape
-from .positions import (PositionOptions, accumulate_affine, accumulate_window, central_gradients, finish_step,
-                        lsqml_shift, positions_for_step, step_with_momentum)
-from .window_deformation import WindowDeformation, squared_gradients, wants_window_sums
+from .forward_model import THIN, ForwardModel
+from .lsqml_epoch import close_epoch
+from .multislice import normalize_scale
 from .multislice_positions import keep_ratios, reused_sums
+from .partials import BoxedArray, Partial
+from .position_sums import PositionSums
+from .positions import (PositionOptions, accumulate_affine, accumulate_window, finish_step, lsqml_shift,
+                        positions_for_step, step_with_momentum)
+from .state import EngineState
+from .tile_frame import step_positions, whole_shape
+from .window_deformation import wants_window_sums
 
 #: target bytes of one sub-batch's (b, M, n, n) complex64 exit waves
 BLOCK_BYTES = 8 << 20
@@ -88,98 +105,83 @@ class PIEOptions:
             raise ValueError(f"normalize_every must be >= 0, got {self.normalize_every}")
 
 
-def updates_probe(state: LSQMLState, options: PIEOptions) -> bool:
+def updates_probe(state: EngineState, options: PIEOptions) -> bool:
     return options.probe_start_epoch is not None and state.epoch >= options.probe_start_epoch
 
 
-def chunk_step(obj, probe, intensities, positions, *, options: PIEOptions, update_probe: bool = True,
-               valid=None, position_terms: bool = False, window_sums: bool = False) -> Partial:
-    """The rPIE sums of one chunk (or one round's slice of it) as an additive partial.
+def chunk_step(obj, probe, intensities, positions, *, options: PIEOptions, sample: ForwardModel = THIN,
+               update_probe: bool = True, valid=None, position_terms: bool = False, window_sums: bool = False,
+               reuse=None) -> Partial:
+    """The rPIE / 3PIE sums of one chunk (or one round's slice of it) as an additive partial.
 
-    obj (H, W) complex64 (only the chunk's bounding box is read), probe (M, n, n) complex64,
-    intensities (B, n, n) with the zero frequency at index 0, positions (B, 2) (y, x) in object
-    pixels, valid (n, n) bool or None. Boxes: ``object_num`` Σ conj(S_f P) χ, ``illumination``
-    Σ |S_f P|²; arrays (when ``update_probe``): ``probe_num`` (M, n, n), the sum of the patterns'
-    rPIE probe updates S_−f(conj(O_j) χ_j / ((1 − α_P)|O_j|² + α_P max|O_j|²)); scalars: ``loss``,
-    ``n``, ``sum_model``.
+    obj (H, W) complex64 for one slice in the far field, else (K, H, W) (only the chunk's bounding
+    box is read); probe (M, n, n) complex64; intensities (B, n, n) (far field: zero frequency at
+    index 0; near field: as recorded); positions (B, 2) (y, x) in object pixels; ``sample`` the
+    sample's :class:`~.forward_model.ForwardModel`; valid (n, n) bool or None. Boxes (h, w) or
+    (K, h, w): ``object_num`` Σ conj(φ_k) Δψ_k, ``illumination`` Σ |φ_k|²; arrays (when
+    ``update_probe``): ``probe_num`` (M, n, n), the sum of the patterns' probe updates
+    S_−f Δφ_1; scalars: ``loss``, ``n``, ``sum_model``.
 
     ``position_terms``: also LSQML's position-shift sums of every pattern in
-    ``local["shift_terms"]`` ((B, 2) each: Re⟨∂_a O_j, g_j⟩ and ⟨|∂_a O_j|², Σ_k |S_f P_k|²⟩, ∂_a O
-    by central differences on the box), and with ``window_sums`` the windows' deformation sums
-    (:class:`~.window_deformation.WindowDeformation`) in ``arrays``, as
-    :func:`daskpty.engines.lsqml.chunk_step` forms them.
+    ``local["shift_terms"]``, and with ``window_sums`` the windows' deformation sums in
+    ``arrays`` (:class:`~.position_sums.PositionSums`; ``reuse``: an earlier epoch's carried sums
+    through slices, :class:`~.multislice_positions.ReusedSums`).
     """
-    xp = get_xp(intensities)
-    n_patterns, n = intensities.shape[0], probe.shape[-1]
+    n_patterns = intensities.shape[0]
     if n_patterns == 0:
         return Partial()
-    corners, fractions = split_positions(to_numpy(positions), n)
-    box0, box1 = corners.min(axis=0), corners.max(axis=0) + n
-    obj_box = xp.ascontiguousarray(asarray_like(obj[box0[0]:box1[0], box0[1]:box1[1]], intensities),
-                                   dtype=np.complex64)
-    probe = asarray_like(probe, intensities).astype(np.complex64, copy=False)
-    n_modes = probe.shape[0]
+    c = sample.chunk(obj, probe, intensities, positions, block_bytes=BLOCK_BYTES)
+    xp, n_slices = c.xp, c.n_slices
     valid = None if valid is None else asarray_like(valid, intensities)
-    index = PatchIndex(corners - box0, n, obj_box.shape, xp)
-    probe_ft = fft2(probe)
-    step = max(1, min(n_patterns, BLOCK_BYTES // (8 * n_modes * n * n)))
-    obj_num = xp.zeros(obj_box.shape, np.complex64)
-    illum = xp.zeros(obj_box.shape, np.float32)
-    probe_num = xp.zeros((n_modes, n, n), np.complex64) if update_probe else None
+    obj_num, illum = c.box(np.complex64), c.box(np.float32)
+    spectra_sum = xp.zeros((c.n_modes, c.n, c.n), np.complex64) if update_probe else None
     loss = sum_model = 0.0
-    if position_terms:
-        box_d = central_gradients(obj_box, xp)
-        box_squares = squared_gradients(box_d, xp)               # |∂_y O|² + i |∂_x O|²
-        shift_num, shift_den = np.empty((n_patterns, 2)), np.empty((n_patterns, 2))
-        deform = WindowDeformation(n, xp, box_d) if window_sums else None
-    for s in range(0, n_patterns, step):
-        batch = slice(s, min(s + step, n_patterns))
-        ramps = shift_ramps(fractions[batch], n, xp)                       # (b, n, n)
-        shifted = ifft2(ramps[:, None] * probe_ft[None], overwrite=True).astype(np.complex64, copy=False)
-        o = index.extract(obj_box, batch)                                  # (b, n, n)
-        far = fft2(shifted * o[:, None], overwrite=True)                   # Ψ = F(S_f P · O_j)
+    sums = PositionSums(c, shifts=True, window=window_sums, reuse=reuse) if position_terms else None
+    for batch in c.blocks:
+        blk = c.forward(batch)
         y = xp.asarray(intensities[batch])
-        delta, yhat, per_pattern = far_field_update(options.noise, far, y, valid, options.eps, overwrite=True)
-        chi = ifft2(delta, overwrite=True)                                 # χ = F⁻¹(Ψ' − Ψ)
+        delta, yhat, per_pattern = far_field_update(options.noise, blk.detected, y, valid, options.eps, overwrite=True)
+        change = c.to_exit(blk, delta)                                     # Δψ_K = χ
         loss += float(per_pattern.sum())
         sum_model += float((yhat if valid is None else yhat * valid).sum(dtype=np.float64))
-        g = (xp.conj(shifted) * chi).sum(axis=1)                          # g_j = Σ_k conj(S_f P_k) χ_jk
-        power = (shifted.real ** 2 + shifted.imag ** 2).sum(axis=1).astype(np.float32, copy=False)
-        if position_terms:
-            grads = [xp.ascontiguousarray(index.extract(box_d[a], batch)) for a in range(2)]
-            for a, d in enumerate(grads):
-                shift_num[batch, a] = to_numpy(real_dots(d, g))
-            squares = xp.ascontiguousarray(index.extract(box_squares, batch))
-            shift_den[batch] = to_numpy(channel_dots(power, squares))
-            if deform is not None:
-                deform.add_gram(batch, power, grads, squares)
-        index.scatter_add(obj_num, g, batch)
-        index.scatter_add(illum, power, batch)
-        if update_probe:
-            o_power = o.real ** 2 + o.imag ** 2
-            top = o_power.reshape(o_power.shape[0], -1).max(axis=1)[:, None, None]
-            weight = xp.conj(o) / xp.maximum((1 - options.probe_alpha) * o_power + options.probe_alpha * top,
-                                             np.float32(1e-30))
-            spectra = fft2(weight[:, None] * chi, overwrite=True)          # undo each pattern's shift
-            spectra *= xp.conj(ramps)[:, None]
-            probe_num += ifft2(spectra.sum(axis=0)).astype(np.complex64, copy=False)
-    offset = (int(box0[0]), int(box0[1]))
-    part = Partial(boxes={"object_num": BoxedArray(offset, obj_num), "illumination": BoxedArray(offset, illum)},
+        if sums is not None and n_slices > 1:   # the shift sums take the exact gradients
+            grads, lit, _ = c.vjp(blk, change.copy())
+            sums.add(blk, grads, lit)
+        for k in range(n_slices - 1, -1, -1):
+            g, power = c.slice_terms(blk, k, change)
+            if sums is not None and n_slices == 1:
+                sums.add(blk, [g], [power])
+            c.index.scatter_add(c.slice_of(obj_num, k), g, batch)
+            c.index.scatter_add(c.slice_of(illum, k), power, batch)
+            if k == 0 and not update_probe:
+                break
+            change = c.back(blk, k, change, weight=_probe_weight(blk.patches[k], options.probe_alpha, xp))
+        if update_probe:                    # Σ_j S_−f Δφ_1j: each pattern's update shifted back
+            spectra_sum += c.entrance_spectra(blk, change).sum(axis=0)
+    part = Partial(boxes={"object_num": BoxedArray(c.origin, obj_num), "illumination": BoxedArray(c.origin, illum)},
                    scalars={"loss": loss, "n": float(n_patterns), "sum_model": sum_model})
     if update_probe:
-        part.arrays["probe_num"] = probe_num
-    if position_terms:
-        part.local["shift_terms"] = (shift_num, shift_den)
-        if deform is not None:              # b from Σ_j g_j on the box (obj_num, not yet divided)
-            deform.add_first(obj_num, index.corners, shift_num)
-            part.arrays.update(deform.sums(positions))
+        part.arrays["probe_num"] = ifft2(spectra_sum).astype(np.complex64, copy=False)
+    if sums is not None:
+        part.local["shift_terms"], window = sums.finish(positions, obj_num if n_slices == 1 else None)
+        if window is not None:
+            part.arrays.update(window)
+    if n_slices > 1:   # the slices share the exit wave's correction (module docstring)
+        obj_num *= np.float32(1.0 / n_slices)
     return part
+
+
+def _probe_weight(o, alpha: float, xp):
+    """rPIE's probe weight conj(O_j) / ((1 − α)|O_j|² + α max|O_j|²) per pattern (b, n, n)."""
+    power = o.real ** 2 + o.imag ** 2
+    top = power.reshape(power.shape[0], -1).max(axis=1)[:, None, None]
+    return xp.conj(o) / xp.maximum((1 - alpha) * power + alpha * top, np.float32(1e-30))
 
 
 def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, options: PIEOptions,
                         positions: PositionOptions, epoch: int, affine=None, update_probe: bool = True,
                         valid=None, step=None, frame=None) -> Partial:
-    """:func:`chunk_step` (or ``step``, the sample's: :mod:`.pie_multislice`) at the refined
+    """:func:`chunk_step` (or ``step``, bound to the sample's forward model) at the refined
     positions ``local["positions"]`` of these patterns, moving them by LSQML's shift with
     momentum from epoch ``positions.start_epoch`` on, exactly as
     :func:`daskpty.engines.lsqml.refining_chunk_step` does (:mod:`.positions`: the pull towards
@@ -219,10 +221,10 @@ def _regularised(den, alpha: float, top=None):
     return get_xp(den).maximum(out, 1e-12 * max(top, 1e-30))
 
 
-def apply(state: LSQMLState, total: Partial, options: PIEOptions, illumination_max=None) -> LSQMLState:
+def apply(state: EngineState, total: Partial, options: PIEOptions, illumination_max=None) -> EngineState:
     """Add a round's reduced sums to the state (new arrays; the old state's stay untouched), and
-    the positions' affine and window sums to the epoch's. The object is (H, W) or, from
-    :mod:`.pie_multislice`, (K, H, W) with (K, h, w) boxes (each slice its own denominator).
+    the positions' affine and window sums to the epoch's. The object is (H, W) or (K, H, W)
+    with (K, h, w) boxes (each slice its own denominator).
     ``illumination_max``: the round's largest illumination over the whole object (per slice),
     when the state holds a tile of it."""
     accumulate_affine(state, total)
@@ -246,7 +248,7 @@ def apply(state: LSQMLState, total: Partial, options: PIEOptions, illumination_m
     return state
 
 
-def begin_epoch(state: LSQMLState, options: PIEOptions) -> LSQMLState:
+def begin_epoch(state: EngineState, options: PIEOptions) -> EngineState:
     """A new epoch's illumination is the largest of its rounds' (reset here), as are the
     positions' affine sums."""
     state.illumination = None
@@ -254,6 +256,12 @@ def begin_epoch(state: LSQMLState, options: PIEOptions) -> LSQMLState:
     return state
 
 
-def end_epoch(state: LSQMLState, options: PIEOptions) -> LSQMLState:
-    """Probe-mode orthogonalisation and scale-ambiguity removal, as LSQML's epoch end."""
-    return close_epoch(state, options)
+def end_epoch(state: EngineState, options: PIEOptions) -> EngineState:
+    """Probe-mode orthogonalisation and scale-ambiguity removal, as LSQML's epoch end; a
+    (K, H, W) object's scale slice by slice (:func:`daskpty.engines.multislice.normalize_scale`)."""
+    if state.object.ndim == 2:
+        return close_epoch(state, options)
+    state = close_epoch(state, dataclasses.replace(options, normalize_every=0))
+    if options.normalize_every and state.epoch % options.normalize_every == 0:
+        normalize_scale(state)
+    return state

@@ -1,19 +1,18 @@
-"""The PIE family's engine core (:mod:`.core`; rPIE, ePIE): its chunk steps and the epoch's
-end for one slice (:mod:`.pie`) or K slices / the near field (:mod:`.pie_multislice`)."""
+"""The PIE family's engine core (:mod:`.core`; rPIE, ePIE): its chunk step through the sample's
+forward model (:func:`.pie.chunk_step`) and the epoch's end."""
 from __future__ import annotations
 
 import copy
 from functools import partial
 
-from . import lsqml, pie, pie_multislice, pie_tiles
+from . import lsqml, pie, pie_tiles
+from . import sample_model as sm
 from .core import EngineCore, TileSteps, chunk_steps
 
 
 def _step(sample):
-    """The rPIE chunk step of ``sample`` (one slice in the far field: :func:`pie.chunk_step`)."""
-    if sample is None:
-        return pie.chunk_step
-    return partial(pie_multislice.chunk_step, kernel=sample.kernel, detector=sample.detector)
+    """The rPIE / 3PIE chunk step through ``sample`` (None: one slice in the far field)."""
+    return partial(pie.chunk_step, sample=sm.forward_model(sample))
 
 
 class PIECore(EngineCore):
@@ -40,5 +39,4 @@ class PIECore(EngineCore):
 
     @staticmethod
     def end_epoch(state, run):
-        end = pie.end_epoch if run.sample.model is None else pie_multislice.end_epoch
-        return end(state, run.options)
+        return pie.end_epoch(state, run.options)

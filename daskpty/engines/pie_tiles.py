@@ -35,7 +35,7 @@ def apply(state, total: Partial | None, options: pie.PIEOptions, shares: list):
 
 
 def end_epoch(state, options: pie.PIEOptions, shares: list):
-    """:func:`.pie.end_epoch` (one slice) or :func:`.pie_multislice.end_epoch` (a (K, H, W)
+    """:func:`.pie.end_epoch` (one slice, or a (K, H, W)
     object: K slices or the near field) on a tile, the scale(s) from every tile's
     :func:`end_sums`, in worker order."""
     scales = None

@@ -17,17 +17,12 @@ import numpy as np
 from . import ad, lsqml
 from . import multislice as ms
 from . import multislice_gradient as msg
+from .forward_model import THIN, ForwardModel
 
 
 @dataclass(frozen=True)
-class SampleModel:
-    """K slices (``kernel``: the slice-to-slice transfer function, None for K = 1) and the
-    detector (``detector``: None for the far field, else the near-field transfer function), both
-    (n, n) complex64. The object is (K, H, W), also for K = 1 in the near field."""
-
-    n_slices: int = 1
-    kernel: np.ndarray | None = None
-    detector: np.ndarray | None = None
+class SampleModel(ForwardModel):
+    """The sample's :class:`~.forward_model.ForwardModel` with the engines' steps bound to it."""
 
     def _bound(self, function):
         return partial(function, kernel=self.kernel, detector=self.detector)
@@ -43,6 +38,11 @@ class SampleModel:
 
     def forward_sums(self):
         return self._bound(ms.forward_sums)
+
+
+def forward_model(sample: SampleModel | None) -> ForwardModel:
+    """The forward model of ``sample`` (None: one slice in the far field)."""
+    return THIN if sample is None else sample
 
 
 def carries_position_sums(sample: SampleModel | None) -> bool:
