@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..physics import fft2, get_xp, ifft2, kernels
-from ..physics.backend import asarray_like, shares_memory, to_numpy
+from ..physics.backend import asarray_like, real_dots, real_dots_with, shares_memory, to_numpy
 from ..physics.multislice import detector_forward, transmit
 from ..physics.noise import model_intensity
 from ..physics.patches import PatchIndex
@@ -162,6 +162,7 @@ class Chunk:
         self._shifted = xp.empty((step, self.n_modes, n, n), cdtype)
         self._waves = xp.empty((step, self.n_modes, n, n), cdtype) if keep_probe_waves else self._shifted
         self._spectra = None if variable is None else xp.empty((step, self.n_modes, n, n), cdtype)
+        self._dq = None
 
     @property
     def origin(self):
@@ -293,6 +294,29 @@ class Chunk:
         k = self.frequencies()
         spectra = fft2(blk.probe_waves)
         return (ifft2(spectra * (-1j * k)[:, None]), ifft2(spectra * (-1j * k)[None, :]))
+
+    def position_gradient(self, blk: Block, spectra, g_detected=None):
+        """∂L/∂(y, x) per pattern (b, 2) float64 from the entrance spectra G_j
+        (:meth:`entrance_spectra`): the probe's sub-pixel shift Re⟨G_j, (−2πi k_a) F P_j⟩ (BLAS
+        dots, no FFT; F P_j the pattern's own probe with a varying probe) and in the near field
+        the detector's translation back by the same fraction, Re⟨g_D, ∂_a D⟩ (``g_detected``
+        the gradient at the detector, the block's detected waves kept)."""
+        k = self.xp.asarray(np.fft.fftfreq(self.n), dtype=self.rdtype)
+        w = self.rdtype(-2 * np.pi)
+        ky, kx = (1j * w * k)[:, None], (1j * w * k)[None, :]
+        if self.variable is None:
+            if self._dq is None:       # F[∂(S_f P)/∂f_a] / ramp, formed once per chunk
+                self._dq = [(self.probe_ft * d).astype(self.cdtype, copy=False) for d in (ky, kx)]
+            grad = real_dots_with(spectra, self._dq)
+        else:
+            b = blk.batch.stop - blk.batch.start
+            own = self.variable.spectra(blk.batch, self._spectra[:b])
+            grad = self.xp.stack([real_dots(spectra, (own * d).astype(self.cdtype, copy=False)) for d in (ky, kx)],
+                                 axis=1)
+        if blk.detector is not None:
+            grad = grad + self.xp.stack([real_dots(g_detected, d) for d in self.detector_derivatives(blk.detected)],
+                                        axis=1)
+        return grad
 
     def detector_derivatives(self, detected):
         """∂/∂f_a of the near-field operator's translation back by f (:func:`detector_frame`),

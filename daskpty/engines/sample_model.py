@@ -2,7 +2,7 @@
 
 :class:`SampleModel` says how the exit wave is formed and detected: one slice in the far field
 (``None``: the engines' own single-slice functions, the fastest path), or K slices Δz apart
-and/or a near-field detector (:mod:`.multislice`, :mod:`.multislice_gradient`). The engines'
+and/or a near-field detector (:mod:`.forward_model`, :mod:`.multislice`). The engines'
 per-chunk functions take the chosen step, gradient or loss as an argument (``step=``,
 ``gradient=``), so position refinement and a varying probe compose with every sample without
 a class per combination. No dask.
@@ -16,7 +16,6 @@ import numpy as np
 
 from . import ad, lsqml
 from . import multislice as ms
-from . import multislice_gradient as msg
 from .forward_model import THIN, ForwardModel
 
 
@@ -31,10 +30,10 @@ class SampleModel(ForwardModel):
         return self._bound(ms.chunk_step)
 
     def ad_gradient(self):
-        return self._bound(msg.chunk_gradient)
+        return partial(ad.chunk_gradient, sample=self)
 
     def ad_loss(self):
-        return self._bound(msg.chunk_loss)
+        return partial(ad.chunk_loss, sample=self)
 
     def forward_sums(self):
         return self._bound(ms.forward_sums)

@@ -36,7 +36,7 @@ from __future__ import annotations
 # The package's public names (and the few private ones the tests use), re-exported.
 # ruff: noqa: F401
 from ..lsqml import forward_sums, rescale_probe
-from .gradient import CPU_BLOCK_BYTES, _Chunk, _split, chunk_gradient, chunk_loss, refining_chunk_gradient
+from .gradient import CPU_BLOCK_BYTES, _split, chunk_gradient, chunk_loss, refining_chunk_gradient
 from .losses import (
     DEFAULT_EPS,
     LOSS_GRADIENTS,
