@@ -89,9 +89,10 @@ class ForwardModel:
     detector: np.ndarray | None = None
 
     def chunk(self, obj, probe, intensities, positions, *, cdtype=np.complex64, variable=None,
-              block_bytes: int = CPU_BLOCK_BYTES, keep_probe_waves: bool = True) -> "Chunk":
-        """One chunk of patterns laid out for the blocks of :class:`Chunk`."""
-        return Chunk(self, obj, probe, intensities, positions, cdtype, variable, block_bytes, keep_probe_waves)
+              block_bytes: int = CPU_BLOCK_BYTES, keep_probe_waves: bool = True, whole: bool = False) -> "Chunk":
+        """One chunk of patterns laid out for the blocks of :class:`Chunk` (``whole``: one block,
+        every wave a new array, also for one slice in the far field)."""
+        return Chunk(self, obj, probe, intensities, positions, cdtype, variable, block_bytes, keep_probe_waves, whole)
 
 
 #: one slice in the far field
@@ -109,18 +110,46 @@ class Block:
     def __init__(self, chunk: "Chunk", batch: slice):
         self.chunk, self.batch = chunk, batch
         self.xp, self.n, self.n_slices = chunk.xp, chunk.n, chunk.n_slices
-        self.index, self.kernel = chunk.index, chunk.kernel
+        self.index, self.kernel, self.variable = chunk.index, chunk.kernel, chunk.variable
+        self.obj_box, self.box0, self.origin = chunk.obj_box, chunk.box0, chunk.origin
         self.exit = self.detector = None
+
+    @property
+    def shifted(self):
+        return self.probe_waves
 
     def box_gradients(self):
         return self.chunk.box_gradients()
+
+    def boxes(self, per_slice, dtype):
+        """Scatter-add per-slice patches (K, b, n, n) into a (K, h, w) box."""
+        out = self.xp.zeros(self.obj_box.shape, dtype)
+        for k in range(self.n_slices):
+            self.index.scatter_add(out[k], per_slice[k], self.batch)
+        return out
+
+    def pattern_spectra(self, g_q):
+        """G_j = conj(ramp_j) F[g_Qj] (b, M, n, n), keeping the ramps."""
+        spectra = fft2(g_q)
+        spectra *= self.xp.conj(self.ramps)[:, None]
+        return spectra
+
+    def probe_gradient_spectra(self, spectra):
+        """Σ_j (∂P_jm/∂P_m) G_jm (M, n, n): the shared modes' sums of the per-pattern spectra
+        (with a varying probe, the probe model's terms are gathered on the way)."""
+        if self.variable is None:
+            return spectra.sum(axis=0)
+        m, n = spectra.shape[1], self.n
+        total = self.xp.zeros((m, n * n), spectra.dtype)
+        self.variable.probe_terms(self.batch, spectra, total)
+        return total.reshape(m, n, n)
 
 
 class Chunk:
     """A chunk on the bounding box (K, h, w) of its windows, walked in :attr:`blocks`."""
 
     def __init__(self, model: ForwardModel, obj, probe, intensities, positions, cdtype, variable, block_bytes,
-                 keep_probe_waves):
+                 keep_probe_waves, whole):
         xp = get_xp(intensities)
         self.xp, self.cdtype = xp, np.dtype(cdtype)
         self.rdtype = np.float64 if self.cdtype == np.complex128 else np.float32
@@ -147,7 +176,7 @@ class Chunk:
         self.ry, self.rx = shift_ramp_factors(fractions, n, xp, cdtype)
         self.kernel, self.detector = (None if k is None else asarray_like(k, intensities).astype(cdtype, copy=False)
                                       for k in (model.kernel, model.detector))
-        self.thin = self.n_slices == 1 and self.detector is None
+        self.thin = self.n_slices == 1 and self.detector is None and not whole
         self.probe = probe
         self.probe_ft = fft2(probe)
         self.variable = variable

@@ -30,24 +30,17 @@ import dataclasses
 
 import numpy as np
 
-from ..physics import fft2, get_xp, ifft2, model_intensity
-from ..physics.backend import asarray_like, is_cupy, real_dots, to_numpy
-from ..physics.multislice import (
-    detector_forward,
-    multislice_forward,
-    multislice_vjp,
-    slice_windows,
-    transmit,
-)
+from ..physics import get_xp, ifft2, model_intensity
+from ..physics.backend import asarray_like, is_cupy, real_dots
+from ..physics.multislice import (detector_forward, multislice_forward,  # noqa: F401  (the tests' names)
+                                  multislice_vjp, slice_windows, transmit)
 from ..physics.kernels import far_field_update  # fused on the GPU (the NumPy reference on the CPU)
-from ..physics.patches import PatchIndex
-from ..physics.propagation import angular_spectrum_adjoint
-from ..physics.shifts import outer_ramps, shift_ramp_factors, split_positions
 from . import lsqml
+from .forward_model import ForwardModel
 from .lsqml import LSQMLOptions, LSQMLState, begin_epoch, rescale_probe  # noqa: F401  (re-exported)
 from .multislice_positions import position_sums
 from .partials import BoxedArray, Partial
-from .positions import accumulate_affine, accumulate_window, central_gradients
+from .positions import accumulate_affine, accumulate_window
 
 #: With K > 1 slices :func:`chunk_step` solves the per-pattern step system on a sample of the
 #: chunk's patterns, every s-th (see :func:`step_sample_stride`): only the trimmed mean of the
@@ -67,115 +60,14 @@ def step_sample_stride(n_patterns: int, n_slices: int) -> int:
     return max(1, min(STEP_STRIDE, n_patterns // STEP_SAMPLE_MIN))
 
 
-def detector_adjoint(waves, detector=None):
-    """Adjoint of :func:`daskpty.physics.multislice.detector_forward`."""
-    return ifft2(waves) if detector is None else angular_spectrum_adjoint(waves, detector)
-
-
-def detector_frame(detector, ramps):
-    """Per-pattern near-field transfer functions H · conj(ramp_j) (B, 1, n, n).
-
-    The chunk shifts the probe by the sub-pixel fraction f_j over an integer window; the physical
-    exit wave is the object moved under a fixed beam, P(x) · O(c + f + x), which is that wave
-    translated by −f. A far-field intensity cannot see the translation; a near-field image can, so
-    the detector operator takes it back: F⁻¹[H · e^{+2πi k·f} · F ψ]."""
-    return detector[None, None] * get_xp(ramps).conj(ramps)[:, None]
-
-
-class SliceChunk:
-    """A chunk's geometry: the object box (K, h, w), windows, shift ramps, S_f P."""
-
-    def __init__(self, obj, probe, intensities, positions, kernel, detector, cdtype=np.complex64, variable=None):
-        xp = get_xp(intensities)
-        self.xp = xp
-        obj = obj[None] if obj.ndim == 2 else obj
-        probe = probe[None] if probe.ndim == 2 else probe
-        self.n_slices, self.n = obj.shape[0], probe.shape[-1]
-        n = self.n
-        if self.n_slices > 1 and kernel is None:
-            raise ValueError(f"{self.n_slices} slices need the slice-to-slice kernel (SliceGeometry.kernel)")
-        corners, fractions = split_positions(to_numpy(positions), n)
-        self.box0 = corners.min(axis=0)
-        box1 = corners.max(axis=0) + n
-        if self.box0.min() < 0 or box1[0] > obj.shape[-2] or box1[1] > obj.shape[-1]:
-            raise ValueError(f"probe windows span {self.box0.tolist()}..{box1.tolist()}, outside the object "
-                             f"of shape {tuple(obj.shape[-2:])}")
-        self.obj_box = xp.ascontiguousarray(
-            asarray_like(obj[:, self.box0[0]:box1[0], self.box0[1]:box1[1]], intensities), dtype=cdtype)
-        self._object, self._like, self._cdtype, self._box1 = obj, intensities, cdtype, box1
-        self.probe = asarray_like(probe, intensities).astype(cdtype, copy=False)
-        for name, k in (("kernel", kernel), ("detector", detector)):
-            if k is not None and tuple(k.shape) != (n, n):
-                raise ValueError(f"{name} must be ({n}, {n}) like the probe, got shape {tuple(k.shape)}")
-        self.kernel = None if kernel is None else asarray_like(kernel, intensities).astype(cdtype, copy=False)
-        self.detector = None if detector is None else asarray_like(detector, intensities).astype(cdtype, copy=False)
-        self.index = PatchIndex(corners - self.box0, n, self.obj_box.shape, xp)
-        ry, rx = shift_ramp_factors(fractions, n, xp, cdtype)
-        self.ramps = outer_ramps(ry, rx) if cdtype == np.complex64 else ry[:, :, None] * rx[:, None, :]
-        if variable is None:
-            spectra = fft2(self.probe)[None]
-        else:          # each pattern's own probe (a varying probe; the caller began its step)
-            spectra = variable.spectra(slice(0, len(corners)), out=variable.buffer)
-        self.shifted = ifft2(self.ramps[:, None] * spectra, overwrite=True)                # S_f P
-        self.variable = variable
-        self.patches = slice_windows(self.index, self.obj_box)                               # (K, B, n, n)
-        if self.detector is not None:   # the near-field image in the beam's frame (see detector_frame)
-            self.detector = detector_frame(self.detector, self.ramps)
-
-    def box_gradients(self):
-        """(∂_y O_k, ∂_x O_k) per slice on the box, by central differences that reach one pixel
-        beyond the box where the object goes on (one-sided only at the object's own edge)."""
-        (y0, x0), (y1, x1) = self.box0, self._box1
-        h, w = self._object.shape[-2:]
-        py0, px0, py1, px1 = max(y0 - 1, 0), max(x0 - 1, 0), min(y1 + 1, h), min(x1 + 1, w)
-        padded = self.xp.ascontiguousarray(asarray_like(self._object[:, py0:py1, px0:px1], self._like),
-                                           dtype=self._cdtype)
-        crop = (slice(y0 - py0, y0 - py0 + y1 - y0), slice(x0 - px0, x0 - px0 + x1 - x0))
-        return [tuple(g[crop] for g in central_gradients(padded[k], self.xp)) for k in range(self.n_slices)]
-
-    @property
-    def origin(self):
-        return (int(self.box0[0]), int(self.box0[1]))
-
-    def pattern_spectra(self, g_q):
-        """G_j = conj(ramp_j) F[g_Qj] (B, M, n, n): F of the adjoint shift, per pattern."""
-        spectra = fft2(g_q)
-        spectra *= self.xp.conj(self.ramps)[:, None]
-        return spectra
-
-    def probe_gradient_spectra(self, spectra):
-        """Σ_j (∂P_jm/∂P_m) G_jm (M, n, n): the shared modes' sums of the per-pattern spectra
-        (with a varying probe, the probe model's terms are gathered on the way)."""
-        if self.variable is None:
-            return spectra.sum(axis=0)
-        m, n = self.probe.shape[0], self.n
-        total = self.xp.zeros((m, n * n), spectra.dtype)
-        self.variable.probe_terms(slice(0, spectra.shape[0]), spectra, total)
-        return total.reshape(m, n, n)
-
-    def frequencies(self):
-        """2π k (n,) along either axis, in the working precision."""
-        return self.xp.asarray(np.fft.fftfreq(self.n), dtype=self.shifted.real.dtype) * np.float32(2 * np.pi)
-
-    def shift_derivatives(self):
-        """∂(S_f P_j)/∂f_a for a = y, x (2, B, M, n, n): F⁻¹[F(S_f P) · (−2πi k_a)]."""
-        k = self.frequencies()
-        spectra = fft2(self.shifted)
-        return (ifft2(spectra * (-1j * k)[:, None]), ifft2(spectra * (-1j * k)[None, :]))
-
-    def detector_derivatives(self, detected):
-        """∂/∂f_a of the near-field operator's translation back by f (:func:`detector_frame`),
-        applied to the detected waves (B, M, n, n): F⁻¹[(2πi k_a) · F(detected)], a = y, x."""
-        k = self.frequencies()
-        spectra = fft2(detected)
-        return (ifft2(spectra * (1j * k)[:, None]), ifft2(spectra * (1j * k)[None, :]))
-
-    def boxes(self, per_slice, dtype):
-        """Scatter-add per-slice patches (K, B, n, n) into a (K, h, w) box."""
-        out = self.xp.zeros(self.obj_box.shape, dtype)
-        for k in range(self.n_slices):
-            self.index.scatter_add(out[k], per_slice[k])
-        return out
+def SliceChunk(obj, probe, intensities, positions, kernel, detector, cdtype=np.complex64, variable=None):
+    """The whole chunk as one block of the forward model through ``kernel``'s slices to
+    ``detector`` (:class:`~.forward_model.Block`: box, windows, ramps, S_f P, the incident, exit and
+    detected waves); obj (K, H, W) or (H, W)."""
+    obj = obj[None] if obj.ndim == 2 else obj
+    c = ForwardModel(obj.shape[0], kernel, detector).chunk(obj, probe, intensities, positions, cdtype=cdtype,
+                                                           variable=variable, whole=True)
+    return c.forward(c.blocks[0])
 
 
 def pattern_sums(y, yhat, valid, xp):
@@ -250,12 +142,11 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
     if valid is not None:
         valid = asarray_like(valid, intensities)
 
-    exit_waves, incident = multislice_forward(c.shifted, c.patches, c.kernel)
-    far = detector_forward(exit_waves, c.detector)
+    exit_waves, incident, far = c.exit, c.incident, c.detected
     background = None if variable is None else variable.background
     delta_far, yhat, loss = far_field_update(options.noise, far, y, valid, options.eps, overwrite=True,
                                              background=background)
-    chi = detector_adjoint(delta_far, c.detector)                        # χ at the exit surface
+    chi = c.chunk.to_exit(c, delta_far)                                 # χ at the exit surface
     if variable is not None:                    # brightness_first: the brightness steps first
         variable.brightness_step(every, c.patches[0], c.shifted, chi, psi=exit_waves)
         variable.pattern_terms(every, c.patches[0], None, None, intensity=False)
@@ -263,7 +154,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, ker
             variable.exit_terms(every, exit_waves, chi)
     grads, g_q, _ = multislice_vjp(chi, c.patches, incident, c.kernel)
     obj_num = c.boxes(grads, np.complex64)
-    lit = xp.empty((n_slices,) + incident.shape[1:2] + incident.shape[3:], np.float32)   # Σ_m |φ_k|²
+    lit = xp.empty((n_slices, n_patterns) + incident[0].shape[2:], np.float32)   # Σ_m |φ_k|²
     for k in range(n_slices):
         lit[k] = model_intensity(incident[k])
     illum = c.boxes(lit, np.float32)
@@ -400,8 +291,7 @@ def normalize_scale(state: LSQMLState, scales=None, owned: tuple = ()) -> None:
 def forward_sums(obj, probe, intensities, positions, *, kernel=None, detector=None, valid=None) -> Partial:
     """Σ measured and Σ model intensity of one chunk (for :func:`rescale_probe`)."""
     c = SliceChunk(obj, probe, intensities, positions, kernel, detector)
-    exit_waves, _ = multislice_forward(c.shifted, c.patches, c.kernel, keep=False)
-    yhat = model_intensity(detector_forward(exit_waves, c.detector))
+    yhat = model_intensity(c.detected)
     y = c.xp.asarray(intensities)
     sum_measured, sum_model = pattern_sums(y, yhat, valid, c.xp)
     return Partial(scalars={"sum_measured": sum_measured, "sum_model": sum_model, "n": float(y.shape[0])})
