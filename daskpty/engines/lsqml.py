@@ -20,13 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..physics import (
-    exit_waves,
     fft2,
     get_noise_model,
     get_xp,
     ifft2,
     model_intensity,
-    shift_ramps,
     split_positions,
 )
 from ..physics.backend import asarray_like, channel_dots, is_cupy, real_dots, to_numpy
@@ -36,6 +34,7 @@ from ..physics import kernels
 from .lsqml_epoch import (begin_epoch, close_epoch, end_epoch, normalize_scale,  # noqa: F401 (re-exported)
                           normalizes_now, owned_at_end)
 from .partials import BoxedArray, Partial
+from .forward_model import THIN, ForwardModel
 from .forward_model import fft_in_place as _fft_in_place
 from .state import EngineState, trimmed_mean as _trimmed_mean
 from .window_deformation import WindowDeformation, squared_gradients, wants_window_sums, warp_object
@@ -404,16 +403,11 @@ def apply(state: LSQMLState, total: Partial, options: LSQMLOptions,
     return state
 
 
-def forward_sums(obj, probe, intensities, positions, *, valid=None) -> Partial:
-    """Σ measured and Σ model intensity of one chunk (for the first-epoch probe rescale)."""
-    xp = get_xp(intensities)
-    obj = asarray_like(obj, intensities)
-    probe = asarray_like(probe, intensities)
-    n = probe.shape[-1]
-    corners, fractions = split_positions(to_numpy(positions), n)
-    ramps = shift_ramps(fractions, n, xp)
-    psi, _, _ = exit_waves(obj, probe, xp.asarray(corners), ramps)
-    yhat = model_intensity(fft2(psi))
+def forward_sums(obj, probe, intensities, positions, *, sample: ForwardModel = THIN, valid=None) -> Partial:
+    """Σ measured and Σ model intensity of one chunk through ``sample`` (the first-epoch probe
+    rescale)."""
+    c = sample.chunk(obj, probe, intensities, positions, whole=True)
+    yhat = model_intensity(c.forward(c.blocks[0]).detected)
     if valid is not None:
         valid = asarray_like(valid, intensities)
         yhat = yhat * valid

@@ -290,8 +290,6 @@ def normalize_scale(state: LSQMLState, scales=None, owned: tuple = ()) -> None:
 
 def forward_sums(obj, probe, intensities, positions, *, kernel=None, detector=None, valid=None) -> Partial:
     """Σ measured and Σ model intensity of one chunk (for :func:`rescale_probe`)."""
-    c = SliceChunk(obj, probe, intensities, positions, kernel, detector)
-    yhat = model_intensity(c.detected)
-    y = c.xp.asarray(intensities)
-    sum_measured, sum_model = pattern_sums(y, yhat, valid, c.xp)
-    return Partial(scalars={"sum_measured": sum_measured, "sum_model": sum_model, "n": float(y.shape[0])})
+    obj = obj[None] if obj.ndim == 2 else obj
+    return lsqml.forward_sums(obj, probe, intensities, positions, sample=ForwardModel(obj.shape[0], kernel, detector),
+                              valid=valid)

@@ -1,15 +1,14 @@
 """The sample's part of the forward model, chosen once per run and injected into the engines.
 
-:class:`SampleModel` says how the exit wave is formed and detected: one slice in the far field
-(``None``: the engines' own single-slice functions, the fastest path), or K slices Δz apart
-and/or a near-field detector (:mod:`.forward_model`, :mod:`.multislice`). The engines'
-per-chunk functions take the chosen step, gradient or loss as an argument (``step=``,
-``gradient=``), so position refinement and a varying probe compose with every sample without
-a class per combination. No dask.
+:class:`SampleModel` is the :class:`~.forward_model.ForwardModel` the run's data need: one slice
+in the far field (the adapters hold ``None`` for it: :data:`~.forward_model.THIN`), or K slices
+Δz apart and/or a near-field detector. The engines' chunk steps take it as an argument
+(``sample=``), and the refining and varying-probe steps the bound step (``step=``,
+``gradient=``), so position refinement and a varying probe compose with every sample without a
+class per combination. No dask.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -18,28 +17,10 @@ from . import ad, lsqml
 from . import multislice as ms
 from .forward_model import THIN, ForwardModel
 
-
-@dataclass(frozen=True)
-class SampleModel(ForwardModel):
-    """The sample's :class:`~.forward_model.ForwardModel` with the engines' steps bound to it."""
-
-    def _bound(self, function):
-        return partial(function, kernel=self.kernel, detector=self.detector)
-
-    def lsqml_step(self):
-        return self._bound(ms.chunk_step)
-
-    def ad_gradient(self):
-        return partial(ad.chunk_gradient, sample=self)
-
-    def ad_loss(self):
-        return partial(ad.chunk_loss, sample=self)
-
-    def forward_sums(self):
-        return self._bound(ms.forward_sums)
+SampleModel = ForwardModel
 
 
-def forward_model(sample: SampleModel | None) -> ForwardModel:
+def forward_model(sample: ForwardModel | None) -> ForwardModel:
     """The forward model of ``sample`` (None: one slice in the far field)."""
     return THIN if sample is None else sample
 
@@ -52,22 +33,24 @@ def carries_position_sums(sample: SampleModel | None) -> bool:
 
 def lsqml_step(sample: SampleModel | None):
     """The LSQML chunk step of ``sample`` (:func:`daskpty.engines.lsqml.chunk_step` for None)."""
-    return lsqml.chunk_step if sample is None else sample.lsqml_step()
+    if sample is None:
+        return lsqml.chunk_step
+    return partial(ms.chunk_step, kernel=sample.kernel, detector=sample.detector)
 
 
 def ad_gradient(sample: SampleModel | None):
-    """The AD chunk gradient of ``sample`` (:func:`daskpty.engines.ad.chunk_gradient` for None)."""
-    return ad.chunk_gradient if sample is None else sample.ad_gradient()
+    """The AD chunk gradient through ``sample`` (:func:`daskpty.engines.ad.chunk_gradient`)."""
+    return partial(ad.chunk_gradient, sample=forward_model(sample))
 
 
 def ad_loss(sample: SampleModel | None):
     """The AD loss-only chunk function of ``sample``."""
-    return ad.chunk_loss if sample is None else sample.ad_loss()
+    return partial(ad.chunk_loss, sample=forward_model(sample))
 
 
 def forward_sums(sample: SampleModel | None):
     """Σ measured and Σ model intensity of a chunk (the first epoch's probe rescale)."""
-    return lsqml.forward_sums if sample is None else sample.forward_sums()
+    return partial(lsqml.forward_sums, sample=forward_model(sample))
 
 
 def lsqml_apply(sample: SampleModel | None):
