@@ -47,7 +47,7 @@ from daskpty.engines import ad, lsqml, lsqml_opr, pie, pie_multislice  # noqa: E
 from daskpty.engines import multislice as ms  # noqa: E402
 from daskpty.engines import multislice_gradient as msg  # noqa: E402
 from daskpty.engines import probe_model as pm  # noqa: E402
-from daskpty.engines.ad import gradient as ad_gradient  # noqa: E402
+from daskpty.engines import forward_model  # noqa: E402
 from daskpty.engines.ad import opr as ad_opr  # noqa: E402
 from daskpty.engines.eigen_probes import initial_eigen_probes  # noqa: E402
 from daskpty.physics import model_intensities  # noqa: E402
@@ -130,7 +130,7 @@ def step_function(engine: str, part: str, n: int, chunk: int, modes: int, slices
 def whole_chunks(enabled: bool = True):
     """Run the CPU chunk steps on the whole chunk at once, as the GPU path does, instead of
     sub-batches that fit the caches (passes and bytes stay; the calls per step become the GPU's)."""
-    blocks = [(lsqml, "CPU_BLOCK_BYTES"), (ad_gradient, "CPU_BLOCK_BYTES"), (pie, "BLOCK_BYTES")]
+    blocks = [(lsqml, "CPU_BLOCK_BYTES"), (forward_model, "CPU_BLOCK_BYTES"), (pie, "BLOCK_BYTES")]
     saved = [getattr(m, name) for m, name in blocks]
     try:
         if enabled:

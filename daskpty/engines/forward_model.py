@@ -1,29 +1,18 @@
-"""The sample's forward model as one operator: probe and object to the detector, its adjoint and
-the derivatives the engines take from it (no dask).
+"""The sample's forward model as one operator, with its adjoint and the derivatives the engines
+take from it (no dask).
 
-For pattern j, probe mode m, Q_jm = S_{f_j} P_m the shifted probe and O_kj the window of slice k
-at r_j (K slices Δz apart, entrance first; :mod:`daskpty.physics.multislice`)::
-
-    φ_1 = Q,   ψ_k = φ_k · O_kj,   φ_{k+1} = 𝒫 ψ_k,   detected Ψ = D ψ_K,
-
-D the far field F or the near-field operator (the wave moved back by the fraction f first,
-:func:`detector_frame`). One slice in the far field is Ψ = F(S_f P · O_j).
-
-:class:`ForwardModel` (K, the slice kernel 𝒫, the detector) is the part an engine takes;
-:meth:`ForwardModel.chunk` lays one chunk of patterns on the bounding box of its windows and
-walks it in blocks (:class:`Chunk`). Per block: :meth:`Chunk.forward` (the detected waves,
-keeping the incident waves φ_k the adjoint needs), :meth:`Chunk.to_exit` (the detector's adjoint),
-:meth:`Chunk.slice_terms` and :meth:`Chunk.back` (one step of the vector-Jacobian product:
-per-slice object gradient Σ_m conj(φ_k) g_k, illumination Σ_m |φ_k|², and the gradient carried
-to the previous slice or the entrance plane), :meth:`Chunk.entrance_spectra` (the probe's share,
-shifted back), :meth:`Chunk.carry` (a change at slice k carried to the detector) and
-:meth:`Chunk.shift_derivatives` (the position derivatives). Complex gradient convention of the
-AD engine: g = ∂f/∂Re z + i ∂f/∂Im z, δf = Re⟨g, δz⟩.
-
-One slice in the far field walks sub-batches that fit the CPU caches (the whole chunk on the
-GPU), in place, with the fused kernels of :mod:`daskpty.physics.kernels`; K slices or the near
-field take the whole chunk as one block (their position sums carry the whole chunk's changes
-through the slices, :mod:`.multislice_positions`).
+Pattern j, probe mode m, Q_jm = S_{f_j} P_m, O_kj the window of slice k at r_j (K slices Δz
+apart, :mod:`daskpty.physics.multislice`): φ_1 = Q, ψ_k = φ_k · O_kj, φ_{k+1} = 𝒫 ψ_k, detected
+Ψ = D ψ_K, D the far field F or the near-field operator (the wave moved back by f first,
+:func:`detector_frame`). :class:`ForwardModel` (K, 𝒫, D) is the part an engine takes;
+:meth:`ForwardModel.chunk` lays a chunk on the box of its windows and walks it in blocks: forward
+(keeping the φ_k the adjoint needs), the detector's adjoint, one step of the backward chain per
+slice (object gradient, illumination, the gradient carried to the previous slice or the entrance),
+the entrance spectra, a change at slice k carried to the exit, the position derivatives. Gradient
+convention of the AD engine: g = ∂f/∂Re z + i ∂f/∂Im z, δf = Re⟨g, δz⟩. One slice in the far field
+walks cache-sized sub-batches on the CPU (the whole chunk on the GPU), in place, with the fused
+kernels of :mod:`daskpty.physics.kernels`; K slices or the near field take the whole chunk as one
+block (their position sums carry its changes through the slices, :mod:`.multislice_positions`).
 """
 from __future__ import annotations
 
@@ -89,10 +78,12 @@ class ForwardModel:
     detector: np.ndarray | None = None
 
     def chunk(self, obj, probe, intensities, positions, *, cdtype=np.complex64, variable=None,
-              block_bytes: int = CPU_BLOCK_BYTES, keep_probe_waves: bool = True, whole: bool = False) -> "Chunk":
-        """One chunk of patterns laid out for the blocks of :class:`Chunk` (``whole``: one block,
-        every wave a new array, also for one slice in the far field)."""
-        return Chunk(self, obj, probe, intensities, positions, cdtype, variable, block_bytes, keep_probe_waves, whole)
+              block_bytes: int | None = None, keep_probe_waves: bool = True, whole: bool = False) -> "Chunk":
+        """One chunk of patterns laid out for the blocks of :class:`Chunk` (``block_bytes``: a
+        CPU block's waves, default :data:`CPU_BLOCK_BYTES`; ``whole``: one block, every wave a
+        new array, also for one slice in the far field)."""
+        return Chunk(self, obj, probe, intensities, positions, cdtype, variable,
+                     CPU_BLOCK_BYTES if block_bytes is None else block_bytes, keep_probe_waves, whole)
 
 
 #: one slice in the far field
@@ -270,10 +261,6 @@ class Chunk:
         forward waves are spent); K slices keep φ_k (the position sums read them)."""
         return kernels.object_gradient(blk.incident[k], g, out=out, overwrite=self.thin and out is None)
 
-    def illumination(self, blk: Block, k: int):
-        """Σ_m |φ_k|² (b, n, n)."""
-        return model_intensity(blk.incident[k])
-
     def back(self, blk: Block, k: int, g, weight=None):
         """The gradient at slice k's exit carried to its entrance, w · g with w = conj(O_k) (the
         exact chain; or ``weight`` (b, n, n), PIE's regularised one), then to slice k−1's exit
@@ -296,7 +283,7 @@ class Chunk:
             if want_slices:
                 grads[k], lit[k] = self.slice_terms(blk, k, g)
             else:
-                lit[k] = self.illumination(blk, k)
+                lit[k] = model_intensity(blk.incident[k])
             g = self.back(blk, k, g)
         return (grads if want_slices else None), lit, g
 

@@ -35,21 +35,16 @@ from .lsqml_epoch import (begin_epoch, close_epoch, end_epoch, normalize_scale, 
                           normalizes_now, owned_at_end)
 from .partials import BoxedArray, Partial
 from .forward_model import THIN, ForwardModel
+from .position_sums import refining_step
 from .forward_model import fft_in_place as _fft_in_place
 from .state import EngineState, trimmed_mean as _trimmed_mean
-from .window_deformation import WindowDeformation, squared_gradients, wants_window_sums, warp_object
-from .multislice_positions import keep_ratios, reused_sums
-from .tile_frame import frame_of, step_positions, whole_shape
+from .window_deformation import WindowDeformation, squared_gradients, warp_object
+from .tile_frame import frame_of
 from .positions import (
     PositionOptions,
     accumulate_affine,
     accumulate_window,
     central_gradients,
-    finish_step,
-    lsqml_shift,
-    noise_limited,
-    positions_for_step,
-    step_with_momentum,
 )
 
 
@@ -349,26 +344,9 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     slices keep the carried ones in ``local`` and reuse them between refreshes
     (:func:`~.multislice_positions.reused_sums`).
     """
-    n = probe.shape[-1]
-    shape = whole_shape(obj, frame)       # (a tile's frame: the whole object's)
-    refined = positions_for_step(local, nominal, affine, positions, epoch, n, shape)
-    active = positions.active(epoch)
-    reuse = reused_sums(local, positions, epoch) if active else None
-    part = (step or chunk_step)(obj, probe, intensities, step_positions(refined, frame, n, obj), options=options, update_probe=update_probe,
-                                valid=valid, position_terms=active, variable=variable,
-                                window_sums=wants_window_sums(positions, epoch), **({} if reuse is None else {"reuse": reuse}))
-    if frame is not None:
-        frame.sums_to_object(part)
-    if not active or not part.scalars:
-        part.local = {}
-        return part
-    terms = part.local.pop("shift_terms")
-    shift = positions.gain * lsqml_shift(terms[0], terms[1], positions.regularization)
-    shift = noise_limited(shift, terms[1], part.local.pop("residual_power", None), probe.size,
-                          positions.noise_threshold)
-    new, _ = step_with_momentum({**local, "positions": refined}, shift, positions)
-    keep_ratios(terms, new, local)
-    return finish_step(part, new, refined, nominal, positions, epoch, n, shape)
+    return refining_step(step or chunk_step, obj, probe, intensities, nominal, local, positions=positions,
+                         epoch=epoch, affine=affine, frame=frame, options=options, update_probe=update_probe,
+                         valid=valid, variable=variable)
 
 
 def apply(state: LSQMLState, total: Partial, options: LSQMLOptions,

@@ -1,9 +1,6 @@
-"""Multislice engines: LSQML (per-slice directions and step lengths) and the AD gradient, per chunk.
-
-The forward model is :mod:`daskpty.physics.multislice` (K slices Δz apart, entrance first) followed
-by the detector operator (far field, or the near-field kernel ``detector``). The object is
-(K, H, W); a partial holds K boxed slices as one (K, h, w) :class:`BoxedArray` (every slice shares
-the chunk's windows). No dask in here.
+"""Multislice LSQML (per-slice directions and step lengths) per chunk, through the forward model
+of :mod:`.forward_model` (K slices, the near-field detector). The object is (K, H, W); a partial
+holds K boxed slices as one (K, h, w) :class:`BoxedArray`. No dask in here.
 
 LSQML multislice (after Odstrčil et al., Opt. Express 26, 3108, 2018, and the multislice LSQML of
 PtychoShelves' GPU_MS), per chunk:

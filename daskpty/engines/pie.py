@@ -53,14 +53,10 @@ from ..physics.kernels import far_field_update
 from .forward_model import THIN, ForwardModel
 from .lsqml_epoch import close_epoch
 from .multislice import normalize_scale
-from .multislice_positions import keep_ratios, reused_sums
 from .partials import BoxedArray, Partial
-from .position_sums import PositionSums
-from .positions import (PositionOptions, accumulate_affine, accumulate_window, finish_step, lsqml_shift,
-                        positions_for_step, step_with_momentum)
+from .position_sums import PositionSums, refining_step
+from .positions import (PositionOptions, accumulate_affine, accumulate_window)
 from .state import EngineState
-from .tile_frame import step_positions, whole_shape
-from .window_deformation import wants_window_sums
 
 #: target bytes of one sub-batch's (b, M, n, n) complex64 exit waves
 BLOCK_BYTES = 8 << 20
@@ -187,24 +183,9 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
     :func:`daskpty.engines.lsqml.refining_chunk_step` does (:mod:`.positions`: the pull towards
     the last epoch's affine map and window correction, ``max_step``, kept inside the object,
     divergence check, the affine normal equations in the partial, ``local`` the new state)."""
-    n = probe.shape[-1]
-    shape = whole_shape(obj, frame)       # (a tile's frame: the whole object's)
-    refined = positions_for_step(local, nominal, affine, positions, epoch, n, shape)
-    active = positions.active(epoch)
-    reuse = reused_sums(local, positions, epoch) if active else None
-    part = (step or chunk_step)(obj, probe, intensities, step_positions(refined, frame, n, obj), options=options, update_probe=update_probe,
-                                valid=valid, position_terms=active, window_sums=wants_window_sums(positions, epoch),
-                                **({} if reuse is None else {"reuse": reuse}))
-    if frame is not None:
-        frame.sums_to_object(part)
-    if not active or not part.scalars:
-        part.local = {}
-        return part
-    terms = part.local.pop("shift_terms")
-    shift = positions.gain * lsqml_shift(terms[0], terms[1], positions.regularization)
-    new, _ = step_with_momentum({**local, "positions": refined}, shift, positions)
-    keep_ratios(terms, new, local)
-    return finish_step(part, new, refined, nominal, positions, epoch, n, shape)
+    return refining_step(step or chunk_step, obj, probe, intensities, nominal, local, positions=positions,
+                         epoch=epoch, affine=affine, frame=frame, options=options, update_probe=update_probe,
+                         valid=valid)
 
 
 def _regularised(den, alpha: float, top=None):

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 from .forward_model import ForwardModel
-from .partials import Partial
-from .pie import end_epoch  # noqa: F401  (re-exported: it takes (K, H, W) objects)
 from .pie import chunk_step as _chunk_step
+from .pie import end_epoch  # noqa: F401  (it takes (K, H, W) objects)
 
 
-def chunk_step(obj, probe, intensities, positions, *, kernel=None, detector=None, **options) -> Partial:
+def chunk_step(obj, probe, intensities, positions, *, kernel=None, detector=None, **options):
     """:func:`daskpty.engines.pie.chunk_step` through the slices of ``kernel`` to ``detector``."""
-    model = ForwardModel(1 if obj.ndim == 2 else obj.shape[0], kernel, detector)
-    return _chunk_step(obj, probe, intensities, positions, sample=model, **options)
+    sample = ForwardModel(1 if obj.ndim == 2 else obj.shape[0], kernel, detector)
+    return _chunk_step(obj, probe, intensities, positions, sample=sample, **options)

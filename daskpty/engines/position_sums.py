@@ -13,9 +13,11 @@ from __future__ import annotations
 import numpy as np
 
 from ..physics.backend import channel_dots, real_dots, to_numpy
-from .multislice_positions import position_sums
-from .positions import central_gradients
-from .window_deformation import WindowDeformation, squared_gradients
+from .multislice_positions import keep_ratios, position_sums, reused_sums
+from .positions import (central_gradients, finish_step, lsqml_shift, noise_limited, positions_for_step,
+                        step_with_momentum)
+from .tile_frame import step_positions, whole_shape
+from .window_deformation import WindowDeformation, squared_gradients, wants_window_sums
 
 
 class PositionSums:
@@ -72,7 +74,7 @@ class PositionSums:
         terms = (to_numpy(self.numerators), to_numpy(self.denominators)) if self.shifts else None
         if self.deform is None:
             return terms, None
-        self.deform.add_first(scattered, c.index.corners, self.numerators)
+        self.deform.add_first(scattered if scattered.ndim == 2 else scattered[0], c.index.corners, self.numerators)
         return terms, self.deform.sums(positions)
 
 
@@ -80,3 +82,37 @@ def _scattered(c, patches):
     out = c.xp.zeros(c.obj_box.shape[1:], np.complex64)
     c.index.scatter_add(out, patches)
     return out
+
+
+def refining_step(step, obj, probe, intensities, nominal, local: dict, *, positions, epoch: int, affine=None,
+                  frame=None, **keywords):
+    """``step`` (a chunk step returning the shift sums, LSQML's or PIE's, with ``keywords``) at
+    the refined positions ``local["positions"]``, moving them by the LSQML shift from epoch
+    ``positions.start_epoch`` on. Before the step the refined positions are pulled towards
+    ``affine`` (the map fitted after the last epoch, if any); after it each moves by the shift
+    (shrunk by its noise level where the step measured it) with momentum, limited to ``max_step``
+    per axis and kept inside the object. The partial gains the affine normal equations of the new
+    positions (additive), ``position_update_sq`` / ``position_refined`` (for the rms update) and,
+    in ``local``, the patterns' new per-pattern state. Chunks whose step carries the sums through
+    slices keep the carried ones in ``local`` and reuse them between refreshes
+    (:func:`~.multislice_positions.reused_sums`)."""
+    n = probe.shape[-1]
+    shape = whole_shape(obj, frame)       # (a tile's frame: the whole object's)
+    refined = positions_for_step(local, nominal, affine, positions, epoch, n, shape)
+    active = positions.active(epoch)
+    reuse = reused_sums(local, positions, epoch) if active else None
+    part = step(obj, probe, intensities, step_positions(refined, frame, n, obj), position_terms=active,
+                window_sums=wants_window_sums(positions, epoch), **keywords,
+                **({} if reuse is None else {"reuse": reuse}))
+    if frame is not None:
+        frame.sums_to_object(part)
+    if not active or not part.scalars:
+        part.local = {}
+        return part
+    terms = part.local.pop("shift_terms")
+    shift = positions.gain * lsqml_shift(terms[0], terms[1], positions.regularization)
+    shift = noise_limited(shift, terms[1], part.local.pop("residual_power", None), probe.size,
+                          positions.noise_threshold)
+    new, _ = step_with_momentum({**local, "positions": refined}, shift, positions)
+    keep_ratios(terms, new, local)
+    return finish_step(part, new, refined, nominal, positions, epoch, n, shape)

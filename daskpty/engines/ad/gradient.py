@@ -127,7 +127,7 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
                 if want_object:
                     c.index.scatter_add(c.slice_of(obj_grad, k), grads[k], batch)
             else:
-                lit[k] = c.illumination(blk, k)
+                lit[k] = model_intensity(blk.incident[k])
             c.index.scatter_add(c.slice_of(illum, k), lit[k], batch)
             if k == 0 and variable is not None and c.thin:   # Re⟨O_j, g_j⟩ = s_j ∂L/∂s_j, |O_j|²
                 variable.pattern_terms(batch, blk.patches[0], grads[0], lit[0])
