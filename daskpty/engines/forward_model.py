@@ -23,7 +23,6 @@ import numpy as np
 from ..physics import fft2, get_xp, ifft2, kernels
 from ..physics.backend import asarray_like, real_dots, real_dots_with, shares_memory, to_numpy
 from ..physics.multislice import detector_forward, transmit
-from ..physics.noise import model_intensity
 from ..physics.patches import PatchIndex
 from ..physics.propagation import angular_spectrum, angular_spectrum_adjoint
 from ..physics.shifts import outer_ramps, shift_ramp_factors
@@ -178,9 +177,10 @@ class Chunk:
         self.step = step
         self.blocks = [slice(s, min(s + step, n_patterns)) for s in range(0, n_patterns, step)]
         self._ramps = xp.empty((step, n, n), cdtype)
-        self._patches = xp.empty((step, n, n), cdtype)
         self._shifted = xp.empty((step, self.n_modes, n, n), cdtype)
-        self._waves = xp.empty((step, self.n_modes, n, n), cdtype) if keep_probe_waves else self._shifted
+        if self.thin:       # (K slices and the near field make new waves)
+            self._patches = xp.empty((step, n, n), cdtype)
+            self._waves = xp.empty((step, self.n_modes, n, n), cdtype) if keep_probe_waves else self._shifted
         self._spectra = None if variable is None else xp.empty((step, self.n_modes, n, n), cdtype)
         self._dq = None
 
@@ -273,19 +273,16 @@ class Chunk:
             g *= weight[:, None]
         return angular_spectrum_adjoint(g, self.kernel) if k else g
 
-    def vjp(self, blk: Block, g_exit, want_slices: bool = True):
+    def vjp(self, blk: Block, g_exit):
         """The exact backward chain from the exit-surface gradient ``g_exit`` (consumed):
-        ``(grads, lit, g_q)``, per slice Σ_m conj(φ_k) g_k and Σ_m |φ_k|² (lists of K (b, n, n),
-        grads None unless ``want_slices``) and g_Q at the entrance (b, M, n, n)."""
+        ``(grads, lit, g_q)``, per slice Σ_m conj(φ_k) g_k and Σ_m |φ_k|² (lists of K (b, n, n))
+        and g_Q at the entrance (b, M, n, n)."""
         grads, lit = [None] * self.n_slices, [None] * self.n_slices
         g = g_exit
         for k in range(self.n_slices - 1, -1, -1):
-            if want_slices:
-                grads[k], lit[k] = self.slice_terms(blk, k, g)
-            else:
-                lit[k] = model_intensity(blk.incident[k])
+            grads[k], lit[k] = self.slice_terms(blk, k, g)
             g = self.back(blk, k, g)
-        return (grads if want_slices else None), lit, g
+        return grads, lit, g
 
     def entrance_spectra(self, blk: Block, g_q):
         """G_j = conj(ramp_j) F[g_Qj] (b, M, n, n), F of the adjoint shift, in place of g_Q
