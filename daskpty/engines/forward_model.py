@@ -216,17 +216,19 @@ class Chunk:
         q = self.xp.multiply(r[:, None], spectra, out=self._shifted[:b] if out is None else out)
         return fft_in_place(q, inverse=True)
 
-    def forward(self, batch: slice) -> Block:
+    def forward(self, batch: slice, probe_out=None, wave_out=None) -> Block:
         """The forward model of one block (:class:`Block`); one slice in the far field in the
-        chunk's buffers (the detected waves overwrite the exit waves)."""
+        chunk's buffers (or ``probe_out`` and ``wave_out``, (b, M, n, n)), the detected waves
+        overwriting the exit waves."""
         xp, blk = self.xp, Block(self, batch)
         b = batch.stop - batch.start
         blk.ramps = r = self.ramps(batch)
-        blk.probe_waves = q = self.shifted(batch, r)
+        blk.probe_waves = q = self.shifted(batch, r, out=probe_out)
         if self.thin:
             o = self.index.extract(self.obj_box[0], batch, out=self._patches[:b])
             blk.patches, blk.incident = o[None], [q]
-            blk.detected = fft_in_place(xp.multiply(q, o[:, None], out=self._waves[:b]))
+            waves = self._waves[:b] if wave_out is None else wave_out
+            blk.detected = fft_in_place(xp.multiply(q, o[:, None], out=waves))
             return blk
         blk.patches = xp.stack([self.index.extract(self.obj_box[k], batch) for k in range(self.n_slices)])
         blk.incident = []
@@ -261,20 +263,22 @@ class Chunk:
         forward waves are spent); K slices keep φ_k (the position sums read them)."""
         return kernels.object_gradient(blk.incident[k], g, out=out, overwrite=self.thin and out is None)
 
-    def back(self, blk: Block, k: int, g, weight=None):
+    def back(self, blk: Block, k: int, g, weight=None, out=None):
         """The gradient at slice k's exit carried to its entrance, w · g with w = conj(O_k) (the
         exact chain; or ``weight`` (b, n, n), PIE's regularised one), then to slice k−1's exit
-        (𝒫ᴴ) for k > 0. In place of g (one slice: O's window is conjugated in its buffer)."""
-        if weight is None:
-            if self.thin:
-                return kernels.conj_product(g, blk.patches[0], out=g)
-            g *= self.xp.conj(blk.patches[k])[:, None]
-        else:
+        (𝒫ᴴ) for k > 0. One slice in the far field: in place of g (or into ``out``), O's window
+        conjugated in its buffer; else a new array."""
+        if self.thin and weight is None:
+            return kernels.conj_product(g, blk.patches[0], out=g if out is None else out)
+        if self.thin:
             g *= weight[:, None]
+            return g
+        g = g * (self.xp.conj(blk.patches[k]) if weight is None else weight)[:, None]
         return angular_spectrum_adjoint(g, self.kernel) if k else g
 
     def vjp(self, blk: Block, g_exit):
-        """The exact backward chain from the exit-surface gradient ``g_exit`` (consumed):
+        """The exact backward chain from the exit-surface gradient ``g_exit`` (one slice in the
+        far field: consumed):
         ``(grads, lit, g_q)``, per slice Σ_m conj(φ_k) g_k and Σ_m |φ_k|² (lists of K (b, n, n))
         and g_Q at the entrance (b, M, n, n)."""
         grads, lit = [None] * self.n_slices, [None] * self.n_slices

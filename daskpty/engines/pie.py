@@ -141,7 +141,7 @@ def chunk_step(obj, probe, intensities, positions, *, options: PIEOptions, sampl
         loss += float(per_pattern.sum())
         sum_model += float((yhat if valid is None else yhat * valid).sum(dtype=np.float64))
         if sums is not None and n_slices > 1:   # the shift sums take the exact gradients
-            grads, lit, _ = c.vjp(blk, change.copy())
+            grads, lit, _ = c.vjp(blk, change)
             sums.add(blk, grads, lit)
         for k in range(n_slices - 1, -1, -1):
             g, power = c.slice_terms(blk, k, change)
