@@ -64,15 +64,16 @@ class Timers:
 
 
 def _instrument(timers):
-    from daskpty.engines import lsqml
+    from daskpty.engines import forward_model, lsqml
     from daskpty.engines.ad import gradient
     from daskpty.physics import kernels
 
     for chain in CHAINS:
         timers.wrap(kernels, chain, chain)
-    for module in (lsqml, gradient):  # every FFT of both steps (lsqml._fft_in_place calls lsqml's)
-        timers.wrap(module, "fft2", "fft")
-        timers.wrap(module, "ifft2", "fft")
+    for module in (forward_model, lsqml, gradient):  # every FFT of both steps (the forward model's and the probe sums')
+        for name in ("fft2", "ifft2"):
+            if hasattr(module, name):
+                timers.wrap(module, name, "fft")
 
 
 def _chunk(n, patterns, modes, seed=0):

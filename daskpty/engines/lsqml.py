@@ -2,11 +2,13 @@
 
 Two pure functions around an additive :class:`~daskpty.engines.partials.Partial`:
 
-* :func:`chunk_step` — for one chunk of patterns and the current object/probe, compute the
-  exit-wave residuals, the object and probe update directions, the per-pattern optimal
-  step lengths (2 × 2 least-squares system) and return a partial holding the step-scaled
-  object numerator and illumination on the chunk's bounding box, the step-scaled probe sum,
-  and loss / step statistics.
+* :func:`chunk_step` — for one chunk of patterns and the current object/probe, through the
+  sample's forward model (:mod:`.forward_model`: one slice in the far field, K slices, the near
+  field), compute the exit-wave residuals, the object (per slice) and probe update directions,
+  the per-pattern optimal step lengths (a 2 × 2 least-squares system in one slice, (K + 1) ×
+  (K + 1) through K slices) and return a partial holding the step-scaled object numerator and
+  illumination on the chunk's bounding box, the step-scaled probe sum, and loss / step
+  statistics.
 * :func:`apply` — add the reduced partial to the state with the illumination preconditioner.
 
 Plus :func:`end_epoch` (momentum, probe-mode orthogonalisation, scale-ambiguity removal) and
@@ -19,33 +21,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..physics import (
-    fft2,
-    get_noise_model,
-    get_xp,
-    ifft2,
-    model_intensity,
-    split_positions,
-)
-from ..physics.backend import asarray_like, channel_dots, is_cupy, real_dots, to_numpy
-from ..physics.patches import PatchIndex
-from ..physics.shifts import outer_ramps, shift_ramp_factors
-from ..physics import kernels
+from ..physics import get_noise_model, get_xp, ifft2, kernels, model_intensity
+from ..physics.backend import asarray_like, is_cupy, real_dots, to_numpy
+from ..physics.multislice import slice_windows, transmit
 from .lsqml_epoch import (begin_epoch, close_epoch, end_epoch, normalize_scale,  # noqa: F401 (re-exported)
                           normalizes_now, owned_at_end)
 from .partials import BoxedArray, Partial
 from .forward_model import THIN, ForwardModel
-from .position_sums import refining_step
-from .forward_model import fft_in_place as _fft_in_place
-from .state import EngineState, trimmed_mean as _trimmed_mean
-from .window_deformation import WindowDeformation, squared_gradients, warp_object
+from .position_sums import PositionSums, refining_step
+from .state import EngineState, trimmed_mean
+from .state import trimmed_mean as _trimmed_mean  # noqa: F401  (the tests' name)
+from .window_deformation import warp_object
 from .tile_frame import frame_of
-from .positions import (
-    PositionOptions,
-    accumulate_affine,
-    accumulate_window,
-    central_gradients,
-)
+from .positions import PositionOptions, accumulate_affine, accumulate_window
 
 
 #: the illumination preconditioner's δ for one slice, and for K > 1 slices (LSQMLOptions.delta)
@@ -113,9 +101,14 @@ def resample_object_state(state, matrix, offset) -> None:
     state.object, state.velocity = (warp_object(a, matrix, offset, frame) for a in (state.object, state.velocity))
 
 
-def _preconditioner(illum, delta: float, peak: float | None = None):
-    """√(W² + (δ max W)²); ``peak``: max W when ``illum`` is only a tile of the object's."""
+def _preconditioner(illum, delta: float, peak=None):
+    """√(W² + (δ max W)²), per slice of a (K, h, w) W; ``peak``: max W (the (K,) maxima) when
+    ``illum`` is only a tile of the object's."""
     xp = get_xp(illum)
+    if illum.ndim == 3:
+        peak = illum.reshape(illum.shape[0], -1).max(axis=1) if peak is None else xp.asarray(peak, np.float32)
+        floor = ((np.float32(delta) * peak) ** 2).astype(np.float32)[:, None, None]
+        return xp.sqrt(illum * illum + floor).astype(np.float32, copy=False)
     floor = np.float32((delta * (float(illum.max()) if peak is None else peak)) ** 2)
     out = illum * illum
     out += floor
@@ -125,207 +118,236 @@ def _preconditioner(illum, delta: float, peak: float | None = None):
 #: Target size of one sub-batch (b, M, n, n) complex64 block on the CPU: small enough that a
 #: block's temporaries stay in the L2/L3 caches between the FFTs and the element-wise passes.
 CPU_BLOCK_BYTES = 1 << 20
+#: With K > 1 slices :func:`chunk_step` solves the per-pattern step system on a sample of the
+#: chunk's patterns, every s-th (see :func:`step_sample_stride`): only the trimmed mean of the
+#: per-pattern step lengths is used, and carrying the K + 1 directions to the exit costs
+#: (K − 1)(K + 2) / 2 propagations per pattern (5 for K = 3: a third of the step's transforms).
+STEP_STRIDE = 4
+#: ... leaving at least this many patterns for the trimmed mean.
+STEP_SAMPLE_MIN = 16
 
 
-def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, update_probe: bool = True,
-               valid=None, position_terms: bool = False, variable=None, window_sums: bool = True) -> Partial:
-    """One LSQML step for one chunk of patterns, returned as an additive partial.
+def step_sample_stride(n_patterns: int, n_slices: int) -> int:
+    """s of the step system's sample, every s-th pattern of a chunk: the largest s ≤
+    :data:`STEP_STRIDE` that leaves ≥ :data:`STEP_SAMPLE_MIN` patterns; 1 (all) for one slice,
+    where the directions need no transforms."""
+    if n_slices < 2:
+        return 1
+    return max(1, min(STEP_STRIDE, n_patterns // STEP_SAMPLE_MIN))
 
-    obj: (H, W) complex64 (whole object; only the chunk's bounding box is read).
-    probe: (M, n, n) complex64. intensities: (B, n, n), zero frequency at index 0, any real dtype
-    (counts stay integer until here). positions: (B, 2) float (y, x) in object pixels.
-    valid: optional (n, n) bool detector mask (zero frequency at index 0).
 
-    Two passes over sub-batches of the chunk (on the CPU sized to stay in cache, on the GPU the
-    whole chunk). Pass 1: exit waves, far-field update, residual χ, object gradient
-    g_j = Σ_k conj(S_f P_k) χ_jk and illumination scattered into the box, and the sum of the
-    probe-gradient spectra G_j = conj(ramp_j) · F(conj(O_j) χ_j) (F of the probe update). Pass 2:
-    the step-length system with a_j = ΔÔ_j S_f P and b_j = S_f ΔP̂ · O_j. Kept between the passes:
-    S_f P and χ when the probe is updated (pass 2 forms Re⟨a_j, χ_j⟩ and Re⟨b_j, χ_j⟩ from them:
-    two arrays of the exit-wave shape, not three, which matters because the chunk's share of
-    them outgrows the caches); else g_j and Σ_k |S_f P_k|², with Re⟨a_j, χ_j⟩ = Re⟨ΔÔ_j, g_j⟩.
+def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, sample: ForwardModel = THIN,
+               update_probe: bool = True, valid=None, position_terms: bool = False, variable=None,
+               window_sums: bool = True, step_stride: int | None = None, reuse=None) -> Partial:
+    """One LSQML step for one chunk of patterns through ``sample``, as an additive partial.
 
-    ``position_terms``: also the two sums of the LSQML position shift of every pattern, in
-    ``local["shift_terms"]`` (each (B, 2); see :func:`~.positions.lsqml_shift`):
-    Re Σ_k conj(S_f P_k ∂_a O_j) χ_jk and Σ_k |S_f P_k ∂_a O_j|², formed in pass 1 as
-    Re⟨∂_a O_j, g_j⟩ and ⟨|∂_a O_j|², Σ_k |S_f P_k|²⟩ (∂_a O by central differences on the
-    box, |∂_y O|² and |∂_x O|² formed there once and packed in one complex image): three
-    gathers and four dot products per pattern, no FFT. With them the window
-    deformation's sums (:class:`WindowDeformation`; ``window_sums``) in ``arrays``.
+    obj (H, W) complex64 for one slice in the far field, else (K, H, W) (only the chunk's bounding
+    box is read); probe (M, n, n) complex64; intensities (B, n, n), any real dtype (far field: zero
+    frequency at index 0; near field: as recorded); positions (B, 2) (y, x) in object pixels;
+    ``sample`` the :class:`~.forward_model.ForwardModel`; valid optional (n, n) bool mask.
 
-    ``variable``: a :class:`~daskpty.engines.pattern_probes.PatternProbes` when the probe varies from
-    pattern to pattern (OPR weights, intensity factors, background; None: one probe for all, this
-    very code path). Each pattern then uses its own probe spectra, the probe sums are weighted by
-    how each pattern's probe depends on the shared modes, and the variable model's per-pattern
-    least-squares terms are left on ``variable`` (see :mod:`daskpty.engines.lsqml_opr`).
+    Two passes over the operator's blocks. Pass 1: exit waves, far-field update, residual χ
+    carried back through the slices: per slice the numerator g_k = Σ_m conj(φ_km) χ_km and
+    illumination Σ_m |φ_km|² scattered into the box, and the sum of the probe-gradient spectra
+    G_j = conj(ramp_j) F(g_Qj) (F of the probe update). Pass 2: per pattern the least-squares
+    step system of the directions a_k = T_k(ΔÔ_k φ_k) and b = T_1(S_f ΔP̂ · O_1) carried to the
+    exit, Re⟨a_i, a_l⟩ α = Re⟨a_i, χ⟩ (K + 1 unknowns with the probe), regularised and clipped
+    ≥ 0, then trimmed means over the chunk. Solving the slices jointly keeps slices that explain
+    the same part of χ (its low frequencies) from each taking the whole step. One slice in the far
+    field keeps S_f P and χ between the passes when the probe is updated and forms the 2 × 2
+    system with the fused dots (else g and Σ|S_f P|², Re⟨a, χ⟩ = Re⟨ΔÔ, g⟩); K slices solve it on
+    every ``step_stride``-th pattern (default :func:`step_sample_stride`).
+
+    Returns ``boxes["object"]`` α_k Σ g_k, ``boxes["illumination"]``, ``arrays["probe"]``
+    α_P Σ_j S_{−f}(conj(O_1) χ_1) with the probe, ``arrays["alpha_slices"]`` (K,) α_k B for a
+    (K, H, W) object, scalars loss, n, alpha_object (mean α_k, times B), alpha_probe,
+    sum_measured, sum_model.
+
+    ``position_terms``: the LSQML position shift's sums in ``local["shift_terms"]`` and with
+    ``window_sums`` the windows' deformation sums in ``arrays``
+    (:class:`~.position_sums.PositionSums`; ``reuse``: through slices, an earlier epoch's carried
+    sums). ``variable``: a :class:`~daskpty.engines.pattern_probes.PatternProbes` when the probe
+    varies from pattern to pattern (OPR weights, intensity factors, background): each pattern's
+    own probe spectra, the probe sums weighted by how each pattern's probe depends on the shared
+    modes, the variable model's least-squares terms left on ``variable`` (see :mod:`.lsqml_opr`).
     """
-    xp = get_xp(intensities)
-    n = probe.shape[-1]
     n_patterns = intensities.shape[0]
     if n_patterns == 0:
         return Partial()
-    corners, fractions = split_positions(to_numpy(positions), n)
-    box0 = corners.min(axis=0)
-    box1 = corners.max(axis=0) + n
-    # Only the chunk's bounding box of the object travels to the device.
-    obj_box = asarray_like(obj[box0[0]:box1[0], box0[1]:box1[1]], intensities)
-    obj_box = xp.ascontiguousarray(obj_box, dtype=np.complex64)
-    probe = asarray_like(probe, intensities).astype(np.complex64, copy=False)
-    n_modes = probe.shape[0]
-    if valid is not None:
-        valid = asarray_like(valid, intensities)
-    index = PatchIndex(corners - box0, n, obj_box.shape, xp)  # reused by every gather/scatter
-    ry, rx = shift_ramp_factors(fractions, n, xp)
-    probe_ft = fft2(probe)
-    intensities = xp.asarray(intensities)
-    step = n_patterns if xp is not np else max(1, min(n_patterns, CPU_BLOCK_BYTES // (8 * n_modes * n * n)))
-    blocks = [slice(s, min(s + step, n_patterns)) for s in range(0, n_patterns, step)]
+    c = sample.chunk(obj, probe, intensities, positions, variable=variable, block_bytes=CPU_BLOCK_BYTES)
+    xp, n, n_modes, n_slices = c.xp, c.n, c.n_modes, c.n_slices
     if variable is not None:
-        variable.begin(step, n_patterns, update_probe)
-
-    wave_shape = (n_patterns, n_modes, n, n)
-    work = xp.empty((step, n_modes, n, n), np.complex64)
-    if update_probe:
-        shifted = xp.empty(wave_shape, np.complex64)        # S_f P, kept for pass 2
-        chis = xp.empty(wave_shape, np.complex64)           # χ, kept for pass 2
-        grad = xp.empty((step, n, n), np.complex64)         # g_j of one sub-batch
-        spectra_sum = xp.zeros(n_modes * n * n, np.complex64)
-    else:
-        shifted = xp.empty((step, n_modes, n, n), np.complex64)
-        obj_grad = xp.empty((n_patterns, n, n), np.complex64)   # g_j, kept for pass 2
+        variable.begin(c.step, n_patterns, update_probe)
+    valid = None if valid is None else asarray_like(valid, intensities)
+    intensities = xp.asarray(intensities)
+    keep_waves = c.thin and update_probe                    # S_f P and χ, kept for pass 2
+    if keep_waves:
+        shifted, chis = (xp.empty((n_patterns, n_modes, n, n), np.complex64) for _ in range(2))
+        grad = xp.empty((c.step, n, n), np.complex64)       # g_j of one sub-batch
+    elif c.thin:
+        obj_grad = xp.empty((n_patterns, n, n), np.complex64)   # g_j and Σ_m |S_f P_m|², kept for pass 2
         illum_patches = xp.empty((n_patterns, n, n), np.float32)
-    obj_num = xp.zeros(obj_box.shape, dtype=np.complex64)
-    patches = xp.empty((step, n, n), np.complex64)
-    illum = xp.zeros(obj_box.shape, dtype=np.float32)
-    ramp = xp.empty((step, n, n), np.complex64)
-    ones = xp.ones(step, np.float32)
+    work = xp.empty((c.step, n_modes, n, n), np.complex64) if c.thin and update_probe else None
+    obj_num, illum = c.box(np.complex64), c.box(np.float32)
+    spectra_sum = xp.zeros(n_modes * n * n, np.complex64) if update_probe else None
+    ones = xp.ones(c.step, np.float32)
     ones_c = ones.astype(np.complex64)
-    measured = xp.zeros(n * n)  # Σ_j y_j and Σ_j ŷ_j per pixel (the mask is applied at the end)
-    model = xp.zeros(n * n)
+    measured, model = xp.zeros(n * n), xp.zeros(n * n)  # Σ_j y_j and Σ_j ŷ_j per pixel (masked at the end)
     loss = 0.0
-    if position_terms:
-        box_d = central_gradients(obj_box, xp)
-        box_squares = squared_gradients(box_d, xp)              # |∂_y O|² + i |∂_x O|²
-        shift_num = xp.empty((n_patterns, 2))
-        shift_den = xp.empty((n_patterns, 2))
-        residual_power = xp.empty(n_patterns)                  # Σ |χ_j|²: the shift's noise level
-        d_patch = xp.empty((2, step, n, n), np.complex64)      # ∂_y O, ∂_x O windows of a sub-batch
-        sq_patch = xp.empty((step, n, n), np.complex64)
-        deform = WindowDeformation(n, xp, box_d) if window_sums else None
+    sums = PositionSums(c, shifts=True, window=window_sums, reuse=reuse) if position_terms else None
+    background = None if variable is None else variable.background
+    kept = None
 
     # Pass 1.
-    for batch in blocks:
+    for batch in c.blocks:
         b = batch.stop - batch.start
-        r = outer_ramps(ry[batch], rx[batch], out=ramp[:b])
-        pft = probe_ft[None] if variable is None else variable.spectra(batch, out=variable.buffer[:b])
-        sp = xp.multiply(r[:, None], pft, out=shifted[batch] if update_probe else shifted[:b])
-        _fft_in_place(sp, inverse=True)                     # S_f P = F⁻¹(ramp · F P)
-        o = index.extract(obj_box, batch, out=patches[:b])
-        wave = chis[batch] if update_probe else work[:b]
-        xp.multiply(sp, o[:, None], out=wave)               # ψ = S_f P · O
-        _fft_in_place(wave)
+        blk = c.forward(batch, *((shifted[batch], chis[batch]) if keep_waves else ()))
         y = intensities[batch].astype(np.float32, copy=False)
-        _, yhat, loss_b = kernels.far_field_update(options.noise, wave, y, valid, options.eps, overwrite=True,
-                                                   background=None if variable is None else variable.background)
+        _, yhat, loss_b = kernels.far_field_update(options.noise, blk.detected, y, valid, options.eps,
+                                                   overwrite=True, background=background)
         loss += float(loss_b.sum())
         # Σ_j y_j and Σ_j ŷ_j per pixel: float32 over one block, float64 across blocks.
         measured += ones[:b] @ y.reshape(b, -1)
         model += ones[:b] @ yhat.reshape(b, -1)
-        chi = _fft_in_place(wave, inverse=True)             # χ = F⁻¹(Ψ' − Ψ)
+        chi = c.to_exit(blk, blk.detected)                  # χ = Dᴴ(Ψ' − Ψ)
+        o = blk.patches[0]
         if variable is not None:                            # brightness_first: χ then holds
-            variable.brightness_step(batch, o, sp, chi)     # what the brightness step leaves
-        # g = Σ_k conj(S_f P_k) χ_k and w = Σ_k |S_f P_k|² (one fused pass on the GPU)
-        g, w = kernels.object_gradient(sp, chi, out=grad[:b] if update_probe else obj_grad[batch])
-        if variable is not None:
-            variable.pattern_terms(batch, o, g, w, intensity=not variable.steps_brightness_first)
-        if position_terms:
-            grads = [index.extract(box_d[axis], batch, out=d_patch[axis, :b]) for axis in range(2)]
-            for axis, d in enumerate(grads):
-                shift_num[batch, axis] = real_dots(d, g)
-            squares = index.extract(box_squares, batch, out=sq_patch[:b])
-            shift_den[batch] = channel_dots(w, squares)
-            residual_power[batch] = real_dots(chi.reshape(b, -1), chi.reshape(b, -1))
-            if deform is not None:
-                deform.add_gram(batch, w, grads, squares)
-        index.scatter_add(obj_num, g, batch)
-        index.scatter_add(illum, w, batch)
-        if update_probe:  # G_j = conj(ramp_j) · F(conj(O_j) χ_j), summed; χ stays for pass 2
-            spec = kernels.conj_product(chi, o, out=work[:b])
-            _fft_in_place(spec)
-            kernels.conj_product(spec, r, out=spec)
+            variable.brightness_step(batch, o, blk.probe_waves, chi, psi=blk.exit)  # what it leaves
+            if not c.thin:
+                variable.pattern_terms(batch, o, None, None, intensity=False)
+                if variable.want_intensity and not variable.steps_brightness_first:
+                    variable.exit_terms(batch, blk.exit, chi)
+        grads, lit, g = [None] * n_slices, [None] * n_slices, chi
+        for k in range(n_slices - 1, -1, -1):     # g_k = Σ_m conj(φ_km) χ_km (one fused pass in one slice)
+            out = None if not c.thin else grad[:b] if keep_waves else obj_grad[batch]
+            grads[k], lit[k] = c.slice_terms(blk, k, g, out=out)
+            if k == 0 and variable is not None and c.thin:
+                variable.pattern_terms(batch, o, grads[0], lit[0], intensity=not variable.steps_brightness_first)
+            c.index.scatter_add(c.slice_of(obj_num, k), grads[k], batch)
+            c.index.scatter_add(c.slice_of(illum, k), lit[k], batch)
+            if k or update_probe:
+                g = c.back(blk, k, g, out=None if work is None else work[:b])
+        if sums is not None:
+            sums.add(blk, grads, lit, residual=chi)
+        if update_probe:      # G_j = conj(ramp_j) F(g_Qj), summed; χ stays for pass 2
+            spec = c.entrance_spectra(blk, g)
             if variable is None:
                 spectra_sum += ones_c[:b] @ spec.reshape(b, -1)
             else:  # Σ_j (∂P_jm/∂P_m) G_jm, and the eigen-probe and weight terms from G_j0
                 variable.probe_terms(batch, spec, spectra_sum.reshape(n_modes, -1))
-        else:
-            illum_patches[batch] = w
-    if position_terms and deform is not None:   # b on the box, from Σ_j g_j (obj_num, not yet scaled)
-        deform.add_first(obj_num, index.corners, shift_num)
-    inv_precond = _preconditioner(illum, options.object_delta)
-    xp.divide(np.float32(1.0), inv_precond, out=inv_precond)
-    obj_dir = obj_num * inv_precond  # ΔÔ = num / p, as num · (1/p): complex ÷ real is 5× slower
+        elif c.thin:
+            illum_patches[batch] = lit[0]
+        if not c.thin:
+            kept = (blk, chi)
+    if sums is not None:      # (the windows' b from Σ_j g_j: obj_num, not yet scaled)
+        shift_terms, window = sums.finish(positions, obj_num if window_sums else None)
+    obj_dir = obj_num * (np.float32(1.0) / _preconditioner(illum, options.object_delta))   # ΔÔ_k
 
-    # Pass 2: step-length system per pattern.
-    a_chi = xp.empty(n_patterns)
-    a_a = xp.empty(n_patterns)
-    probe_sum = None
+    # Pass 2: the step-length system per pattern.
+    probe_sum = probe_dir_ft = None
     if update_probe:
         spectra_sum = spectra_sum.reshape(n_modes, n, n)
         probe_sum = ifft2(spectra_sum)                      # Σ_j S_{-f_j}(conj(O_j) χ_j)
         probe_dir_ft = spectra_sum / np.float32(n_patterns)  # F ΔP̂
-        b_chi = xp.empty(n_patterns)
-        a_b = xp.empty(n_patterns)
-        b_b = xp.empty(n_patterns)
-        # a_j = ΔÔ_j S_f P_j: formed by the reference dots only (the fused ones never store it)
-        a = None if kernels.uses_fused(obj_box) else xp.empty((step, n_modes, n, n), np.complex64)
-    dirs = xp.empty((step, n, n), np.complex64)
-    for batch in blocks:
-        b = batch.stop - batch.start
-        d = index.extract(obj_dir, batch, out=dirs[:b])    # ΔÔ_j
-        if update_probe:
-            r = outer_ramps(ry[batch], rx[batch], out=ramp[:b])
-            bb = xp.multiply(r[:, None], probe_dir_ft[None], out=work[:b])
-            _fft_in_place(bb, inverse=True)                # S_f ΔP̂
-            bb *= index.extract(obj_box, batch, out=patches[:b])[:, None]
-            if variable is not None:                       # pattern j's probe moves by (∂P_j/∂P) ΔP̂
-                bb *= variable.mode_factors_xp(batch)[:, :, None, None]
-            (a_chi[batch], b_chi[batch], a_a[batch], b_b[batch], a_b[batch]) = kernels.step_dots(
-                d, shifted[batch], bb, chis[batch], work=None if a is None else a[:b])
-        else:  # Re⟨a_j, χ_j⟩ = Re⟨ΔÔ_j, g_j⟩; Σ_k |ΔÔ_j S_f P_k|² = Σ |ΔÔ_j|² Σ_k |S_f P_k|²
-            a_chi[batch], a_a[batch] = kernels.object_step_dots(d, obj_grad[batch], illum_patches[batch])
-
-    if update_probe:
-        a_a = a_a + options.tikhonov * a_a.mean() + 1e-30
-        b_b = b_b + options.tikhonov * b_b.mean() + 1e-30
-        det = a_a * b_b - a_b * a_b
-        alpha_o = xp.clip((b_b * a_chi - a_b * b_chi) / det, 0.0, None)
-        alpha_p = xp.clip((a_a * b_chi - a_b * a_chi) / det, 0.0, None)
-        alpha_p = _trimmed_mean(alpha_p, xp)
+    if c.thin:
+        steps = _fused_steps(c, obj_dir, probe_dir_ft, options, variable, *(
+            (shifted, chis, work) if keep_waves else (obj_grad, illum_patches)))
     else:
-        alpha_o = xp.clip(a_chi / (a_a * (1 + options.tikhonov) + 1e-30), 0.0, None)
-        alpha_p = 0.0
-    alpha_o = _trimmed_mean(alpha_o, xp)
+        if step_stride is None:
+            step_stride = step_sample_stride(n_patterns, n_slices)
+        steps = _carried_steps(c, kept, obj_dir, probe_dir_ft, options, variable, max(1, int(step_stride)))
+    alpha_slices = np.asarray(steps[:n_slices])
+    alpha_p = steps[n_slices] if update_probe else 0.0
 
     mask = None if valid is None else valid.reshape(-1).astype(np.float64)
-    origin = (int(box0[0]), int(box0[1]))
-    obj_num *= np.float32(alpha_o)
+    if c.flat:
+        obj_num *= np.float32(alpha_slices[0])
+    else:
+        obj_num *= xp.asarray(alpha_slices.astype(np.float32))[:, None, None]
     parts = Partial(
-        boxes={"object": BoxedArray(origin, obj_num), "illumination": BoxedArray(origin, illum)},
+        boxes={"object": BoxedArray(c.origin, obj_num), "illumination": BoxedArray(c.origin, illum)},
         scalars={"loss": loss, "n": float(n_patterns),
-                 "alpha_object": alpha_o * n_patterns, "alpha_probe": alpha_p * n_patterns,
+                 "alpha_object": float(alpha_slices.mean()) * n_patterns, "alpha_probe": alpha_p * n_patterns,
                  "sum_measured": float(measured.sum() if valid is None else measured @ mask),
                  "sum_model": float(model.sum() if valid is None else model @ mask)},
     )
+    if not c.flat:
+        parts.arrays["alpha_slices"] = alpha_slices * n_patterns
     if probe_sum is not None:
         parts.arrays["probe"] = (np.float32(alpha_p) * probe_sum).astype(np.complex64, copy=False)
-    if position_terms:
-        parts.local["shift_terms"] = (to_numpy(shift_num), to_numpy(shift_den))
-        parts.local["residual_power"] = to_numpy(residual_power)
-        if deform is not None:
-            parts.arrays.update(deform.sums(positions))
+    if sums is not None:
+        parts.local["shift_terms"] = shift_terms
+        if sums.residual_power is not None:
+            parts.local["residual_power"] = to_numpy(sums.residual_power)
+        if window is not None:
+            parts.arrays.update(window)
     if variable is not None:
         variable.finish(parts, measured, model)
     return parts if is_cupy(obj) else parts.to_numpy()  # partials stay where the state lives
+
+
+def _fused_steps(c, obj_dir, probe_dir_ft, options, variable, kept, kept2, work=None) -> list:
+    """One slice in the far field: the trimmed means of the per-pattern 2 × 2 (or 1 × 1) steps
+    from the fused dots, with a_j = ΔÔ_j S_f P and b_j = S_f ΔP̂ · O_j (``kept``, ``kept2``:
+    S_f P and χ with the probe, else g_j and Σ_m |S_f P_m|²)."""
+    xp, n_patterns = c.xp, c.n_patterns
+    a_chi, a_a = xp.empty(n_patterns), xp.empty(n_patterns)
+    if probe_dir_ft is not None:
+        b_chi, a_b, b_b = xp.empty(n_patterns), xp.empty(n_patterns), xp.empty(n_patterns)
+        # a_j = ΔÔ_j S_f P_j: formed by the reference dots only (the fused ones never store it)
+        a = None if kernels.uses_fused(c.obj_box) else xp.empty(work.shape, np.complex64)
+    dirs = xp.empty((c.step, c.n, c.n), np.complex64)
+    for batch in c.blocks:
+        b = batch.stop - batch.start
+        d = c.index.extract(c.slice_of(obj_dir, 0), batch, out=dirs[:b])    # ΔÔ_j
+        if probe_dir_ft is None:  # Re⟨a_j, χ_j⟩ = Re⟨ΔÔ_j, g_j⟩; Σ_k |ΔÔ_j S_f P_k|² = Σ |ΔÔ_j|² Σ_k |S_f P_k|²
+            a_chi[batch], a_a[batch] = kernels.object_step_dots(d, kept[batch], kept2[batch])
+            continue
+        bb = c.shifted(batch, c.ramps(batch), probe_dir_ft[None], out=work[:b])   # S_f ΔP̂
+        bb *= c.index.extract(c.obj_box[0], batch, out=c._patches[:b])[:, None]
+        if variable is not None:                       # pattern j's probe moves by (∂P_j/∂P) ΔP̂
+            bb *= variable.mode_factors_xp(batch)[:, :, None, None]
+        (a_chi[batch], b_chi[batch], a_a[batch], b_b[batch], a_b[batch]) = kernels.step_dots(
+            d, kept[batch], bb, kept2[batch], work=None if a is None else a[:b])
+    if probe_dir_ft is None:
+        return [trimmed_mean(xp.clip(a_chi / (a_a * (1 + options.tikhonov) + 1e-30), 0.0, None), xp)]
+    a_a = a_a + options.tikhonov * a_a.mean() + 1e-30
+    b_b = b_b + options.tikhonov * b_b.mean() + 1e-30
+    det = a_a * b_b - a_b * a_b
+    alpha_o = xp.clip((b_b * a_chi - a_b * b_chi) / det, 0.0, None)
+    alpha_p = xp.clip((a_a * b_chi - a_b * a_chi) / det, 0.0, None)
+    return [trimmed_mean(alpha_o, xp), trimmed_mean(alpha_p, xp)]
+
+
+def _carried_steps(c, kept, obj_dir, probe_dir_ft, options, variable, stride: int) -> list:
+    """K slices or the near field: the directions carried to the exit on every ``stride``-th
+    pattern of the chunk's one block (``kept``: it and χ), the (K + 1)-unknown system solved per
+    pattern, trimmed means of each unknown."""
+    blk, chi = kept
+    xp, pick = c.xp, slice(0, None, stride)
+    sample = blk.patches[:, pick]
+    dir_patches = slice_windows(c.index, obj_dir, pick)
+    directions = [transmit(dir_patches[k][:, None] * blk.incident[k][pick], sample, c.kernel, k)
+                  for k in range(c.n_slices)]
+    if probe_dir_ft is not None:
+        r = c.ramps(blk.batch)[pick]
+        b = ifft2(r[:, None] * probe_dir_ft[None], overwrite=True)
+        if variable is not None:                # pattern j's probe moves by (∂P_j/∂P) ΔP̂
+            b *= variable.mode_factors_xp(blk.batch)[pick][:, :, None, None]
+        directions.append(transmit(b * sample[0][:, None], sample, c.kernel, 0))
+    d, n_sample = len(directions), directions[0].shape[0]
+    gram, rhs = xp.empty((n_sample, d, d)), xp.empty((n_sample, d))
+    for i in range(d):
+        rhs[:, i] = real_dots(directions[i], chi[pick])
+        for l in range(i, d):
+            gram[:, i, l] = gram[:, l, i] = real_dots(directions[i], directions[l])
+    eye, diag = xp.eye(d), xp.diagonal(gram, axis1=1, axis2=2)          # regularised as the 2 × 2
+    if probe_dir_ft is not None:
+        gram = gram + (options.tikhonov * diag.mean(axis=0) + 1e-30)[None, :, None] * eye
+    else:
+        gram = gram + (options.tikhonov * diag + 1e-30)[:, :, None] * eye
+    alpha = xp.clip(xp.linalg.solve(gram, rhs[..., None])[..., 0], 0.0, None)
+    return [trimmed_mean(alpha[:, i], xp) for i in range(d)]
 
 
 def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, options: LSQMLOptions,

@@ -28,6 +28,7 @@ class PositionSums:
     def __init__(self, chunk, *, shifts: bool, window: bool, reuse=None):
         self.chunk, self.shifts, self.window, self.reuse = chunk, shifts, window, reuse
         xp, n, b = chunk.xp, chunk.n, chunk.n_patterns
+        self.residual_power = None
         if not chunk.thin:
             self._kept = None
             return
@@ -40,14 +41,20 @@ class PositionSums:
             self._squares = xp.empty((chunk.step, n, n), np.complex64)
         self.deform = WindowDeformation(n, xp, self.box_d) if window else None
 
-    def add(self, blk, grads, lit) -> None:
+    def add(self, blk, grads, lit, residual=None) -> None:
         """One block's share: ``grads`` and ``lit`` the slices' Σ_m conj(φ_k) g_k and
-        Σ_m |φ_k|² (lists of K (b, n, n)), g the exact gradient (LSQML's χ carried back)."""
+        Σ_m |φ_k|² (lists of K (b, n, n)), g the exact gradient (LSQML's χ carried back); one
+        slice in the far field: with ``residual`` (χ, (b, M, n, n)) also Σ |χ_j|², the shift's
+        noise level (:attr:`residual_power`)."""
         c, batch = self.chunk, blk.batch
         if not c.thin:
             self._kept = (blk, grads, lit)
             return
         b = batch.stop - batch.start
+        if residual is not None:
+            if self.residual_power is None:
+                self.residual_power = c.xp.empty(c.n_patterns)
+            self.residual_power[batch] = real_dots(residual.reshape(b, -1), residual.reshape(b, -1))
         g, w = grads[0], lit[0]
         d = [c.index.extract(self.box_d[a], batch, out=self._d[a, :b]) for a in range(2)]
         for a in range(2):

@@ -33,9 +33,7 @@ def carries_position_sums(sample: SampleModel | None) -> bool:
 
 def lsqml_step(sample: SampleModel | None):
     """The LSQML chunk step of ``sample`` (:func:`daskpty.engines.lsqml.chunk_step` for None)."""
-    if sample is None:
-        return lsqml.chunk_step
-    return partial(ms.chunk_step, kernel=sample.kernel, detector=sample.detector)
+    return partial(lsqml.chunk_step, sample=forward_model(sample))
 
 
 def ad_gradient(sample: SampleModel | None):
