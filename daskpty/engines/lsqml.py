@@ -373,11 +373,13 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
 
 def apply(state: LSQMLState, total: Partial, options: LSQMLOptions,
           illumination_max: float | None = None) -> LSQMLState:
-    """Add a reduced partial to the state: O += β ΔO / √(W² + (δ max W)²), P += β ΔP / N.
+    """Add a reduced partial to the state: O += β ΔO / √(W² + (δ max W)²), P += β ΔP / N; a
+    (K, H, W) object slice by slice (each slice's own max W_k).
 
     Runs where the state lives (NumPy, or CuPy on a GPU worker: see
     :mod:`daskpty.execution.device_state`); ``total`` must live there too. ``illumination_max``:
-    max W over the whole object, when the state holds only a tile of it (:mod:`.lsqml_tiles`)."""
+    max W (per slice) over the whole object, when the state holds only a tile of it
+    (:mod:`.lsqml_tiles`)."""
     accumulate_affine(state, total)
     accumulate_window(state, total)
     if "object" not in total.boxes:
@@ -398,7 +400,7 @@ def apply(state: LSQMLState, total: Partial, options: LSQMLOptions,
     full_illum = (xp.zeros(obj.shape, dtype=np.float32) if state.illumination is None
                   else state.illumination.copy())
     (y0, x0), (y1, x1) = illum.offset, illum.stop
-    xp.maximum(full_illum[y0:y1, x0:x1], illum.data, out=full_illum[y0:y1, x0:x1])
+    xp.maximum(full_illum[..., y0:y1, x0:x1], illum.data, out=full_illum[..., y0:y1, x0:x1])
     state.object, state.probe, state.illumination = obj, probe, full_illum
     return state
 

@@ -83,9 +83,9 @@ def begin_epoch(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions) -> lsqml.L
 
 def _add_update(obj, num, illum, options: lsqml.LSQMLOptions, peak) -> None:
     """O += β ΔO / √(W² + (δ·peak)²) on ``num``'s box of ``obj`` (in place), block by block of
-    rows: element by element the same arithmetic as :func:`lsqml.apply` / :func:`ms.apply`."""
+    rows: element by element the same arithmetic as :func:`lsqml.apply`."""
     xp = get_xp(obj)
-    precondition = lsqml._preconditioner if obj.ndim == 2 else ms._preconditioner
+    precondition = lsqml._preconditioner
     (y0, x0), (_, x1) = num.offset, num.stop
     for a in range(0, num.data.shape[-2], BLOCK_ROWS):
         rows = slice(a, a + BLOCK_ROWS)
@@ -96,7 +96,7 @@ def _add_update(obj, num, illum, options: lsqml.LSQMLOptions, peak) -> None:
 
 
 def apply_in_place(state: lsqml.LSQMLState, total: Partial, options: lsqml.LSQMLOptions, peak=None):
-    """:func:`lsqml.apply` / :func:`ms.apply` writing into the state's object and illumination
+    """:func:`lsqml.apply` writing into the state's object and illumination
     (the epoch's own: see :func:`begin_epoch`), the same bits. ``peak``: the round's largest
     illumination over the whole object (per slice for a (K, H, W) one) when the state is a tile;
     None: the round's own (the state holds the whole object)."""
@@ -123,8 +123,7 @@ def apply_in_place(state: lsqml.LSQMLState, total: Partial, options: lsqml.LSQML
 
 def apply(state: lsqml.LSQMLState, total: Partial | None, options: lsqml.LSQMLOptions,
           shares: list, update=None) -> lsqml.LSQMLState:
-    """``apply`` of the state's layout (:func:`lsqml.apply`, or :func:`multislice.apply` for a
-    (K, H, W) object) on a tile, in place (after :func:`begin_epoch`), with the round's largest
+    """:func:`lsqml.apply` (an (H, W) or (K, H, W) object) on a tile, in place (after :func:`begin_epoch`), with the round's largest
     illumination over all tiles (``shares``: every tile's :func:`round_sums`); the epoch's
     largest illumination is kept in ``state.extra`` for the normalisation's threshold.
     ``update(state, total, options, peak)``: another engine's update (:mod:`.pie_tiles`)."""

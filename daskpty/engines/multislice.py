@@ -18,9 +18,7 @@ from . import lsqml
 from .forward_model import ForwardModel
 from .lsqml import (STEP_SAMPLE_MIN, STEP_STRIDE, LSQMLOptions, LSQMLState,  # noqa: F401  (re-exported)
                     begin_epoch, rescale_probe, step_sample_stride)
-from .lsqml import _preconditioner
-from .partials import BoxedArray, Partial
-from .positions import accumulate_affine, accumulate_window
+from .partials import Partial
 
 
 def SliceChunk(obj, probe, intensities, positions, kernel, detector, cdtype=np.complex64, variable=None):
@@ -42,29 +40,7 @@ def chunk_step(obj, probe, intensities, positions, *, kernel=None, detector=None
                             window_sums=window_sums, **keywords)
 
 
-def apply(state: LSQMLState, total: Partial, options: LSQMLOptions, illumination_max=None) -> LSQMLState:
-    """Add a reduced partial to a (K, H, W) state: O_k += β ΔO_k / √(W_k² + (δ max W_k)²),
-    P += β ΔP / N; the epoch's illumination (K, H, W) keeps the largest of its rounds'; the
-    positions' affine sums are gathered as in :func:`daskpty.engines.lsqml.apply`.
-    ``illumination_max``: the (K,) maxima over the whole object when the state holds a tile."""
-    accumulate_affine(state, total)
-    accumulate_window(state, total)
-    if "object" not in total.boxes:
-        return state
-    xp = get_xp(state.object)  # NumPy, or CuPy for a state in a GPU worker's memory
-    obj = state.object.copy()
-    num, illum = total.boxes["object"], total.boxes["illumination"]
-    scale = _preconditioner(illum.data, options.object_delta, illumination_max)
-    xp.divide(np.float32(options.beta), scale, out=scale)
-    BoxedArray(num.offset, num.data * scale).add_into(obj)
-    probe = state.probe
-    if "probe" in total.arrays:
-        probe = (probe + options.beta * total.arrays["probe"] / np.float32(total.scalars["n"])).astype(np.complex64)
-    full = xp.zeros(obj.shape, np.float32) if state.illumination is None else state.illumination.copy()
-    (y0, x0), (y1, x1) = illum.offset, illum.stop
-    xp.maximum(full[:, y0:y1, x0:x1], illum.data, out=full[:, y0:y1, x0:x1])
-    state.object, state.probe, state.illumination = obj, probe, full
-    return state
+apply = lsqml.apply   # (it takes (K, H, W) objects)
 
 
 def end_epoch(state: LSQMLState, options: LSQMLOptions, *, agree: bool | None = None,

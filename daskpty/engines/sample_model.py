@@ -53,7 +53,7 @@ def forward_sums(sample: SampleModel | None):
 
 def lsqml_apply(sample: SampleModel | None):
     """``apply`` of the LSQML state of ``sample`` ((H, W) or (K, H, W) object)."""
-    return lsqml.apply if sample is None else ms.apply
+    return lsqml.apply
 
 
 def lsqml_end_epoch(sample: SampleModel | None):
