@@ -72,7 +72,7 @@ def _imported(path: str):
 
 
 _ALL = frozenset(FEATURES)
-#: the PIE family: refined positions, and K slices and/or a near-field detector (:mod:`.pie_multislice`)
+#: the PIE family: refined positions, and K slices and/or a near-field detector (:func:`.pie.chunk_step`)
 _PIE = frozenset({"positions", "multislice"})
 _PIE_CORE = "daskpty.engines.pie_core:PIECore"
 
