@@ -79,8 +79,9 @@ class ForwardModel:
     def chunk(self, obj, probe, intensities, positions, *, cdtype=np.complex64, variable=None,
               block_bytes: int | None = None, keep_probe_waves: bool = True, whole: bool = False) -> "Chunk":
         """One chunk of patterns laid out for the blocks of :class:`Chunk` (``block_bytes``: a
-        CPU block's waves, default :data:`CPU_BLOCK_BYTES`; ``whole``: one block, every wave a
-        new array, also for one slice in the far field)."""
+        CPU block's waves, default :data:`CPU_BLOCK_BYTES`; ``keep_probe_waves``: False, the
+        detected waves overwrite S_f P; ``whole``: one block, every wave a new array, also for
+        one slice in the far field)."""
         return Chunk(self, obj, probe, intensities, positions, cdtype, variable,
                      CPU_BLOCK_BYTES if block_bytes is None else block_bytes, keep_probe_waves, whole)
 
@@ -177,10 +178,8 @@ class Chunk:
         self.step = step
         self.blocks = [slice(s, min(s + step, n_patterns)) for s in range(0, n_patterns, step)]
         self._ramps = xp.empty((step, n, n), cdtype)
-        self._shifted = xp.empty((step, self.n_modes, n, n), cdtype)
-        if self.thin:       # (K slices and the near field make new waves)
-            self._patches = xp.empty((step, n, n), cdtype)
-            self._waves = xp.empty((step, self.n_modes, n, n), cdtype) if keep_probe_waves else self._shifted
+        self._patches = xp.empty((step, n, n), cdtype) if self.thin else None
+        self._keep_probe_waves, self._buffers = keep_probe_waves, {}
         self._spectra = None if variable is None else xp.empty((step, self.n_modes, n, n), cdtype)
         self._dq = None
 
@@ -213,8 +212,15 @@ class Chunk:
         if spectra is None:
             spectra = (self.probe_ft[None] if self.variable is None
                        else self.variable.spectra(batch, self._spectra[:b]))
-        q = self.xp.multiply(r[:, None], spectra, out=self._shifted[:b] if out is None else out)
+        q = self.xp.multiply(r[:, None], spectra, out=self._buffer("shifted")[:b] if out is None else out)
         return fft_in_place(q, inverse=True)
+
+    def _buffer(self, name: str):
+        """A (step, M, n, n) buffer reused by every block, made when first asked for (a caller
+        that gives its own arrays needs none)."""
+        if name not in self._buffers:
+            self._buffers[name] = self.xp.empty((self.step, self.n_modes, self.n, self.n), self.cdtype)
+        return self._buffers[name]
 
     def forward(self, batch: slice, probe_out=None, wave_out=None) -> Block:
         """The forward model of one block (:class:`Block`); one slice in the far field in the
@@ -227,7 +233,7 @@ class Chunk:
         if self.thin:
             o = self.index.extract(self.obj_box[0], batch, out=self._patches[:b])
             blk.patches, blk.incident = o[None], [q]
-            waves = self._waves[:b] if wave_out is None else wave_out
+            waves = wave_out if wave_out is not None else self._buffer("waves")[:b] if self._keep_probe_waves else q
             blk.detected = fft_in_place(xp.multiply(q, o[:, None], out=waves))
             return blk
         blk.patches = xp.stack([self.index.extract(self.obj_box[k], batch) for k in range(self.n_slices)])
