@@ -4,7 +4,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskpty
-from daskpty.engines import ad
+from daskpty.engines import ad, forward_model
 from daskpty.engines.partials import sum_partials
 from daskpty.execution.engine_registry import engine_spec
 from daskpty.execution.data import prepare_data
@@ -217,7 +217,7 @@ def test_chunk_gradient_matches_direct_reference(monkeypatch, loss, wide, modes,
     options = ad.ADOptions(loss=loss)
     ref = _reference_chunk_gradient(obj, probe, y, ds.positions, loss, valid)
     # 25 patterns: blocks of 7, 7, 7, 4
-    monkeypatch.setattr(ad, "CPU_BLOCK_BYTES", 7 * np.dtype(cdtype).itemsize * modes * n * n)
+    monkeypatch.setattr(forward_model, "CPU_BLOCK_BYTES", 7 * np.dtype(cdtype).itemsize * modes * n * n)
     part = ad.chunk_gradient(obj, probe, y, ds.positions, options=options, valid=valid, want_positions=True)
     rtol = 1e-12 if wide else 1e-5
     for key in ("object_grad", "illumination"):
