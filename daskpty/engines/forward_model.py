@@ -283,10 +283,9 @@ class Chunk:
         return angular_spectrum_adjoint(g, self.kernel) if k else g
 
     def vjp(self, blk: Block, g_exit):
-        """The exact backward chain from the exit-surface gradient ``g_exit`` (one slice in the
-        far field: consumed):
-        ``(grads, lit, g_q)``, per slice Σ_m conj(φ_k) g_k and Σ_m |φ_k|² (lists of K (b, n, n))
-        and g_Q at the entrance (b, M, n, n)."""
+        """The exact backward chain from the exit-surface gradient ``g_exit`` (consumed in one
+        slice in the far field): ``(grads, lit, g_q)``, per slice Σ_m conj(φ_k) g_k and
+        Σ_m |φ_k|² (lists of K (b, n, n)) and g_Q at the entrance (b, M, n, n)."""
         grads, lit = [None] * self.n_slices, [None] * self.n_slices
         g = g_exit
         for k in range(self.n_slices - 1, -1, -1):
