@@ -32,7 +32,7 @@ def carries_position_sums(sample: SampleModel | None) -> bool:
 
 
 def lsqml_step(sample: SampleModel | None):
-    """The LSQML chunk step of ``sample`` (:func:`daskpty.engines.lsqml.chunk_step` for None)."""
+    """The LSQML chunk step through ``sample`` (:func:`daskpty.engines.lsqml.chunk_step`)."""
     return partial(lsqml.chunk_step, sample=forward_model(sample))
 
 
