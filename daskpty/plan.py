@@ -25,8 +25,8 @@ from .engines.positions import PositionOptions
 from .engines.sample_options import aperture_probe
 from .execution import tile_halo
 from .execution.cluster import live_workers, wait_for_workers
-from .execution.data import (auto_rounds, choose_chunk_length, gpu_steps_per_chunk, prepare_data, should_persist,
-                             workers_have_gpus)
+from .execution.data import (auto_rounds, choose_chunk_length, gpu_steps_per_chunk, prepare_data,
+                             several_workers_share_a_gpu, should_persist, workers_have_gpus)
 from .execution.driver import with_local
 from .execution.latency import enable_low_latency
 from .execution.local_state import PatternLayout
@@ -161,6 +161,8 @@ def settle_plan(client, plan: Plan) -> Plan:
     modes_hint = _probe_modes_hint(plan.probe, plan.probe_modes, resumed)
     if not execution.tiles and "tiles" not in opts.execution_given and resumed is None:
         execution = _tiles_by_default(client, execution, adapter, obj.shape, n, thick, halo_reach, modes_hint)
+        if not execution.tiles:
+            execution = tiles_on_a_shared_gpu(client, execution, adapter)
         run_options["tiles"] = bool(execution.tiles)
     tiles_of = len(live_workers(client)) if execution.tiles else None  # a row tile per worker
     execution = _resolve_persist_and_rounds(client, execution, intensities.nbytes, plan.n_patterns, n,
@@ -350,6 +352,27 @@ def _tiles_by_default(client, execution, adapter, object_shape, n, thick, reach,
         return execution
     warnings.warn(f"daskpty: the {object_shape[-2]} x {object_shape[-1]} object does not fit a worker whole; "
                   f"cutting it into {workers} row tiles, one per worker (tiles=False refuses instead)",
+                  UserWarning, stacklevel=2)
+    return execution.replace(tiles=True)
+
+
+def tiles_on_a_shared_gpu(client, execution, adapter) -> ExecutionOptions:
+    """Tiles for a run that chose no layout when it runs on GPUs and several of its workers share
+    one (the stand-in for MIG slices, or workers started by hand on one device), and the engine
+    and its parts run on tiles; else ``execution`` as it is.
+
+    Replicas on one GPU repeat the same work: each worker holds the whole object and applies
+    every round's update to it, so the GPU runs the apply and the epoch's end once per worker;
+    on tiles each worker owns its rows, and the GPU runs them once in all."""
+    gpu = execution.device == "gpu" or (execution.device == "auto" and workers_have_gpus(client))
+    if not gpu or not several_workers_share_a_gpu(client):
+        return execution
+    try:
+        check_tiles_supported(adapter)
+    except TilesUnsupported:
+        return execution
+    warnings.warn("daskpty: several workers share a GPU: the object is cut into row tiles, one per worker "
+                  "(tiles=False keeps whole-object replicas, tiles=True says so without this line)",
                   UserWarning, stacklevel=2)
     return execution.replace(tiles=True)
 

@@ -166,6 +166,26 @@ def workers_have_gpus(client) -> bool:
     return bool(answers) and all(answers.values())
 
 
+def worker_gpus(client) -> dict:
+    """Each worker's CUDA device, as ``(host, device)``: the first entry of the worker's
+    ``CUDA_VISIBLE_DEVICES`` (a UUID or an index: dask-cuda and :func:`~.gpu.shared_device_cluster`
+    set it), or None where it is unset."""
+    def probe():
+        import os
+
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        return first or None
+
+    return {address: (None if device is None else (address.rsplit(":", 1)[0], device))
+            for address, device in client.run(probe).items()}
+
+
+def several_workers_share_a_gpu(client) -> bool:
+    """Whether two or more workers of ``client`` run on one GPU (the same device of one host)."""
+    devices = [d for d in worker_gpus(client).values() if d is not None]
+    return len(devices) > len(set(devices))
+
+
 def should_persist(client, nbytes: int, fraction: float = 0.5, working_bytes: int = 0) -> bool:
     """Persist the data when it takes at most ``fraction`` of the cluster's memory and each
     worker's share plus ``working_bytes`` stays under the spill target
