@@ -43,9 +43,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from daskpty.engines import ad, lsqml, lsqml_opr, pie, pie_multislice  # noqa: E402
-from daskpty.engines import multislice as ms  # noqa: E402
-from daskpty.engines import multislice_gradient as msg  # noqa: E402
+from daskpty.engines import ad, lsqml, lsqml_opr, pie  # noqa: E402
 from daskpty.engines import probe_model as pm  # noqa: E402
 from daskpty.engines import forward_model  # noqa: E402
 from daskpty.engines.ad import opr as ad_opr  # noqa: E402
@@ -92,7 +90,7 @@ def step_function(engine: str, part: str, n: int, chunk: int, modes: int, slices
     detector = near_field_kernel(n, 55e-6, 1e-10, 1.0, 3e-3) if part == "near field" else None
     if part in ("K slices", "near field"):
         obj = _slices(obj, slices if part == "K slices" else 1)
-    sample = {"kernel": kernel, "detector": detector}
+    sample = forward_model.ForwardModel(obj.shape[0], kernel, detector) if obj.ndim == 3 else forward_model.THIN
     positions = part == "positions"
     if part == "OPR":
         model = pm.ProbeModelOptions(opr_modes=3, start_epoch=0).for_engine("lsqml" if engine == "lsqml" else "ad")
@@ -107,23 +105,14 @@ def step_function(engine: str, part: str, n: int, chunk: int, modes: int, slices
                 o, p, yy, q, dict(local), options=ad.ADOptions(), **extra)
         return None
     if engine == "lsqml":
-        options = lsqml.LSQMLOptions()
-        if part in ("K slices", "near field"):
-            return (obj, probe, y, pos), lambda o, p, yy, q: ms.chunk_step(
-                o, p, yy, q, options=options.for_slices(o.shape[0]), **sample)
+        options = lsqml.LSQMLOptions().for_slices(sample.n_slices)
         return (obj, probe, y, pos), lambda o, p, yy, q: lsqml.chunk_step(
-            o, p, yy, q, options=options, position_terms=positions, window_sums=positions)
+            o, p, yy, q, options=options, sample=sample, position_terms=positions, window_sums=positions)
     if engine == "ad":
-        options = ad.ADOptions()
-        if part in ("K slices", "near field"):
-            return (obj, probe, y, pos), lambda o, p, yy, q: msg.chunk_gradient(o, p, yy, q, options=options, **sample)
         return (obj, probe, y, pos), lambda o, p, yy, q: ad.chunk_gradient(
-            o, p, yy, q, options=options, want_positions=positions, window_sums=positions)
-    options = pie.PIEOptions()
-    if part in ("K slices", "near field"):
-        return (obj, probe, y, pos), lambda o, p, yy, q: pie_multislice.chunk_step(o, p, yy, q, options=options, **sample)
+            o, p, yy, q, options=ad.ADOptions(), sample=sample, want_positions=positions, window_sums=positions)
     return (obj, probe, y, pos), lambda o, p, yy, q: pie.chunk_step(
-        o, p, yy, q, options=options, position_terms=positions, window_sums=positions)
+        o, p, yy, q, options=pie.PIEOptions(), sample=sample, position_terms=positions, window_sums=positions)
 
 
 @contextlib.contextmanager

@@ -45,3 +45,19 @@ def make_dataset(n: int = 32, grid: int = 12, step: float = 4.0, modes: int = 1,
     intensities = rng.poisson(clean).astype(np.float32) if noise else clean.astype(np.float32)
     return SimpleNamespace(intensities=intensities, positions=pos, mask=None, probe=None,
                            truth=SimpleNamespace(object=obj, probe=probe, positions=pos))
+
+
+def slice_model(obj, kernel=None, detector=None):
+    """The forward model of ``obj`` (K, H, W) (or (H, W): one slice) through ``kernel``'s slices
+    to ``detector`` (None: the far field)."""
+    from daskpty.engines.forward_model import ForwardModel
+    return ForwardModel(1 if np.ndim(obj) == 2 else np.shape(obj)[0], kernel, detector)
+
+
+def whole_block(obj, probe, intensities, positions, kernel=None, detector=None, cdtype=np.complex64, variable=None):
+    """A chunk as one forward block of :func:`slice_model` (box, windows, ramps, S_f P, the
+    incident, exit and detected waves); obj (K, H, W) or (H, W)."""
+    obj = obj[None] if np.ndim(obj) == 2 else obj
+    c = slice_model(obj, kernel, detector).chunk(obj, probe, intensities, positions, cdtype=cdtype,
+                                                 variable=variable, whole=True)
+    return c.forward(c.blocks[0])

@@ -8,14 +8,15 @@ import numpy as np
 import pytest
 
 from daskpty.engines import ad, eigen_probes, lsqml
-from daskpty.engines import multislice as ms
-from daskpty.engines import multislice_gradient as msg
 from daskpty.engines.multislice_positions import SHIFT_STRIDE
 from daskpty.engines import pattern_probes as pp
 from daskpty.engines import probe_model as pm
+from daskpty.engines.ad import ADOptions
 from daskpty.engines.ad import opr as ad_opr
+from daskpty.physics import multislice as ms
 from daskpty.physics.multislice import SliceGeometry
 from daskpty.physics.propagation import near_field_kernel
+from synthetic import slice_model, whole_block
 
 LAM, DX = 1.97e-12, 0.25e-10
 
@@ -37,12 +38,12 @@ def _setup(k=2, near=False, n=16, b=6, seed=3):
 @pytest.mark.parametrize("k, near", [(2, False), (1, True), (3, True)])
 def test_position_gradient_through_slices_matches_finite_differences(k, near):
     s = _setup(k, near)
-    kw = dict(kernel=s["kernel"], detector=s["detector"], loss="gaussian")
-    part = msg.chunk_gradient(s["slices"], s["probe"], s["y"], s["pos"], want_positions=True, **kw)
+    kw = dict(sample=slice_model(s["slices"], s["kernel"], s["detector"]), options=ADOptions(loss="gaussian"))
+    part = ad.chunk_gradient(s["slices"], s["probe"], s["y"], s["pos"], want_positions=True, **kw)
     grad = part.arrays["position_grad"]
 
     def loss(pos):
-        return msg.chunk_loss(s["slices"], s["probe"], s["y"], pos, **kw).scalars["loss"]
+        return ad.chunk_loss(s["slices"], s["probe"], s["y"], pos, **kw).scalars["loss"]
 
     def central(j, a, h):
         plus, minus = s["pos"].copy(), s["pos"].copy()
@@ -66,11 +67,12 @@ def test_lsqml_shift_terms_through_slices_are_the_gauss_newton_step():
     its slice-wise form on the others (within 30 % here)."""
     s = _setup(2, False)
     probe = s["probe"][:1]
-    part = ms.chunk_step(s["slices"].astype(np.complex64), probe.astype(np.complex64), s["y"], s["pos"],
-                         options=lsqml.LSQMLOptions(eps=1e-12), kernel=s["kernel"].astype(np.complex64),
-                         position_terms=True, update_probe=False)
+    part = lsqml.chunk_step(s["slices"].astype(np.complex64), probe.astype(np.complex64), s["y"], s["pos"],
+                            options=lsqml.LSQMLOptions(eps=1e-12),
+                            sample=slice_model(s["slices"], s["kernel"].astype(np.complex64)),
+                            position_terms=True, update_probe=False)
     num, den, _ = part.local["shift_terms"]
-    c = ms.SliceChunk(s["slices"], probe, s["y"], s["pos"], s["kernel"], None, np.complex128)
+    c = whole_block(s["slices"], probe, s["y"], s["pos"], s["kernel"], None, np.complex128)
     box_d = c.box_gradients()
 
     def exit_wave(patches):
@@ -101,7 +103,7 @@ def test_probe_model_gradients_through_slices_match_finite_differences(near):
     checks them for one slice."""
     s = _setup(2, near)
     rng, probe, b = s["rng"], s["probe"], len(s["y"])
-    kw = dict(kernel=s["kernel"], detector=s["detector"], loss="gaussian")
+    kw = dict(sample=slice_model(s["slices"], s["kernel"], s["detector"]), options=ADOptions(loss="gaussian"))
     model = pm.ProbeModelOptions(opr_modes=3, background="pixel", start_epoch=0)
     intensity_model = pm.ProbeModelOptions(fit_intensity=True, start_epoch=0)
     eigen = eigen_probes.initial_eigen_probes(probe[0], 2).astype(np.complex128)
@@ -115,7 +117,7 @@ def test_probe_model_gradients_through_slices_match_finite_differences(near):
         return _variable(model, probe, {"opr_weights": w}, s["y"], background=bg, eigen=e)
 
     def loss(**v):
-        return msg.chunk_loss(s["slices"], probe, s["y"], s["pos"], variable=variable(**v), **kw).scalars["loss"]
+        return ad.chunk_loss(s["slices"], probe, s["y"], s["pos"], variable=variable(**v), **kw).scalars["loss"]
 
     def central(name, base, index, unit=1.0, h=1e-6):
         plus, minus = base.copy(), base.copy()
@@ -124,7 +126,7 @@ def test_probe_model_gradients_through_slices_match_finite_differences(near):
         return (loss(**{name: plus}) - loss(**{name: minus})) / (2 * h)
 
     v = variable()
-    part = msg.chunk_gradient(s["slices"], probe, s["y"], s["pos"], variable=v, **kw)
+    part = ad.chunk_gradient(s["slices"], probe, s["y"], s["pos"], variable=v, **kw)
     g_w = ad_opr.pattern_gradients(v)["opr_weights"]
     g_u = np.fft.ifft2(part.arrays["opr_eigen_num"], norm="ortho")
     g_b = part.arrays["background_grad"].reshape(bg0.shape)
@@ -137,7 +139,7 @@ def test_probe_model_gradients_through_slices_match_finite_differences(near):
     for index in [(0, 0), (2, 3)]:
         assert central("bg", bg0, index) == pytest.approx(g_b[index], rel=1e-5, abs=1e-7)
     v = variable(c=c0)
-    msg.chunk_gradient(s["slices"], probe, s["y"], s["pos"], variable=v, **kw)
+    ad.chunk_gradient(s["slices"], probe, s["y"], s["pos"], variable=v, **kw)
     g_c = ad_opr.pattern_gradients(v)["intensity_scale"]
     for j in (0, 4):
         assert central("c", c0, (j, 0)) == pytest.approx(g_c[j, 0], rel=1e-5)
@@ -159,10 +161,10 @@ def test_one_far_field_slice_with_a_varying_probe_equals_the_single_slice_step(b
              "intensity_scale": (1 + 0.1 * rng.random(b))[:, None]}
     options = lsqml.LSQMLOptions()
     out = []
-    for step, o in ((lsqml.chunk_step, obj), (ms.chunk_step, obj[None])):
+    for o in (obj, obj[None]):
         v = _variable(model, probe, local, s["y"], background=np.full((1, 1), 0.1, np.float32), eigen=eigen,
                       cdtype=np.complex64)
-        part = step(o, probe, s["y"], s["pos"], options=options, variable=v)
+        part = lsqml.chunk_step(o, probe, s["y"], s["pos"], options=options, variable=v)
         out.append((part, v))
     (one, v1), (many, v2) = out
     rel = lambda a, b: np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(b)  # noqa: E731
@@ -183,6 +185,6 @@ def test_ad_multislice_with_one_slice_and_positions_matches_the_single_slice_gra
     s = _setup(1, False)
     obj = s["slices"][0]
     want = ad.chunk_gradient(obj, s["probe"], s["y"], s["pos"], want_positions=True)
-    got = msg.chunk_gradient(obj[None], s["probe"], s["y"], s["pos"], want_positions=True)
+    got = ad.chunk_gradient(obj[None], s["probe"], s["y"], s["pos"], want_positions=True)
     np.testing.assert_allclose(got.arrays["position_grad"], want.arrays["position_grad"], rtol=1e-6,
                                atol=1e-9 * np.abs(want.arrays["position_grad"]).max())

@@ -104,11 +104,10 @@ def test_the_environment_chooses_the_backend_of_a_process(monkeypatch):
 def test_a_chunk_step_is_the_same_under_either_backend():
     """A multislice LSQML chunk step with position terms (every FFT path of the engines) agrees
     between the backends to float32 rounding."""
-    from daskpty.engines import multislice
-    from daskpty.engines.lsqml import LSQMLOptions
+    from daskpty.engines.lsqml import LSQMLOptions, chunk_step
     from daskpty.physics.multislice import SliceGeometry
 
-    from synthetic import make_dataset
+    from synthetic import make_dataset, slice_model
 
     ds = make_dataset(n=32, grid=6, modes=1, seed=4)
     y = np.fft.ifftshift(ds.intensities, axes=(-2, -1)).astype(np.float32)
@@ -116,8 +115,8 @@ def test_a_chunk_step_is_the_same_under_either_backend():
     kernel = SliceGeometry(2, 2e-8, 2e-12, 5e-11).kernel(32)
 
     def step():
-        return multislice.chunk_step(obj, ds.truth.probe, y, ds.positions, options=LSQMLOptions(delta=0.5),
-                                     kernel=kernel, position_terms=True, window_sums=True)
+        return chunk_step(obj, ds.truth.probe, y, ds.positions, options=LSQMLOptions(delta=0.5),
+                          sample=slice_model(obj, kernel), position_terms=True, window_sums=True)
 
     fftw.set_fft_backend("scipy")
     ref = step()

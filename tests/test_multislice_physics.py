@@ -6,8 +6,6 @@ import pytest
 
 from daskpty import metrics
 from daskpty.engines import ad, lsqml
-from daskpty.engines import multislice as ms
-from daskpty.engines import multislice_gradient as msg
 from daskpty.physics import exit_waves, shift_ramps, split_positions
 from daskpty.physics.multislice import (
     SliceGeometry,
@@ -27,7 +25,7 @@ from daskpty.physics.propagation import (
 )
 from daskpty.simulate.multislice import simulate_multislice
 
-from synthetic import make_dataset
+from synthetic import make_dataset, slice_model
 
 LAM = 1.9687e-12   # 300 kV electrons
 DX = 0.25e-10
@@ -148,14 +146,14 @@ def _loss_setup(seed=5, k=2, detector=False):
 @pytest.mark.parametrize("loss,detector", [("gaussian", False), ("poisson", False), ("gaussian", True)])
 def test_multislice_gradient_matches_finite_differences(loss, detector):
     slices, probe, pos, y, kernel, det, rng = _loss_setup(detector=detector)
-    kw = dict(kernel=kernel, detector=det, loss=loss)
-    part = msg.chunk_gradient(slices, probe, y, pos, **kw)
+    kw = dict(sample=slice_model(slices, kernel, det), options=ad.ADOptions(loss=loss))
+    part = ad.chunk_gradient(slices, probe, y, pos, **kw)
     g_obj = np.zeros_like(slices)
     part.boxes["object_grad"].add_into(g_obj)
     g_probe = part.arrays["probe_grad"]
 
     def loss_at(s, p):
-        return msg.chunk_loss(s, p, y, pos, **kw).scalars["loss"]
+        return ad.chunk_loss(s, p, y, pos, **kw).scalars["loss"]
 
     assert loss_at(slices, probe) == pytest.approx(part.scalars["loss"], rel=1e-12)
 
@@ -173,9 +171,9 @@ def test_multislice_gradient_matches_finite_differences(loss, detector):
 def test_kernel_shape_is_checked():
     slices, probe, pos, y, kernel, _, _ = _loss_setup()
     with pytest.raises(ValueError, match="kernel must be"):
-        msg.chunk_loss(slices, probe, y, pos, kernel=kernel[:-1])
+        ad.chunk_loss(slices, probe, y, pos, sample=slice_model(slices, kernel[:-1]))
     with pytest.raises(ValueError, match="need the slice-to-slice kernel"):
-        msg.chunk_loss(slices, probe, y, pos)
+        ad.chunk_loss(slices, probe, y, pos, sample=slice_model(slices))
 
 
 def test_ad_gradient_with_one_slice_equals_the_ad_engine():
@@ -183,7 +181,7 @@ def test_ad_gradient_with_one_slice_equals_the_ad_engine():
     obj = ds.truth.object * np.complex64(0.9)
     y = np.fft.ifftshift(ds.intensities, axes=(-2, -1))
     want = ad.chunk_gradient(obj, ds.truth.probe, y, ds.positions)
-    got = msg.chunk_gradient(obj[None], ds.truth.probe, y, ds.positions)
+    got = ad.chunk_gradient(obj[None], ds.truth.probe, y, ds.positions)
     rel = lambda a, b: np.linalg.norm(a - b) / np.linalg.norm(b)  # noqa: E731
     assert rel(got.boxes["object_grad"].data[0], want.boxes["object_grad"].data) < 1e-5
     assert rel(got.arrays["probe_grad"], want.arrays["probe_grad"]) < 1e-5
@@ -203,7 +201,7 @@ def test_lsqml_with_one_slice_equals_the_single_slice_engine(noise, update_probe
     valid = rng.random((32, 32)) > 0.1
     options = lsqml.LSQMLOptions(noise=noise)
     want = lsqml.chunk_step(obj, probe, y, ds.positions, options=options, update_probe=update_probe, valid=valid)
-    got = ms.chunk_step(obj[None], probe, y, ds.positions, options=options, update_probe=update_probe, valid=valid)
+    got = lsqml.chunk_step(obj[None], probe, y, ds.positions, options=options, update_probe=update_probe, valid=valid)
     for key in ("object", "illumination"):
         a, b = got.boxes[key], want.boxes[key]
         assert a.offset == b.offset
@@ -213,7 +211,7 @@ def test_lsqml_with_one_slice_equals_the_single_slice_engine(noise, update_probe
     for key, value in want.scalars.items():
         assert got.scalars[key] == pytest.approx(value, rel=1e-5, abs=1e-9), key
     s1 = lsqml.apply(lsqml.LSQMLState(obj.copy(), probe.copy()), want, options)
-    s2 = ms.apply(lsqml.LSQMLState(obj[None].copy(), probe.copy()), got, options)
+    s2 = lsqml.apply(lsqml.LSQMLState(obj[None].copy(), probe.copy()), got, options)
     assert np.linalg.norm(s2.object[0] - s1.object) <= 1e-5 * np.linalg.norm(s1.object)
     np.testing.assert_allclose(s2.illumination[0], s1.illumination, rtol=1e-5, atol=1e-3)
 
@@ -225,7 +223,7 @@ def test_slice_normalisation_keeps_the_model():
                              ds.truth.probe.copy())
     state.illumination = (1 + rng.random(state.object.shape)).astype(np.float32)
     before = multislice_intensities(state.object, state.probe, ds.positions, ds.kernel)
-    ms.normalize_scale(state)
+    lsqml.normalize_scale(state)
     after = multislice_intensities(state.object, state.probe, ds.positions, ds.kernel)
     np.testing.assert_allclose(after, before, rtol=2e-4, atol=1e-2)
     for k in range(2):
@@ -251,12 +249,14 @@ def _fit(ds, n_slices, epochs=40):
     shape = (n_slices,) + ds.truth.slices.shape[1:]
     # probe from physics with the nominal optics (the simulator's), refined with the object
     state = lsqml.LSQMLState(np.ones(shape, np.complex64), ds.probe0.copy())
-    state = ms.rescale_probe(state, ms.forward_sums(state.object, state.probe, y, ds.positions, kernel=kernel))
+    state = lsqml.rescale_probe(state, lsqml.forward_sums(state.object, state.probe, y, ds.positions,
+                                                         sample=slice_model(state.object, kernel)))
     for _ in range(epochs):
-        state = ms.begin_epoch(state, options)
-        part = ms.chunk_step(state.object, state.probe, y, ds.positions, options=options, kernel=kernel)
-        state = ms.apply(state, part, options)
-        state = ms.end_epoch(state, options)
+        state = lsqml.begin_epoch(state, options)
+        part = lsqml.chunk_step(state.object, state.probe, y, ds.positions, options=options,
+                                sample=slice_model(state.object, kernel))
+        state = lsqml.apply(state, part, options)
+        state = lsqml.end_epoch(state, options)
     return state, part.scalars["loss"]
 
 
@@ -304,10 +304,11 @@ def test_near_field_lsqml_recovers_the_object():
     state = lsqml.LSQMLState(np.ones((1,) + obj.shape, np.complex64), probe.copy())
     losses = []
     for epoch in range(60):
-        state = ms.begin_epoch(state, options)
-        part = ms.chunk_step(state.object, state.probe, y, pos, options=options, detector=detector,
+        state = lsqml.begin_epoch(state, options)
+        part = lsqml.chunk_step(state.object, state.probe, y, pos, options=options,
+                                sample=slice_model(state.object, detector=detector),
                              update_probe=epoch >= 5)
-        state = ms.end_epoch(ms.apply(state, part, options), options)
+        state = lsqml.end_epoch(lsqml.apply(state, part, options), options)
         losses.append(part.scalars["loss"])
     lit = state.illumination[0] > 0.3 * state.illumination[0].max()
     start = metrics.nrmse(np.ones_like(obj), obj, mask=lit)
@@ -326,11 +327,12 @@ def test_device_code_path_matches_cpu(monkeypatch):
     y = np.fft.ifftshift(ds.intensities, axes=(-2, -1))
     obj = (ds.truth.slices * np.complex64(0.95)).astype(np.complex64)
     options = lsqml.LSQMLOptions()
-    cpu = ms.chunk_step(obj, ds.truth.probe, y, ds.positions, options=options, kernel=ds.kernel)
-    cpu_grad = msg.chunk_gradient(obj, ds.truth.probe, y, ds.positions, kernel=ds.kernel)
+    sample = slice_model(obj, ds.kernel)
+    cpu = lsqml.chunk_step(obj, ds.truth.probe, y, ds.positions, options=options, sample=sample)
+    cpu_grad = ad.chunk_gradient(obj, ds.truth.probe, y, ds.positions, sample=sample)
     calls = install_fake_cupy(monkeypatch)
-    dev = ms.chunk_step(obj, ds.truth.probe, _on_device(y), ds.positions, options=options, kernel=ds.kernel)
-    dev_grad = msg.chunk_gradient(obj, ds.truth.probe, _on_device(y), ds.positions, kernel=ds.kernel)
+    dev = lsqml.chunk_step(obj, ds.truth.probe, _on_device(y), ds.positions, options=options, sample=sample)
+    dev_grad = ad.chunk_gradient(obj, ds.truth.probe, _on_device(y), ds.positions, sample=sample)
     assert calls.get("fft", 0) > 0 and calls.get("scatter_add", 0) > 0
     for d, c in ((dev, cpu), (dev_grad, cpu_grad)):
         for key in c.boxes:
@@ -353,7 +355,7 @@ def _gradient_descent_fit(ds, n_slices, iterations=40, lr=0.5):
     probe = electron_probe(32, DX, ds.wavelength_m, 25e-3, defocus_m=6e-9,
                            power=float(y.sum(axis=(1, 2)).mean()))
     for it in range(iterations):
-        part = msg.chunk_gradient(obj, probe, y, ds.positions, kernel=kernel)
+        part = ad.chunk_gradient(obj, probe, y, ds.positions, sample=slice_model(obj, kernel))
         grad = np.zeros_like(obj)
         part.boxes["object_grad"].add_into(grad)
         illum = np.zeros(obj.shape, np.float32)
@@ -388,12 +390,12 @@ def test_sampled_step_system_gives_the_full_step_lengths(update_probe):
     rng = np.random.default_rng(1)
     start = (ds.truth.slices * np.exp(0.3j * rng.random(ds.truth.slices.shape))).astype(np.complex64)
     options = lsqml.LSQMLOptions()
-    assert ms.step_sample_stride(len(y), 3) > 1 and ms.step_sample_stride(len(y), 1) == 1
-    assert ms.step_sample_stride(ms.STEP_SAMPLE_MIN * 2 - 1, 3) == 1   # too few patterns to sample
-    full = ms.chunk_step(start, ds.truth.probe, y, ds.positions, options=options, kernel=ds.kernel,
-                         update_probe=update_probe, step_stride=1)
-    sampled = ms.chunk_step(start, ds.truth.probe, y, ds.positions, options=options, kernel=ds.kernel,
-                            update_probe=update_probe)
+    assert lsqml.step_sample_stride(len(y), 3) > 1 and lsqml.step_sample_stride(len(y), 1) == 1
+    assert lsqml.step_sample_stride(lsqml.STEP_SAMPLE_MIN * 2 - 1, 3) == 1   # too few patterns to sample
+    full = lsqml.chunk_step(start, ds.truth.probe, y, ds.positions, options=options,
+                            sample=slice_model(start, ds.kernel), update_probe=update_probe, step_stride=1)
+    sampled = lsqml.chunk_step(start, ds.truth.probe, y, ds.positions, options=options,
+                               sample=slice_model(start, ds.kernel), update_probe=update_probe)
     a_full, a_sampled = full.arrays["alpha_slices"], sampled.arrays["alpha_slices"]
     assert np.all(a_full > 0)
     np.testing.assert_allclose(a_sampled, a_full, rtol=0.15)

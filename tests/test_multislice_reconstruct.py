@@ -96,12 +96,13 @@ def test_one_and_two_workers_identical_and_resume_bit_identical(two_slices, clie
 
 def test_one_slice_far_field_keeps_the_single_slice_path(two_slices, client):
     """K = 1 in the far field: the 2-D adapter, the 2-D object and the same numbers as before."""
+    from daskpty.engines.forward_model import THIN
     from daskpty.execution.parts import sample_model
     from daskpty.options import SampleOptions
 
     _, data = two_slices
     thin = SampleOptions().resolve(data.metadata, 32)
-    assert not thin.multislice and thin.working_factor == 1.0 and sample_model(thin) is None
+    assert not thin.multislice and thin.working_factor == 1.0 and sample_model(thin) is THIN
     a = daskpty.reconstruct(data, client=client, epochs=3, check_data=False)
     b = daskpty.reconstruct(data, client=client, epochs=3, check_data=False, slices=1)
     assert a.object.shape == b.object.shape and a.object.ndim == 2

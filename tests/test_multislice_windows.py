@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from daskpty.engines import lsqml
-from daskpty.engines import multislice as ms
-from daskpty.engines import multislice_gradient as msg
+from daskpty.engines import ad, lsqml
 from daskpty.engines.ad import ADOptions
 from daskpty.engines.multislice_positions import position_sums
 from daskpty.engines.position_fits import solve_window_deformation
 
+from daskpty.physics import multislice as ms
+from synthetic import slice_model, whole_block
 from test_compose import _setup
 
 PAIRS = ((0, 0), (0, 1), (1, 0), (1, 1))
@@ -38,10 +38,10 @@ def test_window_sums_through_slices_are_the_gauss_newton_system(k, near):
     s = _setup(k, near, b=9)
     probe = s["probe"][:1]
     kernel, detector = (None if s[key] is None else s[key].astype(np.complex64) for key in ("kernel", "detector"))
-    part = ms.chunk_step(s["slices"].astype(np.complex64), probe.astype(np.complex64), s["y"], s["pos"],
-                         options=lsqml.LSQMLOptions(eps=1e-12), kernel=kernel, detector=detector,
-                         position_terms=True, window_sums=True, update_probe=False)
-    c = ms.SliceChunk(s["slices"], probe, s["y"], s["pos"], s["kernel"], s["detector"], np.complex128)
+    part = lsqml.chunk_step(s["slices"].astype(np.complex64), probe.astype(np.complex64), s["y"], s["pos"],
+                            options=lsqml.LSQMLOptions(eps=1e-12), sample=slice_model(s["slices"], kernel, detector),
+                            position_terms=True, window_sums=True, update_probe=False)
+    c = whole_block(s["slices"], probe, s["y"], s["pos"], s["kernel"], s["detector"], np.complex128)
     detected, losses = _exit_and_loss(c, s["y"], s["detector"])
     box_d = c.box_gradients()
     n = c.n
@@ -67,13 +67,13 @@ def test_one_far_field_slice_gives_the_single_slice_window_sums():
     step's box forms (lsqml.chunk_step), two probe modes. The object is cut to the windows' box:
     the single slice differentiates one-sidedly at the box's edge, K slices read beyond it."""
     s = _setup(1, False, b=12)
-    c = ms.SliceChunk(s["slices"], s["probe"], s["y"], s["pos"], None, None)
+    c = whole_block(s["slices"], s["probe"], s["y"], s["pos"], None, None)
     obj, probe = c.obj_box[0], s["probe"].astype(np.complex64)
     s["pos"] = s["pos"] - c.box0
     opts = lsqml.LSQMLOptions(eps=1e-6)
     one = lsqml.chunk_step(obj, probe, s["y"], s["pos"], options=opts, position_terms=True, update_probe=False)
-    many = ms.chunk_step(obj[None], probe, s["y"], s["pos"], options=opts, position_terms=True, window_sums=True,
-                         update_probe=False)
+    many = lsqml.chunk_step(obj[None], probe, s["y"], s["pos"], options=opts, sample=slice_model(obj[None]),
+                            position_terms=True, window_sums=True, update_probe=False)
     for key in ("window_num", "window_gram", "window_positions"):
         np.testing.assert_allclose(many.arrays[key], one.arrays[key], rtol=1e-3,
                                    atol=1e-3 * np.abs(one.arrays[key]).max(), err_msg=key)
@@ -85,23 +85,24 @@ def test_ad_window_sums_through_slices_are_lsqmls_from_the_loss_gradient(near):
     none without the object gradient or with the intensity loss (no constant χ factor)."""
     s = _setup(2, near, b=8)
     obj, probe = s["slices"].astype(np.complex64), s["probe"][:1].astype(np.complex64)
-    kw = {key: None if s[key] is None else s[key].astype(np.complex64) for key in ("kernel", "detector")}
-    ref = ms.chunk_step(obj, probe, s["y"], s["pos"], options=lsqml.LSQMLOptions(eps=1e-6), position_terms=True,
-                        window_sums=True, update_probe=False, **kw)
-    got = msg.chunk_gradient(obj, probe, s["y"], s["pos"], options=ADOptions(loss="gaussian", eps=1e-6),
-                             window_sums=True, **kw)
+    kw = dict(sample=slice_model(obj, *(None if s[key] is None else s[key].astype(np.complex64)
+                                        for key in ("kernel", "detector"))))
+    ref = lsqml.chunk_step(obj, probe, s["y"], s["pos"], options=lsqml.LSQMLOptions(eps=1e-6), position_terms=True,
+                           window_sums=True, update_probe=False, **kw)
+    got = ad.chunk_gradient(obj, probe, s["y"], s["pos"], options=ADOptions(loss="gaussian", eps=1e-6),
+                            window_sums=True, **kw)
     for key in ("window_num", "window_gram", "window_positions"):
         np.testing.assert_allclose(got.arrays[key], ref.arrays[key], rtol=2e-3,
                                    atol=2e-3 * np.abs(ref.arrays[key]).max(), err_msg=key)
     assert np.abs(ref.arrays["window_num"]).max() > 0
     for extra in (dict(options=ADOptions(loss="intensity")), dict(options=ADOptions(), want_object=False)):
-        assert "window_num" not in msg.chunk_gradient(obj, probe, s["y"], s["pos"], window_sums=True,
-                                                      **extra, **kw).arrays
+        assert "window_num" not in ad.chunk_gradient(obj, probe, s["y"], s["pos"], window_sums=True,
+                                                     **extra, **kw).arrays
 
 
 def test_position_sums_without_the_window_leave_it_out():
     s = _setup(2, False, b=5)
-    c = ms.SliceChunk(s["slices"], s["probe"], s["y"], s["pos"], s["kernel"], None, np.complex128)
+    c = whole_block(s["slices"], s["probe"], s["y"], s["pos"], s["kernel"], None, np.complex128)
     exit_waves, incident = ms.multislice_forward(c.shifted, c.patches, c.kernel)
     grads = ms.multislice_vjp(exit_waves, c.patches, incident, c.kernel)[0]
     (num, den, ratio), window = position_sums(c, grads, incident)
@@ -118,7 +119,7 @@ def test_reused_sums_carry_nothing_and_keep_the_ratios(near, monkeypatch):
     from daskpty.engines import multislice_positions as mp
 
     s = _setup(3, near, b=12)
-    c = ms.SliceChunk(s["slices"], s["probe"], s["y"], s["pos"], s["kernel"], s["detector"], np.complex128)
+    c = whole_block(s["slices"], s["probe"], s["y"], s["pos"], s["kernel"], s["detector"], np.complex128)
     exit_waves, incident = ms.multislice_forward(c.shifted, c.patches, c.kernel)
     grads = ms.multislice_vjp(exit_waves, c.patches, incident, c.kernel)[0]
     scattered = c.boxes(grads, np.complex128)

@@ -8,7 +8,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskpty
-from daskpty.engines import pie, pie_multislice
+from daskpty.engines import pie
 from daskpty.engines.positions import PositionOptions, initial_local
 from daskpty.engines.lsqml import LSQMLState
 from daskpty.metrics import nrmse
@@ -147,12 +147,12 @@ def _one_slice_set(seed=3, modes=2):
 
 
 def test_one_slice_through_the_slices_step_is_the_single_slice_step():
-    """3PIE with K = 1 in the far field (pie_multislice) is rPIE (pie.chunk_step), shift terms included
+    """3PIE with K = 1 in the far field (a (1, H, W) object) is rPIE on the (H, W) one, shift terms included
     (those of windows at the box's edge differ: the slices' step takes ∂O from beyond the box)."""
     ds, obj, probe, y = _one_slice_set()
     options = pie.PIEOptions(alpha=0.2, probe_alpha=0.3)
     a = pie.chunk_step(obj, probe, y, ds.positions, options=options, position_terms=True)
-    b = pie_multislice.chunk_step(obj[None], probe, y, ds.positions, options=options, position_terms=True)
+    b = pie.chunk_step(obj[None], probe, y, ds.positions, options=options, position_terms=True)
     for name in ("object_num", "illumination"):
         assert a.boxes[name].offset == b.boxes[name].offset
         np.testing.assert_allclose(b.boxes[name].data[0], a.boxes[name].data, rtol=0,

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from daskpty.engines import lsqml, lsqml_tiles
-from daskpty.engines import multislice as ms
 from daskpty.engines.partials import BoxedArray, Partial
 
 
@@ -38,10 +37,9 @@ def test_in_place_rounds_equal_the_engines_update_and_leave_the_previous_epoch_a
     peaks = [np.float32(6.0) if layers is None else np.full(layers, 6.0, np.float32),
              np.float32(7.5) if layers is None else np.array([7.5, 5.0], np.float32)]
 
-    engine_apply = lsqml.apply if layers is None else ms.apply
     expected = lsqml.begin_epoch(copy.copy(previous), options)
     for total, peak in zip(sums, peaks):
-        expected = engine_apply(copy.copy(expected), total, options, illumination_max=peak)
+        expected = lsqml.apply(copy.copy(expected), total, options, illumination_max=peak)
 
     state = lsqml_tiles.begin_epoch(lsqml.begin_epoch(copy.copy(previous), options), options)
     for total, peak in zip(sums, peaks):
@@ -64,13 +62,11 @@ def test_the_in_place_epoch_end_equals_the_engines_and_leaves_the_previous_epoch
     previous = _state(shape, rng)
     kept = copy.deepcopy(previous)
     total = _round_sum(shape, rng, (3, 5), (140, 60))
-    layers = shape[0] if len(shape) == 3 else None
-    engine_apply, engine_end = (lsqml.apply, lsqml.end_epoch) if layers is None else (ms.apply, ms.end_epoch)
 
-    expected = engine_apply(lsqml.begin_epoch(copy.copy(previous), options), total, options)
-    expected = engine_end(expected, options, agree=agree)
+    expected = lsqml.apply(lsqml.begin_epoch(copy.copy(previous), options), total, options)
+    expected = lsqml.end_epoch(expected, options, agree=agree)
     state = lsqml_tiles.begin_epoch(lsqml.begin_epoch(copy.copy(previous), options), options)
-    state = engine_end(lsqml_tiles.apply_in_place(state, total, options), options, agree=agree, in_place=True)
+    state = lsqml.end_epoch(lsqml_tiles.apply_in_place(state, total, options), options, agree=agree, in_place=True)
 
     for name in ("object", "velocity", "probe"):
         np.testing.assert_array_equal(getattr(state, name), getattr(expected, name), err_msg=name)

@@ -85,6 +85,11 @@ class ForwardModel:
         return Chunk(self, obj, probe, intensities, positions, cdtype, variable,
                      CPU_BLOCK_BYTES if block_bytes is None else block_bytes, keep_probe_waves, whole)
 
+    @property
+    def stacked(self) -> bool:
+        """Whether the object is (K, H, W): K > 1 slices or a near-field detector."""
+        return self.n_slices > 1 or self.detector is not None
+
 
 #: one slice in the far field
 THIN = ForwardModel()

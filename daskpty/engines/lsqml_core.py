@@ -14,7 +14,7 @@ def _apply_in_place(state, total, options):
 
 
 def _end_epoch(state, run, in_place: bool = False):
-    return sm.lsqml_end_epoch(run.sample.model)(state, run.options, in_place=in_place)
+    return lsqml.end_epoch(state, run.options, in_place=in_place)
 
 
 class LSQMLCore(EngineCore):
@@ -44,7 +44,7 @@ class LSQMLCore(EngineCore):
 
     @staticmethod
     def apply(state, total, run):
-        return sm.lsqml_apply(run.sample.model)(state, total, run.options)
+        return lsqml.apply(state, total, run.options)
 
     @staticmethod
     def apply_probe_model(state, total, model, run) -> None:

@@ -47,11 +47,12 @@ def _add_momentum(obj, change, velocity, momentum: float) -> None:
 
 
 def end_epoch(state: LSQMLState, options: LSQMLOptions, *, agree: bool | None = None,
-              scale: float | None = None, in_place: bool = False) -> LSQMLState:
+              scales=None, in_place: bool = False) -> LSQMLState:
     """Momentum on the object's change, probe-mode orthogonalisation, scale-ambiguity removal.
 
-    ``agree`` (the momentum test: does the change point along the velocity?) and ``scale``
-    (the normalisation's mean |O| over the lit region) come from outside when the state holds
+    An (H, W) or a (K, H, W) object (K slices, or the near field: each slice's scale removed on
+    its own). ``agree`` (the momentum test: does the change point along the velocity?) and
+    ``scales`` (the normalisation's mean |O_k| over the lit region) come from outside when the state holds
     only a tile of the object (:mod:`.lsqml_tiles`); None: computed here. ``in_place``: the
     object is the epoch's own (after ``lsqml_tiles.begin_epoch``) and is written into, as is the
     new velocity — the same bits, two object-sized temporaries fewer."""
@@ -72,7 +73,7 @@ def end_epoch(state: LSQMLState, options: LSQMLOptions, *, agree: bool | None = 
         else:
             state.velocity = change if in_place else change.astype(np.complex64)
     state.epoch_start_object = None  # only needed within the epoch (keeps gathered states small)
-    return close_epoch(state, options, scale, owned)
+    return close_epoch(state, options, scales, owned)
 
 
 def normalizes_now(state, options) -> bool:
@@ -80,42 +81,50 @@ def normalizes_now(state, options) -> bool:
     return bool(options.normalize_every) and (state.epoch + 1) % options.normalize_every == 0
 
 
-def close_epoch(state, options, scale: float | None = None, owned: tuple = ()):
+def close_epoch(state, options, scales=None, owned: tuple = ()):
     """The end of every engine's epoch that keeps LSQML's state: probe-mode orthogonalisation
     (``options.orthogonalize``), scale-ambiguity removal every ``options.normalize_every``
-    epochs (``scale``: see :func:`normalize_scale`), and the epoch counter."""
+    epochs (``scales``: see :func:`normalize_scale`), and the epoch counter."""
     if options.orthogonalize and state.probe.shape[0] > 1:
         state.probe = orthogonalize_modes(state.probe)
     if normalizes_now(state, options):
-        normalize_scale(state, scale, owned)
+        normalize_scale(state, scales, owned)
     state.epoch += 1
     return state
 
 
-def _divided(a, c, in_place: bool):
-    """``a / c`` as complex64, written into ``a`` when ``in_place`` (the same bits)."""
-    if in_place:
-        a /= c
-        return a
-    return (a / c).astype(np.complex64)
+def _lit_mean(obj, illumination) -> float:
+    """Mean |O| where ``illumination`` exceeds half its largest (0.0: nothing lit)."""
+    lit = illumination > 0.5 * illumination.max()
+    return float(get_xp(obj).abs(obj[lit]).mean()) if bool(lit.any()) else 0.0
 
 
-def normalize_scale(state: LSQMLState, scale: float | None = None, owned: tuple = ()) -> None:
-    """Remove the O·c, P/c ambiguity: mean |O| = 1 over the well-illuminated region. ``scale``:
-    that mean when the state holds only a tile of the object (0: no lit pixel anywhere).
-    ``owned``: the arrays it may divide in place ("object", "velocity")."""
-    if scale is None:
-        if state.illumination is None:
-            return
-        lit = state.illumination > 0.5 * state.illumination.max()
-        if not lit.any():
-            return
-        scale = float(get_xp(state.object).abs(state.object[lit]).mean())
-    c = scale
-    if c > 0 and np.isfinite(c):
-        state.object = _divided(state.object, np.float32(c), "object" in owned)
-        state.probe = (state.probe * np.float32(c)).astype(np.complex64)
-        if state.eigen_probes is not None:  # they scale with the mean probe (weights unchanged)
-            state.eigen_probes = (state.eigen_probes * np.float32(c)).astype(np.complex64)
-        if state.velocity is not None:
-            state.velocity = _divided(state.velocity, np.float32(c), "velocity" in owned)
+def normalize_scale(state: LSQMLState, scales=None, owned: tuple = ()) -> None:
+    """Remove the scale ambiguity O_k c_k, P / Π c_k: mean |O_k| = 1 where slice k is lit, slice by
+    slice for a (K, H, W) object (one c for an (H, W) one). ``scales``: those means (one per
+    slice, 0: nothing lit) when the state holds only a tile of the object. ``owned``: the arrays
+    it may divide in place ("object", "velocity")."""
+    if state.illumination is None and scales is None:
+        return
+    obj = state.object if "object" in owned else state.object.copy()
+    layers = obj if obj.ndim == 3 else obj[None]
+    velocity_owned = "velocity" in owned
+    total = 1.0
+    for k in range(layers.shape[0]):
+        if scales is not None:
+            c = float(scales[k])
+        else:
+            w = state.illumination if state.illumination.ndim == 2 else state.illumination[k]
+            c = _lit_mean(layers[k], w)
+        if c > 0 and np.isfinite(c):
+            layers[k] /= np.float32(c)
+            total *= c
+            if state.velocity is not None:
+                if not velocity_owned:  # (once: a copy per slice cost K of them)
+                    state.velocity, velocity_owned = state.velocity.copy(), True
+                velocity = state.velocity if state.velocity.ndim == 3 else state.velocity[None]
+                velocity[k] /= np.float32(c)
+    state.object = obj
+    state.probe = (state.probe * np.float32(total)).astype(np.complex64)
+    if state.eigen_probes is not None:  # they scale with the mean probe (weights unchanged)
+        state.eigen_probes = (state.eigen_probes * np.float32(total)).astype(np.complex64)

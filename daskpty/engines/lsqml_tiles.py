@@ -23,7 +23,6 @@ import numpy as np
 
 from ..physics.backend import get_xp, to_numpy
 from . import lsqml
-from . import multislice as ms
 from .partials import Partial
 from .position_fits import accumulate_affine, accumulate_window
 
@@ -193,10 +192,7 @@ def end_epoch(state: lsqml.LSQMLState, options: lsqml.LSQMLOptions, shares: list
         key = "abs_sum_moved" if agree else "abs_sum"
         total = sum(s[key] for s in shares)
         scales = np.where(lit > 0, total / np.maximum(lit, 1), 0.0)
-    if _slices(state) is None:
-        return lsqml.end_epoch(state, options, agree=agree, scale=None if scales is None else float(scales[0]),
-                               in_place=True)
-    return ms.end_epoch(state, options, agree=agree, scales=scales, in_place=True)
+    return lsqml.end_epoch(state, options, agree=agree, scales=scales, in_place=True)
 
 
 __all__ = ["apply", "apply_in_place", "begin_epoch", "end_epoch", "end_sums", "round_sums"]

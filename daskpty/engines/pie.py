@@ -42,7 +42,6 @@ checkpoints and results read it as they read LSQML's. No dask here.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,7 +51,6 @@ from ..physics.backend import asarray_like
 from ..physics.kernels import far_field_update
 from .forward_model import THIN, ForwardModel
 from .lsqml_epoch import close_epoch
-from .multislice import normalize_scale
 from .partials import BoxedArray, Partial
 from .position_sums import PositionSums, refining_step
 from .positions import (PositionOptions, accumulate_affine, accumulate_window)
@@ -238,11 +236,6 @@ def begin_epoch(state: EngineState, options: PIEOptions) -> EngineState:
 
 
 def end_epoch(state: EngineState, options: PIEOptions) -> EngineState:
-    """Probe-mode orthogonalisation and scale-ambiguity removal, as LSQML's epoch end; a
-    (K, H, W) object's scale slice by slice (:func:`daskpty.engines.multislice.normalize_scale`)."""
-    if state.object.ndim == 2:
-        return close_epoch(state, options)
-    state = close_epoch(state, dataclasses.replace(options, normalize_every=0))
-    if options.normalize_every and state.epoch % options.normalize_every == 0:
-        normalize_scale(state)
-    return state
+    """Probe-mode orthogonalisation and scale-ambiguity removal, as LSQML's epoch end (a
+    (K, H, W) object's scale slice by slice)."""
+    return close_epoch(state, options)

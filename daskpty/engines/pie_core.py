@@ -6,13 +6,12 @@ import copy
 from functools import partial
 
 from . import lsqml, pie, pie_tiles
-from . import sample_model as sm
 from .core import EngineCore, TileSteps, chunk_steps
 
 
 def _step(sample):
-    """The rPIE / 3PIE chunk step through ``sample`` (None: one slice in the far field)."""
-    return partial(pie.chunk_step, sample=sm.forward_model(sample))
+    """The rPIE / 3PIE chunk step through ``sample``."""
+    return partial(pie.chunk_step, sample=sample)
 
 
 class PIECore(EngineCore):

@@ -10,12 +10,9 @@ near field) takes each number per slice. No dask.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from . import lsqml_tiles, pie
-from . import multislice as ms
 from .lsqml_epoch import close_epoch
 from .partials import Partial
 
@@ -43,12 +40,7 @@ def end_epoch(state, options: pie.PIEOptions, shares: list):
         lit = sum(s["lit"] for s in shares)
         total = sum(s["abs_sum"] for s in shares)
         scales = np.where(lit > 0, total / np.maximum(lit, 1), 0.0)
-    if state.object.ndim == 2:
-        return close_epoch(state, options, scale=None if scales is None else float(scales[0]))
-    state = close_epoch(state, dataclasses.replace(options, normalize_every=0))
-    if scales is not None:  # (end_sums gave them: this epoch normalises)
-        ms.normalize_scale(state, scales)
-    return state
+    return close_epoch(state, options, scales)
 
 
 __all__ = ["apply", "end_epoch", "end_sums", "round_sums"]

@@ -164,7 +164,7 @@ class ResolvedSample:
     @property
     def working_factor(self) -> float:
         """Working set of a chunk step relative to the single-slice engine's: ~(2K + 4) / 3 exit
-        waves for the multislice engines (engines/multislice.py), 1 for the 2-D path."""
+        waves through K slices (engines/forward_model.py), 1 for the 2-D path."""
         return (2.0 * self.n_slices + 4.0) / 3.0 if self.multislice else 1.0
 
     def object_like(self, obj2d: np.ndarray) -> np.ndarray:

@@ -61,7 +61,7 @@ def forward_sums_chunk(intensities, positions, payload: Payload):
 
 class Adapter:
     """Engine ``spec`` (class attribute) with its parts: ``positions`` (PositionOptions),
-    ``probe_model`` (ProbeModelOptions), ``sample`` (SampleModel), each None when off (or a part)."""
+    ``probe_model`` (ProbeModelOptions), each None when off, ``sample`` (SampleModel, None: THIN), or parts."""
 
     spec = None
     chunk_function = staticmethod(chunk)

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..engines import probe_model as pm
 from ..engines import sample_model as sm
+from ..engines.forward_model import THIN
 from ..engines.eigen_probes import initial_eigen_probes
 from ..engines.lsqml_opr import end_epoch as orthonormalise_eigen_probes
 from ..engines.multislice_positions import initial_ratios
@@ -88,9 +89,9 @@ OFF = Part()
 
 class Sample(Part):
     """The sample and detector: ``model`` a :class:`~daskpty.engines.sample_model.SampleModel`
-    (K slices and/or a near-field detector), or None for one slice in the far field."""
+    (one slice in the far field, K slices and/or a near-field detector)."""
 
-    def __init__(self, model: sm.SampleModel | None = None):
+    def __init__(self, model: sm.SampleModel = THIN):
         self.options = self.model = model
         self.carries_position_sums = sm.carries_position_sums(model)
 
@@ -207,11 +208,11 @@ class ProbeModel(Part):
         return ProbeModel(self.model.for_rounds(rounds))
 
 
-def sample_model(sample) -> sm.SampleModel | None:
+def sample_model(sample) -> sm.SampleModel:
     """The engines' :class:`SampleModel` of a resolved sample (:class:`daskpty.engines.sample_options.ResolvedSample`):
-    None for one slice in the far field (the single-slice code path, bit for bit)."""
+    :data:`THIN` for one slice in the far field (the single-slice code path, bit for bit)."""
     if not sample.multislice:
-        return None
+        return THIN
     kernel = None if sample.kernel is None else np.asarray(sample.kernel, np.complex64)
     detector = None if sample.detector_kernel is None else np.asarray(sample.detector_kernel, np.complex64)
     return sm.SampleModel(sample.n_slices, kernel, detector)
@@ -223,7 +224,7 @@ def compose(spec, positions=None, probe_model=None, sample=None) -> tuple[Part, 
     defaults for the settings left None."""
     return (_part(positions, lambda o: Positions(o.for_engine(spec.name), spec.gradient_based)),
             _part(probe_model, lambda o: ProbeModel(o.for_engine(spec.name))),
-            sample if isinstance(sample, Sample) else Sample(sample))
+            sample if isinstance(sample, Sample) else Sample(THIN if sample is None else sample))
 
 
 def _part(value, make) -> Part:
