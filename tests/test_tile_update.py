@@ -1,11 +1,12 @@
-"""A tile's update writes into arrays of the epoch's own (``engines.lsqml_tiles``): the same bits
+"""A tile's update writes into arrays of the epoch's own (``lsqml.apply_in_place``): the same bits
 as the engines' copy-and-rebind update, and the previous epoch's arrays stay as they were."""
 import copy
 
 import numpy as np
 import pytest
 
-from daskpty.engines import lsqml, lsqml_tiles
+from daskpty.engines import lsqml
+from daskpty.execution import tile_numbers
 from daskpty.engines.partials import BoxedArray, Partial
 
 
@@ -41,9 +42,9 @@ def test_in_place_rounds_equal_the_engines_update_and_leave_the_previous_epoch_a
     for total, peak in zip(sums, peaks):
         expected = lsqml.apply(copy.copy(expected), total, options, illumination_max=peak)
 
-    state = lsqml_tiles.begin_epoch(lsqml.begin_epoch(copy.copy(previous), options), options)
+    state = lsqml.begin_owned_epoch(lsqml.begin_epoch(copy.copy(previous), options), options)
     for total, peak in zip(sums, peaks):
-        state = lsqml_tiles.apply(state, total, options, [{"illumination_max": peak}])
+        state = lsqml.apply_in_place(state, total, options, peak)
 
     for name in ("object", "illumination", "probe"):
         np.testing.assert_array_equal(getattr(state, name), getattr(expected, name), err_msg=name)
@@ -65,8 +66,8 @@ def test_the_in_place_epoch_end_equals_the_engines_and_leaves_the_previous_epoch
 
     expected = lsqml.apply(lsqml.begin_epoch(copy.copy(previous), options), total, options)
     expected = lsqml.end_epoch(expected, options, agree=agree)
-    state = lsqml_tiles.begin_epoch(lsqml.begin_epoch(copy.copy(previous), options), options)
-    state = lsqml.end_epoch(lsqml_tiles.apply_in_place(state, total, options), options, agree=agree, in_place=True)
+    state = lsqml.begin_owned_epoch(lsqml.begin_epoch(copy.copy(previous), options), options)
+    state = lsqml.end_epoch(lsqml.apply_in_place(state, total, options), options, agree=agree, in_place=True)
 
     for name in ("object", "velocity", "probe"):
         np.testing.assert_array_equal(getattr(state, name), getattr(expected, name), err_msg=name)
@@ -75,9 +76,8 @@ def test_the_in_place_epoch_end_equals_the_engines_and_leaves_the_previous_epoch
 
 
 def test_the_epoch_ends_sums_by_blocks_of_rows_equal_the_whole(monkeypatch):
-    """lsqml_tiles.end_sums goes block by block of rows (its temporaries were a spike at each
-    epoch's end): the same count and, to rounding, the same sums as in one block."""
-    from daskpty.engines import lsqml, lsqml_tiles
+    """The epoch end's shares on a tile go block by block of rows (their temporaries were a
+    spike at each epoch's end): the same count and, to rounding, the same sums as in one block."""
 
     rng = np.random.default_rng(0)
     shape = (50, 40)
@@ -89,10 +89,11 @@ def test_the_epoch_ends_sums_by_blocks_of_rows_equal_the_whole(monkeypatch):
                              epoch_start_object=field(), illumination=rng.random(shape).astype(np.float32),
                              extra={"illumination_max": 1.0})
     options = lsqml.LSQMLOptions(momentum=0.5, normalize_every=2)
-    monkeypatch.setattr(lsqml_tiles, "END_BLOCK_ROWS", 10**6)
-    whole = lsqml_tiles.end_sums(state, options, (3, 47))
-    monkeypatch.setattr(lsqml_tiles, "END_BLOCK_ROWS", 7)
-    blocks = lsqml_tiles.end_sums(state, options, (3, 47))
+    names = ("agree", "scales")
+    monkeypatch.setattr(tile_numbers, "END_BLOCK_ROWS", 10**6)
+    whole = tile_numbers.end_share(names, state, options, (3, 47))
+    monkeypatch.setattr(tile_numbers, "END_BLOCK_ROWS", 7)
+    blocks = tile_numbers.end_share(names, state, options, (3, 47))
     assert set(whole) == {"dot", "lit", "abs_sum", "abs_sum_moved"} and whole["lit"][0] > 0
     np.testing.assert_array_equal(blocks["lit"], whole["lit"])
     for key in ("abs_sum", "abs_sum_moved"):  # (float64 sums)

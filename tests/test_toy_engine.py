@@ -72,17 +72,7 @@ def _descend(state, total, options, peak=None):
     return state
 
 
-def _peak_share(state, total, own, *earlier):
-    """The largest illumination over this tile's own rows."""
-    box = total.boxes["illumination"] if total is not None else None
-    if box is None:
-        return {"peak": 0.0}
-    a, b = max(own[0], box.offset[0]), min(own[1], box.stop[0])
-    rows = box.data[..., a - box.offset[0]:b - box.offset[0], :]
-    return {"peak": float(rows.max()) if a < b and rows.size else 0.0}
-
-
-def _next_epoch(state, options, shares=None):
+def _next_epoch(state, options):
     state.epoch += 1
     return state
 
@@ -90,10 +80,7 @@ def _next_epoch(state, options, shares=None):
 class ToyCore(EngineCore):
     steps = chunk_steps(sm.ad_gradient, refining_chunk_gradient, opr.variable_chunk_gradient, inject="gradient",
                         keep_gram=sm.carries_position_sums)
-    tiles = TileSteps(("object", "illumination"), ("object",), _peak_share,
-                      lambda state, total, options, shares: _descend(state, total, options,
-                                                                      max(s["peak"] for s in shares)),
-                      lambda state, options, own: {}, _next_epoch)
+    tiles = TileSteps(("object", "illumination"), ("object",))  # its apply takes the round's peak
     rescale_probe = staticmethod(lsqml.rescale_probe)
     resample = staticmethod(lsqml.resample_object_state)
     copy_state = staticmethod(copy.copy)  # the steps rebind the state's arrays
@@ -113,8 +100,8 @@ class ToyCore(EngineCore):
         return state
 
     @staticmethod
-    def apply(state, total, run):
-        return _descend(state, total, run.options)
+    def apply(state, total, run, peak=None):
+        return _descend(state, total, run.options, None if peak is None else float(np.max(peak)))
 
     @staticmethod
     def end_epoch(state, run):

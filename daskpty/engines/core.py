@@ -14,25 +14,24 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class TileSteps:
-    """The update on row tiles (:class:`daskpty.execution.engine_protocol.RunsOnTiles`):
-    ``round_sums(state, total, own, *earlier)``, ``apply(state, total, options, shares)``,
-    ``end_sums(state, options, own)``, ``end_epoch(state, options, shares)``; ``fields``: state
-    attributes in the object's frame, cut by rows; ``warped_fields``: those the window correction
-    resamples; ``stages(options)``: rounds of shares an update needs."""
+    """What the core's own update needs on row tiles (:mod:`daskpty.execution.tile_numbers`
+    supplies the frame, the halo and the numbers): ``fields``, state attributes in the object's
+    frame, cut by rows; ``warped_fields``, those the window correction resamples; the names of
+    the whole-object numbers its ``apply`` takes as keywords (``round_numbers(options)``) and
+    its ``end_epoch`` (``end_numbers``). The in-place update and end take them when the core
+    has them (:class:`InPlaceSteps`)."""
 
     fields: tuple
     warped_fields: tuple
-    round_sums: Callable
-    apply: Callable
-    end_sums: Callable
-    end_epoch: Callable
-    stages: Callable = staticmethod(lambda options: 1)
+    round_numbers: Callable = staticmethod(lambda options: ("peak",))
+    end_numbers: tuple = ()
 
 
 @dataclass(frozen=True)
 class InPlaceSteps:
     """The update into arrays of the epoch's own: ``begin_epoch(state, options)`` makes them,
-    ``apply(state, total, options)`` and ``end_epoch(state, run)`` write into them."""
+    ``apply(state, total, options, **numbers)`` and ``end_epoch(state, run, **numbers)`` write
+    into them (``numbers``: the whole-object numbers on a tile, :class:`TileSteps`)."""
 
     begin_epoch: Callable
     apply: Callable
@@ -93,8 +92,9 @@ class EngineCore:
         return {}
 
     @staticmethod
-    def apply(state, total, run):
-        """The state after a round's reduced Partial ``total`` (None: the round held no pattern)."""
+    def apply(state, total, run, **numbers):
+        """The state after a round's reduced Partial ``total`` (None: the round held no pattern);
+        ``numbers``: the whole-object numbers when the state holds a tile (:class:`TileSteps`)."""
         raise NotImplementedError
 
     @staticmethod
@@ -102,8 +102,9 @@ class EngineCore:
         return state
 
     @staticmethod
-    def end_epoch(state, run):
-        """The epoch's end (momentum, normalisation); ``state.epoch`` += 1."""
+    def end_epoch(state, run, **numbers):
+        """The epoch's end (momentum, normalisation); ``state.epoch`` += 1; ``numbers`` as in
+        :meth:`apply`."""
         raise NotImplementedError
 
     @staticmethod

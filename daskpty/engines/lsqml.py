@@ -24,8 +24,8 @@ import numpy as np
 from ..physics import get_noise_model, get_xp, ifft2, kernels, model_intensity
 from ..physics.backend import asarray_like, is_cupy, real_dots, to_numpy
 from ..physics.multislice import slice_windows, transmit
-from .lsqml_epoch import (begin_epoch, close_epoch, end_epoch, normalize_scale,  # noqa: F401 (re-exported)
-                          normalizes_now, owned_at_end)
+from .lsqml_epoch import (begin_epoch, begin_owned_epoch, close_epoch, end_epoch,  # noqa: F401 (re-exported)
+                          normalize_scale, normalizes_now, owned_at_end)
 from .partials import BoxedArray, Partial
 from .forward_model import THIN, ForwardModel
 from .position_sums import PositionSums, refining_step
@@ -379,7 +379,7 @@ def apply(state: LSQMLState, total: Partial, options: LSQMLOptions,
     Runs where the state lives (NumPy, or CuPy on a GPU worker: see
     :mod:`daskpty.execution.device_state`); ``total`` must live there too. ``illumination_max``:
     max W (per slice) over the whole object, when the state holds only a tile of it
-    (:mod:`.lsqml_tiles`)."""
+    (:mod:`daskpty.execution.tile_numbers`)."""
     accumulate_affine(state, total)
     accumulate_window(state, total)
     if "object" not in total.boxes:
@@ -402,6 +402,42 @@ def apply(state: LSQMLState, total: Partial, options: LSQMLOptions,
     (y0, x0), (y1, x1) = illum.offset, illum.stop
     xp.maximum(full_illum[..., y0:y1, x0:x1], illum.data, out=full_illum[..., y0:y1, x0:x1])
     state.object, state.probe, state.illumination = obj, probe, full_illum
+    return state
+
+
+#: Rows of the object updated at a time by :func:`apply_in_place`: the update's temporaries stay
+#: a few MB however large the object or tile.
+BLOCK_ROWS = 64
+
+
+def apply_in_place(state: LSQMLState, total: Partial, options: LSQMLOptions, peak=None) -> LSQMLState:
+    """:func:`apply` writing into the state's object and illumination (the epoch's own:
+    :func:`~.lsqml_epoch.begin_owned_epoch`) block by block of rows, the same bits. ``peak``:
+    max W (per slice) over the whole object when the state holds a tile; None: the round's own."""
+    accumulate_affine(state, total)
+    accumulate_window(state, total)
+    if "object" not in total.boxes:
+        return state
+    xp = get_xp(state.object)
+    num, illum = total.boxes["object"], total.boxes["illumination"]
+    if peak is None:  # as the preconditioner takes it, before the update goes by blocks
+        peak = (float(illum.data.max()) if state.object.ndim == 2
+                else illum.data.reshape(illum.data.shape[0], -1).max(axis=1))
+    (y0, x0), (y1, x1) = num.offset, num.stop
+    for a in range(0, num.data.shape[-2], BLOCK_ROWS):
+        rows = slice(a, a + BLOCK_ROWS)
+        scale = _preconditioner(illum.data[..., rows, :], options.object_delta, peak)
+        xp.divide(np.float32(options.beta), scale, out=scale)
+        step = num.data[..., rows, :] * scale
+        state.object[..., y0 + a:y0 + a + step.shape[-2], x0:x1] += step
+    if "probe" in total.arrays:
+        state.probe = (state.probe + options.beta * total.arrays["probe"]
+                       / np.float32(total.scalars["n"])).astype(np.complex64)
+    if state.illumination is None:  # the epoch's first round: W of its own
+        state.illumination = xp.zeros(state.object.shape, np.float32)
+    (y0, x0), (y1, x1) = illum.offset, illum.stop
+    frame = state.illumination[..., y0:y1, x0:x1]
+    xp.maximum(frame, illum.data, out=frame)
     return state
 
 

@@ -4,26 +4,26 @@ from __future__ import annotations
 
 import copy
 
-from . import lsqml, lsqml_opr, lsqml_tiles
+from . import lsqml, lsqml_opr
 from . import sample_model as sm
 from .core import EngineCore, InPlaceSteps, TileSteps, chunk_steps
 
 
-def _apply_in_place(state, total, options):
-    return state if total is None else lsqml_tiles.apply_in_place(state, total, options)
+def _apply_in_place(state, total, options, peak=None):
+    return state if total is None else lsqml.apply_in_place(state, total, options, peak)
 
 
-def _end_epoch(state, run, in_place: bool = False):
-    return lsqml.end_epoch(state, run.options, in_place=in_place)
+def _end_epoch(state, run, in_place: bool = False, agree=None, scales=None):
+    return lsqml.end_epoch(state, run.options, agree=agree, scales=scales, in_place=in_place)
 
 
 class LSQMLCore(EngineCore):
     steps = chunk_steps(sm.lsqml_step, lsqml.refining_chunk_step, lsqml_opr.variable_chunk_step)
     device_fields = ("object", "probe", "velocity", "illumination", "epoch_start_object")
     tiles = TileSteps(("object", "velocity", "epoch_start_object", "illumination"), ("object", "velocity"),
-                      lsqml_tiles.round_sums, lsqml_tiles.apply, lsqml_tiles.end_sums, lsqml_tiles.end_epoch)
-    in_place = InPlaceSteps(lsqml_tiles.begin_epoch, _apply_in_place,
-                            lambda state, run: _end_epoch(state, run, in_place=True))
+                      end_numbers=("agree", "scales"))
+    in_place = InPlaceSteps(lsqml.begin_owned_epoch, _apply_in_place,
+                            lambda state, run, **numbers: _end_epoch(state, run, in_place=True, **numbers))
     begin_epoch = staticmethod(lsqml.begin_epoch)
     end_epoch = staticmethod(_end_epoch)
     rescale_probe = staticmethod(lsqml.rescale_probe)

@@ -24,6 +24,20 @@ def begin_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
     return state
 
 
+def begin_owned_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
+    """After :func:`begin_epoch`: give the epoch an object of its own to write into
+    (:func:`~.lsqml.apply_in_place`; tiles, the client's round-by-round epochs).
+
+    The state's arrays are shared with the previous epoch's end (which the client may still
+    fetch), so the update may not write into them. With momentum :func:`begin_epoch` just copied
+    the object as the epoch's start: the copy becomes the object and the shared array the
+    (read-only) start — the same values, no extra copy."""
+    if options.momentum > 0 and state.epoch_start_object is not None:
+        state.object, state.epoch_start_object = state.epoch_start_object, state.object
+    else:
+        state.object = state.object.copy()
+    return state
+
 
 def owned_at_end(state: LSQMLState, options: LSQMLOptions, in_place: bool) -> tuple:
     """The arrays an in-place epoch end may write into: the epoch's own object, and the
@@ -53,8 +67,8 @@ def end_epoch(state: LSQMLState, options: LSQMLOptions, *, agree: bool | None = 
     An (H, W) or a (K, H, W) object (K slices, or the near field: each slice's scale removed on
     its own). ``agree`` (the momentum test: does the change point along the velocity?) and
     ``scales`` (the normalisation's mean |O_k| over the lit region) come from outside when the state holds
-    only a tile of the object (:mod:`.lsqml_tiles`); None: computed here. ``in_place``: the
-    object is the epoch's own (after ``lsqml_tiles.begin_epoch``) and is written into, as is the
+    only a tile of the object (:mod:`daskpty.execution.tile_numbers`); None: computed here.
+    ``in_place``: the object is the epoch's own (after :func:`begin_owned_epoch`) and is written into, as is the
     new velocity — the same bits, two object-sized temporaries fewer."""
     owned = owned_at_end(state, options, in_place)
     if options.momentum > 0 and state.epoch_start_object is not None:

@@ -189,7 +189,7 @@ def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, option
 def _regularised(den, alpha: float, top=None):
     """(1 − α) D + α max D, the rPIE denominator (floored so that an unlit pixel divides by > 0);
     for K slices (K, h, w) the maximum of each slice. ``top``: max D over the whole object when
-    ``den`` covers a tile of it (:mod:`.pie_tiles`)."""
+    ``den`` covers a tile of it (:mod:`daskpty.execution.tile_numbers`)."""
     if den.ndim == 3:
         top = (den.reshape(den.shape[0], -1).max(axis=1) if top is None
                else get_xp(den).asarray(top, dtype=np.float32))[:, None, None]
@@ -235,7 +235,7 @@ def begin_epoch(state: EngineState, options: PIEOptions) -> EngineState:
     return state
 
 
-def end_epoch(state: EngineState, options: PIEOptions) -> EngineState:
+def end_epoch(state: EngineState, options: PIEOptions, scales=None) -> EngineState:
     """Probe-mode orthogonalisation and scale-ambiguity removal, as LSQML's epoch end (a
-    (K, H, W) object's scale slice by slice)."""
-    return close_epoch(state, options)
+    (K, H, W) object's scale slice by slice; ``scales`` from outside on a tile)."""
+    return close_epoch(state, options, scales)

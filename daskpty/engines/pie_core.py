@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from functools import partial
 
-from . import lsqml, pie, pie_tiles
+from . import lsqml, pie
 from .core import EngineCore, TileSteps, chunk_steps
 
 
@@ -17,8 +17,7 @@ def _step(sample):
 class PIECore(EngineCore):
     steps = chunk_steps(_step, pie.refining_chunk_step)
     device_fields = ("object", "probe", "illumination")
-    tiles = TileSteps(("object", "illumination"), ("object",), pie_tiles.round_sums, pie_tiles.apply,
-                      pie_tiles.end_sums, pie_tiles.end_epoch)
+    tiles = TileSteps(("object", "illumination"), ("object",), end_numbers=("scales",))
     begin_epoch = staticmethod(pie.begin_epoch)
     rescale_probe = staticmethod(lsqml.rescale_probe)
     resample = staticmethod(lsqml.resample_object_state)
@@ -33,9 +32,9 @@ class PIECore(EngineCore):
         return lsqml.LSQMLState(object=obj, probe=probe, epoch=epoch)
 
     @staticmethod
-    def apply(state, total, run):
-        return pie.apply(state, total, run.options)
+    def apply(state, total, run, peak=None):
+        return pie.apply(state, total, run.options, illumination_max=peak)
 
     @staticmethod
-    def end_epoch(state, run):
-        return pie.end_epoch(state, run.options)
+    def end_epoch(state, run, scales=None):
+        return pie.end_epoch(state, run.options, scales)

@@ -17,6 +17,7 @@ from typing import Any
 from ..engines import sample_model as sm
 from ..engines.tile_frame import frame_of
 from . import parts as _parts
+from . import tile_numbers
 from .rounds import ChunkedData, map_reduce
 
 
@@ -177,7 +178,11 @@ class OnTiles:
 
     @property
     def tile_round_stages(self) -> int:
-        return self.core.tiles.stages(self.options)
+        return tile_numbers.stages(self._round_numbers)
+
+    @property
+    def _round_numbers(self) -> tuple:
+        return self.core.tiles.round_numbers(self.options)
 
     def tiles_unsupported(self) -> str | None:
         return self.core.unsupported(self.options, "tiles")
@@ -193,17 +198,24 @@ class OnTiles:
         return self.begin_epoch_owned(state) if isinstance(self, InPlace) else self.begin_epoch(state)
 
     def tile_round_sums(self, state, total, own, *earlier):
-        return self.core.tiles.round_sums(state, total, own, *earlier)
+        return tile_numbers.round_share(self._round_numbers, state, total, own, *earlier)
 
     def tile_apply(self, state, total, shares):
-        return self._after_apply(self.core.tiles.apply(state, total, self.options, shares), total)
+        """The core's update (in place where it has one) with the round's whole-object numbers."""
+        numbers = tile_numbers.round_numbers(self._round_numbers, state, shares)
+        if total is not None:
+            state = (self.core.in_place.apply(state, total, self.options, **numbers) if isinstance(self, InPlace)
+                     else self.core.apply(state, total, self, **numbers))
+        return self._after_apply(state, total)
 
     def tile_end_sums(self, state, own):
-        return self.core.tiles.end_sums(state, self.options, own)
+        return tile_numbers.end_share(self.core.tiles.end_numbers, state, self.options, own)
 
     def tile_end_epoch(self, state, shares):
         """``end_epoch`` on a tile, after :meth:`tile_finish_positions`."""
-        return self._end_epoch(state, lambda s: self.core.tiles.end_epoch(s, self.options, shares), finish=False)
+        numbers = tile_numbers.end_numbers(self.core.tiles.end_numbers, state, shares)
+        end = self.core.in_place.end_epoch if isinstance(self, InPlace) else self.core.end_epoch
+        return self._end_epoch(state, lambda s: end(s, self, **numbers), finish=False)
 
 
 class OwnRounds:

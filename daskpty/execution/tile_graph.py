@@ -15,7 +15,7 @@ in a frame that starts at ``held_start``. A round is then:
    redundantly — nothing to refresh afterwards);
 2. **the sum** of a worker's pieces in the fixed tree's order (a pixel's sum is the same bits
    as with one worker: a piece is a crop, and adding a zero changes nothing), and its share of
-   the whole-object numbers ``apply`` needs (``adapter.tile_round_sums``: e.g. the largest
+   the whole-object numbers ``apply`` needs (:mod:`.tile_numbers`: e.g. the largest
    illumination over its own rows);
 3. **the apply** on each tile with every tile's share (a few numbers per worker, in worker order).
 

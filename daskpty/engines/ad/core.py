@@ -3,12 +3,14 @@ combination, the optimiser's step as apply (with the CG line search's loss evalu
 whole objects and on tiles."""
 from __future__ import annotations
 
+import numpy as np
+
 from .. import sample_model as sm
 from ..core import EngineCore, TileSteps, chunk_steps
 from ..positions import positions_for_step
 from ..tile_frame import frame_of
 from ..window_deformation import warp_object
-from . import opr, state as ad_state, tiles
+from . import opr, state as ad_state
 from .gradient import refining_chunk_gradient
 from ..lsqml import rescale_probe
 
@@ -46,8 +48,10 @@ class ADCore(EngineCore):
     loss_steps = {"plain": _loss, "refining": _refining_loss}
     #: the optimiser's memory (Adam's moments) is object- and probe-sized
     device_fields = ("object", "probe", "illumination", "optimizer")
-    tiles = TileSteps(("object", "illumination", "optimizer"), ("object", "optimizer"), tiles.round_sums,
-                      tiles.apply, tiles.end_sums, tiles.end_epoch, tiles.round_stages)
+    #: Adam's object learning rate follows the mean |O| where lit
+    tiles = TileSteps(("object", "illumination", "optimizer"), ("object", "optimizer"),
+                      lambda options: ("peak", "lit_mean") if options.optimizer == "adam" else ("peak",),
+                      end_numbers=("lit_mean",))
     begin_epoch = staticmethod(ad_state.begin_epoch)
     new_state = staticmethod(ad_state.ADState.from_arrays)
     rescale_probe = staticmethod(rescale_probe)
@@ -62,12 +66,14 @@ class ADCore(EngineCore):
         return state.to_arrays()
 
     @staticmethod
-    def apply(state, total, run, evaluate=None):
-        return ad_state.apply(state, total, run.options, evaluate=evaluate)
+    def apply(state, total, run, evaluate=None, peak=None, lit_mean=None):
+        """(``peak``: one number over the slices, the preconditioner's floor is one.)"""
+        return ad_state.apply(state, total, run.options, evaluate=evaluate,
+                              peak=None if peak is None else float(np.max(peak)), lit_mean=lit_mean)
 
     @staticmethod
-    def end_epoch(state, run):
-        return ad_state.end_epoch(state, run.options)
+    def end_epoch(state, run, lit_mean=None):
+        return ad_state.end_epoch(state, run.options, scale=lit_mean)
 
     @staticmethod
     def apply_probe_model(state, total, model, run) -> None:
