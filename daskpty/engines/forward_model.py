@@ -150,7 +150,7 @@ class Chunk:
         self.xp, self.cdtype = xp, np.dtype(cdtype)
         self.rdtype = np.float64 if self.cdtype == np.complex128 else np.float32
         self.flat = obj.ndim == 2                      # one slice in the far field: (H, W) boxes
-        obj = obj[None] if self.flat else obj
+        given, obj = obj, (obj[None] if self.flat else obj)
         probe = asarray_like(probe, intensities).astype(cdtype, copy=False)
         probe = probe[None] if probe.ndim == 2 else probe
         self.n_slices, self.n_modes, self.n = obj.shape[0], probe.shape[0], probe.shape[-1]
@@ -166,7 +166,9 @@ class Chunk:
             raise ValueError(f"probe windows span {self.box0.tolist()}..{self.box1.tolist()}, outside the object "
                              f"of shape {tuple(obj.shape[-2:])}")
         (y0, x0), (y1, x1) = self.box0, self.box1
-        self.obj_box = xp.ascontiguousarray(asarray_like(obj[:, y0:y1, x0:x1], intensities), dtype=cdtype)
+        box = given[..., y0:y1, x0:x1]                 # moved to the device as it is stored, then (K, h, w)
+        self.obj_box = xp.ascontiguousarray(asarray_like(box, intensities), dtype=cdtype).reshape(
+            (-1,) + box.shape[-2:])
         self._object, self._like = obj, intensities
         self.index = PatchIndex(corners - self.box0, n, self.obj_box.shape, xp)
         self.ry, self.rx = shift_ramp_factors(fractions, n, xp, cdtype)
