@@ -115,7 +115,7 @@ def test_unknown_names_are_one_line_with_close_matches():
 
 def test_lsqml_refuses_a_model_without_a_correction_and_says_what_to_do():
     assert "intensity" in noise_model_names() and "intensity" not in noise_model_names(lsqml=True)
-    with pytest.raises(ValueError, match=r"no far-field correction.*engine='ad', loss='intensity'"):
+    with pytest.raises(ValueError, match=r"no far-field correction.*gradient-based engine \(loss='intensity'\)"):
         LSQMLOptions(noise="intensity")
 
 

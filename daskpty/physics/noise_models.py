@@ -125,7 +125,7 @@ def get_noise_model(name: str, *, lsqml: bool = False, what: str = "noise") -> N
         hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
         raise ValueError(f"{what} must be one of {list(NOISE_MODELS)}, got {name!r}{hint}")
     if lsqml and model.lsqml_correction is None:
-        raise ValueError(f"the LSQML engine has no far-field correction for the {name!r} noise model "
-                         f"({model.description}); choose one of {list(noise_model_names(lsqml=True))} "
-                         f"or run it with engine='ad', loss={name!r}")
+        raise ValueError(f"no far-field correction exists for the {name!r} noise model ({model.description}); "
+                         f"choose one of {list(noise_model_names(lsqml=True))}, or minimise it as the loss "
+                         f"of a gradient-based engine (loss={name!r})")
     return model
