@@ -40,6 +40,9 @@ def add_run_arguments(ap):
                    help="fan-in of the reduction tree (default: daskpty's rule, 4 up to 16 chunks, else 8)")
     g.add_argument("--sample-interval", type=float, default=0.0,
                    help="also sample worker RSS every this many seconds from a thread (0: only at epoch ends)")
+    g.add_argument("--layout", choices=("auto", "replicas", "tiles"), default="auto",
+                   help="the object on every worker (replicas) or a row tile each (tiles); auto: daskpty's "
+                        "rule (tiles where the object does not fit whole, or where several workers share a GPU)")
     g.add_argument("--plan-cache", action="store_true",
                    help="report CuPy's cuFFT plan cache per worker after the run (gpu; on by default there)")
     g.add_argument("--skip", type=int, default=2, help="epochs left out of the median (warm-up)")
@@ -91,7 +94,8 @@ def measure(args, data, store_path=None, log=print) -> dict:
                 data, engine=args.engine, epochs=args.epochs, client=client,
                 rounds_per_epoch=rounds_value(args.rounds_per_epoch), persist=persist,
                 device=args.backend, chunk_length=args.chunk_length, probe_modes=modes,
-                noise=args.noise, split_every=args.split_every, callback=sampler.callback, seed=args.seed)
+                noise=args.noise, split_every=args.split_every, callback=sampler.callback, seed=args.seed,
+                **({} if args.layout == "auto" else {"tiles": args.layout == "tiles"}))
         except Exception as exc:  # report what was measured up to the failure
             error = f"{type(exc).__name__}: {exc}"
         wall = time.perf_counter() - t0
@@ -107,11 +111,13 @@ def measure(args, data, store_path=None, log=print) -> dict:
     spe = median_after_warmup(seconds, args.skip)
     rounds = rec.options.get("rounds_per_epoch") if rec is not None else args.rounds_per_epoch
     persisted = rec.options.get("persist") if rec is not None else persist
+    layout = ("tiles" if rec.options.get("tiles") else "replicas") if rec is not None else args.layout
+    summary["layout"] = layout
     if rec is not None and rec.options.get("chunk_length"):  # what the run used (on GPUs: R slices per chunk)
         plan = chunk_plan(n_patterns, n, modes, rec.options["chunk_length"])
     log(f"chunks: {plan['n_chunks']} of {plan['chunk_length']} patterns (last {plan['last_chunk']}), "
         f"{fmt_bytes(plan['chunk_length'] * n * n * data.intensities.dtype.itemsize)} per chunk; "
-        f"rounds/epoch {rounds}; persisted {persisted}; {n_workers} worker(s)")
+        f"rounds/epoch {rounds}; persisted {persisted}; {n_workers} worker(s), {layout}")
     if error:
         log(f"ERROR: reconstruction failed after {wall:.1f} s: {error}")
     log(f"s/epoch: {spe:.4f} (median of epochs {min(args.skip, max(len(seconds) - 1, 0)) + 1}..{len(seconds)}; "

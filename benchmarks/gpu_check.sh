@@ -28,12 +28,21 @@
 # GPU_CHECK_SKIP: an extended regex; steps whose names match it are skipped (a second device
 # command continues where the first stopped, e.g. GPU_CHECK_SKIP='in-process|gpu_diag|bench_epoch').
 # A store simulated by an earlier call on the same (still warm) machine is reused.
+# WORKERS (default "2"): the counts of workers sharing the one GPU for the multi-worker bench_epoch
+# steps (layout: daskpty's default, tiles where workers share a GPU, then replicas at the first count).
+# PART=scale: the user's scale as its own device command: SIZES "65536 262144", WORKERS "2 4", only
+# the simulations, bench_passes and the bench_epoch steps (the default PART runs everything above).
 set -u -o pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY="${PYTHON:-python3}"
 BUDGET="${GPU_CHECK_BUDGET_S:-480}"
 EPOCHS="${EPOCHS:-5}"
+if [ "${PART:-}" = scale ]; then
+  SIZES="${SIZES:-65536 262144}"; WORKERS="${WORKERS:-2 4}"
+  GPU_CHECK_SKIP="${GPU_CHECK_SKIP:-pytest|gpu_diag|bench_comm|Pty-Chi|bench_ablation|bench_fft_floor|bench_round_profile}"
+fi
 SIZES="${SIZES:-16384 65536}"
+WORKERS="${WORKERS:-2}"
 WHL_DIR="${WHL_DIR:-.whl}"
 LOG="${OUT:+$OUT/gpu_check.log}"
 LOG="${LOG:-/tmp/gpu_check.log}"
@@ -86,6 +95,10 @@ except Exception as exc:
     print("cupy device query failed:", exc)
 EOF
 
+# Full-array passes, bytes and FFTs per pattern of each engine's chunk step (counted on the CPU;
+# the fused kernels' targets), and the H200/H100 bandwidth floor they imply.
+step "bench_passes: passes per pattern, 128^2" 90 "$PY" benchmarks/bench_passes.py --no-time
+
 step "pytest -m gpu tests/test_gpu.py tests/test_kernels.py (in-process)" 260 "$PY" -m pytest -q -m gpu \
     tests/test_gpu.py tests/test_kernels.py -k "not dask_cuda" -p no:cacheprovider
 
@@ -111,7 +124,7 @@ for n in $SIZES; do
   if [ -f "/tmp/gpu_check_${n}.zarr.ok" ]; then
     echo "=== reusing /tmp/gpu_check_${n}.zarr"; continue
   fi
-  step "simulate ${n} x 128^2" 120 "$PY" -c "$SIMULATE" "$n" "/tmp/gpu_check_${n}.zarr"
+  step "simulate ${n} x 128^2" $(( 120 + n / 1000 )) "$PY" -c "$SIMULATE" "$n" "/tmp/gpu_check_${n}.zarr"
 done
 
 last=""
@@ -122,13 +135,22 @@ for n in $SIZES; do
   last=$n
 done
 
-# Two workers on the one GPU (the device listed twice: cuda_cluster starts plain dask workers, each
-# with CUDA_VISIBLE_DEVICES set to it, as dask-cuda puts one worker per device): the stand-in for
-# 2 MIG slices; compare patterns/s with the 1-worker runs.
+# Several workers on the one GPU (the device listed W times: cuda_cluster starts plain dask workers,
+# each with CUDA_VISIBLE_DEVICES set to it, as dask-cuda puts one worker per device): the stand-in
+# for W MIG slices; compare patterns/s with the 1-worker runs. daskpty's default layout there is
+# tiles; replicas once, at the first count, for the comparison.
+first_w="${WORKERS%% *}"
+for w in $WORKERS; do
+  for n in $SIZES; do
+    # shellcheck disable=SC2046
+    step "bench_epoch gpu ${n} x 128^2, ${w} workers on one GPU" 240 "$PY" benchmarks/bench_epoch.py --backend gpu \
+        --workers "$w" $(data_for "$n") --epochs "$EPOCHS" --plan-cache
+  done
+done
 for n in $SIZES; do
   # shellcheck disable=SC2046
-  step "bench_epoch gpu ${n} x 128^2, 2 workers on one GPU" 240 "$PY" benchmarks/bench_epoch.py --backend gpu \
-      --workers 2 $(data_for "$n") --epochs "$EPOCHS" --plan-cache
+  step "bench_epoch gpu ${n} x 128^2, ${first_w} workers on one GPU, replicas" 240 "$PY" benchmarks/bench_epoch.py \
+      --backend gpu --workers "$first_w" $(data_for "$n") --epochs "$EPOCHS" --plan-cache --layout replicas
 done
 
 COMM_SIZE="${COMM_SIZE:-${SIZES%% *}}"
