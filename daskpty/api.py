@@ -141,7 +141,9 @@ def reconstruct(data, engine=DEFAULT_ENGINE, epochs: int = DEFAULT_EPOCHS, *, pr
         affine fit (``affine``, ``affine_gain``: LSQML 6, AD 2, ``affine_blend``), the window
         correction (``window_gain``; ``window_every``: LSQML every epoch, AD every 2nd;
         ``window_scale``, by default on when the run starts from a given or stored probe and off
-        when the probe is guessed from the data), ``remove_drift``, ``max_displacement``). Each
+        when the probe is guessed from the data or through K > 1 slices), ``scan_scale`` (the
+        scan's isotropic scale refines: by default for one slice, held at the nominal one
+        through K > 1 slices), ``remove_drift``, ``max_displacement``). Each
         chunk's positions are updated on the worker holding its data; ``result.positions`` are
         the refined ones, ``result.nominal_positions`` the measured ones.
     sample : dict or SampleOptions, optional

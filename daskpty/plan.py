@@ -97,7 +97,7 @@ def draft_plan(data, epochs, probe, object, probe_modes, opts: Options, live=Non
     thick = sample.resolve(getattr(data, "metadata", None), n)  # slices and detector operator
     spec.check_features(multislice=thick.multislice)
     if refine is not None:  # the window scale follows the start probe's size
-        refine = refine.for_start_probe(guessed=_probe_is_guessed(probe, data))
+        refine = refine.for_start_probe(guessed=_probe_is_guessed(probe, data), slices=thick.n_slices)
     mask = getattr(data, "mask", None)
     valid = None if mask is None else np.asarray(mask, dtype=bool)
     if valid is not None and not thick.near_field:  # far field: DC at index 0

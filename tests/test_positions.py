@@ -464,6 +464,10 @@ def test_window_scale_follows_the_start_probe(scan, client):
     assert resolved == {"guessed": False, "given": True, "given, off": False}
     assert PositionOptions().window_scale is None
     assert PositionOptions().for_start_probe(guessed=True).window_scale is False
+    through = PositionOptions().for_start_probe(guessed=False, slices=3)   # the scale held through slices
+    assert (through.window_scale, through.scan_scale) == (False, False)
+    assert PositionOptions().for_start_probe(guessed=False).scan_scale is True
+    assert PositionOptions(scan_scale=True).for_start_probe(guessed=False, slices=3).scan_scale is True
 
 
 @pytest.mark.slow

@@ -137,10 +137,29 @@ def fit_affine(state, options: PositionOptions, window=None) -> None:
                               options.remove_drift)
         if fitted is not None:
             held = getattr(state, "affine_held", False)
-            state.affine_boost = None if held else affine_boost(state.affine, state.affine_boost, fitted,
-                                                                options.affine_gain, window)
-            state.affine = fitted
+            boost = None if held else affine_boost(state.affine, state.affine_boost, fitted,
+                                                   options.affine_gain, window)
+            if options.scan_scale is False:
+                xtx = state.affine_sums["affine_xtx"]
+                boost = hold_scale(fitted, boost, np.asarray(xtx)[2, :2] / xtx[2, 2])
+            state.affine_boost, state.affine = boost, fitted
     state.affine_sums = None
+
+
+def hold_scale(fitted, boost, centre) -> np.ndarray:
+    """``boost`` (3, 2, or None) plus the affine move that brings the isotropic scale of the map
+    ``fitted + boost`` (nominal → refined, its linear part's √|det|) back to 1 about the nominal
+    ``centre``: what the positions take next epoch then stretches the scan no more than the
+    nominal one (``PositionOptions.scan_scale`` off). The move is one map for every pattern,
+    so the random part of the refinement, its rotation and its shear stay."""
+    total = np.asarray(fitted, np.float64) + (0.0 if boost is None else np.asarray(boost, np.float64))
+    scale = float(np.sqrt(abs(np.linalg.det(total[:2]))))
+    if not np.isfinite(scale) or scale <= 0:
+        return boost
+    held = total.copy()
+    held[:2] = total[:2] / scale
+    held[2] = total[2] + np.asarray(centre, np.float64) @ (total[:2] - held[:2])
+    return held - total + (0.0 if boost is None else np.asarray(boost, np.float64))
 
 
 # --- the scan's global deformation, seen inside the windows (both engines) -------------------

@@ -101,7 +101,18 @@ class PositionOptions:
         ``probe`` argument or the store's), off when it is guessed from the data
         (:meth:`for_start_probe`). It costs nothing extra: the windows' sums are the same
         either way (first moments on every pattern, the normal matrix on every 4th).
+        Off through K > 1 slices (:meth:`for_start_probe`), like ``scan_scale``.
         Unresolved (None), the chunk steps treat it as False.
+    scan_scale: let the refinement change the scan's isotropic scale (the mean stretch of the
+        refined positions against the nominal ones). Off, the fitted affine map's isotropic
+        scale is brought back to the nominal one after every epoch (:func:`~.position_fits.hold_scale`;
+        rotation, shear and the random errors still refine). None (default): on for one slice,
+        off through K > 1 slices (:meth:`for_start_probe`): there the scan's scale trades with the
+        probe's defocus and with the slabs' depth, which the data do not tell apart. A
+        daskpty-simulated 3-slice scan started from a probe 10 % off in defocus (1 % scale
+        error): LSQML stretched the scan to +3.9 % and ended worse than not refining; abTEM's
+        3-slab crystal: the data misfit falls with the scale up to +2 % at the true positions,
+        so refinement stretched the scan (docs/benchmarks.md, bench_electron.py).
     remove_drift: also remove the mean displacement (the fitted map keeps the nominal centroid).
     max_displacement: refinement stops with :class:`PositionsDiverged` when a pattern drifts
         farther than this from its nominal position, pixels (default: a quarter of the probe size).
@@ -121,6 +132,7 @@ class PositionOptions:
     window_gain: float = 0.5
     window_every: int | None = None
     window_scale: bool | None = None
+    scan_scale: bool | None = None
     remove_drift: bool = False
     max_displacement: float | None = None
 
@@ -153,8 +165,10 @@ class PositionOptions:
         check(self.window_every is None or isinstance(self.window_every, (int, np.integer))
               and not isinstance(self.window_every, bool) and 1 <= self.window_every <= 10,
               f"window_every must be a whole number of epochs in [1, 10], got {self.window_every!r}")
-        check(self.window_scale is None or isinstance(self.window_scale, (bool, np.bool_)),
-              f"window_scale must be True, False or None, got {self.window_scale!r}")
+        for name in ("window_scale", "scan_scale"):
+            value = getattr(self, name)
+            check(value is None or isinstance(value, (bool, np.bool_)),
+                  f"{name} must be True, False or None, got {value!r}")
         check(self.max_displacement is None or (_number(self.max_displacement) and self.max_displacement > 0),
               f"max_displacement must be positive or None, got {self.max_displacement!r}")
 
@@ -182,12 +196,17 @@ class PositionOptions:
         """These options with every setting left None set to ``engine``'s default."""
         return with_engine_defaults(self, "position", engine)
 
-    def for_start_probe(self, guessed: bool) -> "PositionOptions":
-        """These options with ``window_scale`` None resolved: off when the start probe is
-        guessed from the data (its size may be wrong, and the scale would follow it), else on."""
-        if self.window_scale is not None:
+    def for_start_probe(self, guessed: bool, slices: int = 1) -> "PositionOptions":
+        """These options with ``window_scale`` and ``scan_scale`` None resolved: ``window_scale``
+        off when the start probe is guessed from the data (its size may be wrong, and the scale
+        would follow it) or the sample has ``slices`` > 1, else on; ``scan_scale`` on for one
+        slice, off for more."""
+        thin = int(slices) <= 1
+        window = (not guessed and thin) if self.window_scale is None else self.window_scale
+        scan = thin if self.scan_scale is None else self.scan_scale
+        if (window, scan) == (self.window_scale, self.scan_scale):
             return self
-        return dataclasses.replace(self, window_scale=not guessed)
+        return dataclasses.replace(self, window_scale=window, scan_scale=scan)
 
     def displacement_limit(self, n: int) -> float:
         return float(self.max_displacement) if self.max_displacement is not None else n / 4.0
