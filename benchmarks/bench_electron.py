@@ -4,16 +4,17 @@ Data: benchmarks/electron_abtem.py (abTEM, its own virtualenv) writes DATA.npz: 
 Poisson noise, true and nominal positions (scale, rotation and random errors). Usage::
 
     /work/abtem-venv/bin/python benchmarks/electron_abtem.py -o electron.npz [--slices-per-slab 1]
-    python benchmarks/bench_electron.py electron.npz [--epochs 10,30,50] [--rounds 4] [--workers 2]
+    python benchmarks/bench_electron.py electron.npz [--epochs 10,30,50] [--rounds auto] [--workers 2]
         [--runs true,nominal,refined,peer] [--peer-batch 96] [--refine JSON]
     python benchmarks/bench_electron.py electron.npz --rounds-sweep 2,4,8 --epochs 30 --subset 20
 
-Runs (all from the same start: K = 3 slabs of ones, the aperture probe of the nominal optics with
-the defocus ``--start-defocus-error`` off, scaled to the data): daskpty multislice LSQML
-(``slices=3, slice_spacing_m`` = the slab thickness) with the true positions, with the nominal ones
-fixed, with the nominal ones refined (``refine_positions``); Pty-Chi's multislice LSQML with its
-position correction and affine constraint from the nominal positions (``ptychi_peer.py
---refine-positions``, from the epoch daskpty's refinement starts at the latest).
+Runs (all from the same start: K slabs of ones, the aperture probe of the nominal optics with
+the defocus ``--start-defocus-error`` off, scaled to the data, or ``--true-probe`` abTEM's): daskpty
+multislice LSQML, AD or rPIE (``--engine``; ``slices=K, slice_spacing_m`` = the slab thickness)
+with the true positions, with the nominal ones fixed, with the nominal ones refined
+(``refine_positions``); Pty-Chi's multislice LSQML with its position correction and affine
+constraint from the nominal positions (``ptychi_peer.py --refine-positions``, from epoch
+``--peer-position-start``, Pty-Chi's default 5).
 
 Figures: per-slab NRMSE against abTEM's slab transmissions (``daskpty.metrics.nrmse`` after
 ``metrics.truth_frame``: complex scale, sub-pixel shift and phase ramp removed) on the region the
@@ -45,7 +46,7 @@ from bench_vs_ptychi import _phase_nrmse  # noqa: E402
 class Electron:
     """The abTEM scan, its truth and the common reconstruction frame."""
 
-    def __init__(self, path, subset=None, defocus_error=0.1):
+    def __init__(self, path, subset=None, defocus_error=0.1, true_probe=False):
         from daskpty.engines.initial import object_frame
         from daskpty.metrics import illumination_map
         from daskpty.physics.probes import electron_probe
@@ -81,7 +82,7 @@ class Electron:
         # 0.999 with this sign, 0.04 with the other)
         c1 = -float(z["defocus_m"]) * (1 + defocus_error)
         self.probe = electron_probe(n, self.dx, self.lam, self.alpha, defocus_m=c1, power=power)
-        self.probe = self.probe.astype(np.complex64)
+        self.probe = (self.truth_probe if true_probe else self.probe).astype(np.complex64)
         self.object = np.ones((self.k,) + tuple(self.shape), np.complex64)
 
     def data(self, positions):
@@ -218,11 +219,11 @@ def main():
     ap.add_argument("data", help="the .npz of benchmarks/electron_abtem.py")
     ap.add_argument("--epochs", default="10,30,50")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--rounds", default="4", help="daskpty rounds per epoch (an integer or auto)")
+    ap.add_argument("--rounds", default="auto", help="daskpty rounds per epoch (an integer or auto, the default's)")
     ap.add_argument("--noise", default="gaussian", choices=("gaussian", "poisson"))
     ap.add_argument("--sub-slices", type=int, default=1,
                     help="daskpty reconstructs S slices per slab, dz / S apart (scored by their products)")
-    ap.add_argument("--engine", default="lsqml", choices=("lsqml", "ad"),
+    ap.add_argument("--engine", default="lsqml", choices=("lsqml", "ad", "rpie"),
                     help="daskpty's engine (ad: give --rounds auto and about 3x the epochs)")
     ap.add_argument("--runs", default="true,nominal,refined,peer",
                     help="of: true, nominal, refined (daskpty), peer (Pty-Chi refined), peer-true")
@@ -230,9 +231,12 @@ def main():
     ap.add_argument("--peer-python", default="/work/peer-venv/bin/python")
     ap.add_argument("--peer-batch", type=int, default=96)
     ap.add_argument("--peer-threads", type=int, default=2)
+    ap.add_argument("--peer-position-start", type=int, default=5,
+                    help="Pty-Chi's position correction and affine constraint from this epoch (its default 5)")
     ap.add_argument("--peer-position-args", default="", help="extra ptychi_peer.py options of its refined run")
     ap.add_argument("--start-defocus-error", type=float, default=0.1,
                     help="start probe: the nominal defocus off by this fraction")
+    ap.add_argument("--true-probe", action="store_true", help="start from the true probe (abTEM's) instead")
     ap.add_argument("--subset", type=int, default=None, help="only the central G x G patterns of the scan")
     ap.add_argument("--rounds-sweep", default=None, help="e.g. 2,4,8: daskpty, true positions, at each R")
     args = ap.parse_args()
@@ -244,8 +248,9 @@ def main():
     epochs = marks[-1]
     rounds = args.rounds if args.rounds == "auto" else int(args.rounds)
     refine = json.loads(args.refine)
-    start = PositionOptions.from_argument(refine, "lsqml").start_bounds()[1]
-    case = Electron(args.data, subset=args.subset, defocus_error=args.start_defocus_error)
+    PositionOptions.from_argument(refine, args.engine)  # a bad setting stops here, before any run
+    case = Electron(args.data, subset=args.subset, defocus_error=args.start_defocus_error,
+                    true_probe=args.true_probe)
     print(case.describe())
     entrance, ms, one = case.forward_check()
     print(f"forward check on the truth: daskpty's {case.k}-slab model vs abTEM's noise-free patterns: relative "
@@ -277,7 +282,8 @@ def main():
         print(f"Pty-Chi virtualenv not found at {args.peer_python}; see benchmarks/README_ptychi.md")
     # Pty-Chi first (before this process starts a LocalCluster)
     if have_peer and not args.rounds_sweep:
-        peer_pos = ["--refine-positions", "--position-start", str(start)] + shlex.split(args.peer_position_args)
+        peer_pos = (["--refine-positions", "--position-start", str(args.peer_position_start)]
+                    + shlex.split(args.peer_position_args))
         if "peer-true" in runs:
             r = run_peer(args, case, tmp, case.true, marks, [])
             if r:

@@ -6,10 +6,11 @@ Run with the abTEM virtualenv, never with daskpty's own (it writes plain .npz th
     python3 -m venv /work/abtem-venv && /work/abtem-venv/bin/pip install abtem ase
     /work/abtem-venv/bin/python benchmarks/electron_abtem.py -o /tmp/electron.npz
 
-Sample: SrTiO3 [001], ``--cells`` x ``--cells`` unit cells laterally (periodic) and ``3 x --slab-cells``
-deep (default 3 x 5 cells = 5.9 nm), one frozen configuration: ``--vacancies`` of the Sr and Ti
-atoms removed at random and every atom displaced by N(0, ``--displacement``) Å, so the three slabs
-differ from each other (a perfect crystal's slabs would be identical). abTEM's potential (Lobato,
+Sample: SrTiO3 [001], ``--cells`` x ``--cells`` unit cells laterally (periodic) and ``--slabs x --slab-cells``
+deep (default 3 x 5 cells = 5.9 nm; ``--slabs K`` slabs of ``--slab-cells``), one frozen configuration:
+``--vacancies`` of the Sr and Ti atoms removed at random and every atom displaced by N(0,
+``--displacement``) Å, so the slabs differ from each other (a perfect crystal's slabs would be
+identical). abTEM's potential (Lobato,
 infinite projection, slices of c/2) on a grid of half the object pixel; abTEM's multislice of a
 converged probe (``--energy``, ``--semiangle``, ``--defocus``) through all slices, far-field
 diffraction patterns.
@@ -72,7 +73,7 @@ def sample(args, rng):
     a = 3.905
     sto = crystal(["Sr", "Ti", "O"], basis=[(0, 0, 0), (0.5, 0.5, 0.5), (0.5, 0.5, 0)], spacegroup=221,
                   cellpar=[a, a, a, 90, 90, 90])
-    atoms = sto * (args.cells, args.cells, 3 * args.slab_cells)
+    atoms = sto * (args.cells, args.cells, args.slabs * args.slab_cells)
     symbols = np.array(atoms.get_chemical_symbols())
     drop = np.isin(symbols, ["Sr", "Ti"]) & (rng.random(len(atoms)) < args.vacancies)
     del atoms[np.flatnonzero(drop)]
@@ -86,7 +87,8 @@ def main():
     ap.add_argument("-o", "--output", required=True)
     ap.add_argument("--n", type=int, default=64, help="pattern size (detector pixels)")
     ap.add_argument("--cells", type=int, default=10, help="lateral unit cells (periodic cell = 3 n dx)")
-    ap.add_argument("--slab-cells", type=int, default=5, help="unit cells per slab (3 slabs)")
+    ap.add_argument("--slabs", type=int, default=3, help="slabs (the truth's slices)")
+    ap.add_argument("--slab-cells", type=int, default=5, help="unit cells per slab")
     ap.add_argument("--slices-per-slab", type=int, default=None,
                     help="abTEM slices per slab (default 2 per unit cell, c/2; 1: abTEM's multislice is the "
                          "3-slice model daskpty reconstructs with, no slicing error between them)")
@@ -121,11 +123,11 @@ def main():
     per_slab = args.slices_per_slab or 2 * args.slab_cells
     slice_thickness = args.slab_cells * a / per_slab
     pot = abtem.Potential(atoms, gpts=(fine, fine), slice_thickness=slice_thickness, projection="infinite")
-    assert pot.num_slices == 3 * per_slab, (pot.num_slices, per_slab)
+    assert pot.num_slices == args.slabs * per_slab, (pot.num_slices, per_slab)
     potential = pot.build().compute()
     v = np.asarray(potential.array, dtype=np.float64)  # (slices, fine, fine) V·Å
     sigma = abtem.core.energy.energy2sigma(args.energy)  # rad / (V Å)
-    slabs = v.reshape(3, per_slab, fine, fine).sum(axis=1)
+    slabs = v.reshape(args.slabs, per_slab, fine, fine).sum(axis=1)
     truth = fourier_crop(np.exp(1j * sigma * slabs), h).astype(np.complex64)
     t_pot = time.perf_counter() - t0
 
@@ -174,7 +176,7 @@ def main():
     d = nominal - true
     d -= d.mean(axis=0)
     print(f"wrote {args.output}: {len(true)} patterns of {n}x{n} ({args.detector}), object {h}x{h} px of "
-          f"{dx:.4f} Å, 3 slabs of {per_slab * slice_thickness / 10:.3f} nm ({pot.num_slices} abTEM slices, "
+          f"{dx:.4f} Å, {args.slabs} slabs of {per_slab * slice_thickness / 10:.3f} nm ({pot.num_slices} abTEM slices, "
           f"{len(atoms)} atoms), {per_pattern:.3g} e/pattern, lambda {lam:.4g} Å; nominal positions "
           f"{np.sqrt((d ** 2).sum(1).mean()):.3f} px rms off (offset removed); potential {t_pot:.0f} s, "
           f"total {time.perf_counter() - t0:.0f} s")
