@@ -134,7 +134,7 @@ def position_sums(c, grads, incident, *, scattered=None, positions=None, gram_st
     """The LSQML position shift's terms of every pattern and, with ``scattered``, the windows'
     deformation sums of the chunk.
 
-    ``c`` a :class:`~.multislice.SliceChunk`; ``grads`` (K, B, n, n) the slices' gradients
+    ``c`` a whole-chunk :class:`~.forward_model.Block`; ``grads`` (K, B, n, n) the slices' gradients
     g_k = Σ_m conj(φ_km) T_k†χ; ``incident`` (K, B, M, n, n). Returns ``(shift_terms, window)``:
     shift_terms the numerator Re⟨d_a, χ⟩ and denominator ‖d_a‖² ((B, 2) float64 each, on the
     host; :func:`~.positions.lsqml_shift`); the denominators are carried through the slices on
