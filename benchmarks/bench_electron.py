@@ -80,9 +80,11 @@ class Electron:
         power = float(self.intensities.sum(axis=(1, 2), dtype=np.float64).mean())
         # abTEM's defocus is -C1; electron_probe's defocus_m is C1 (overlap with the true probe
         # 0.999 with this sign, 0.04 with the other)
-        c1 = -float(z["defocus_m"]) * (1 + defocus_error)
+        # a defocus is measured at the entrance surface; the K-slab model's probe lives at its
+        # first screen, half a slab in (where abTEM's finely sliced slab acts, forward_check)
+        c1 = -float(z["defocus_m"]) * (1 + defocus_error) + self.dz / 2
         self.probe = electron_probe(n, self.dx, self.lam, self.alpha, defocus_m=c1, power=power)
-        self.probe = (self.truth_probe if true_probe else self.probe).astype(np.complex64)
+        self.probe = (self.first_screen_probe() if true_probe else self.probe).astype(np.complex64)
         self.object = np.ones((self.k,) + tuple(self.shape), np.complex64)
 
     def data(self, positions):
@@ -120,17 +122,22 @@ class Electron:
         m = affine_fit(self.truth_positions, positions)[:2].T
         return float(np.sqrt(abs(np.linalg.det(m))) - 1), float(np.degrees(np.arctan2(m[1, 0] - m[0, 1], m[0, 0] + m[1, 1])))
 
+    def first_screen_probe(self):
+        """abTEM's probe (given at the entrance surface) carried dz/2 to the first slab's screen."""
+        from daskpty.physics.propagation import angular_spectrum_kernel
+
+        half = angular_spectrum_kernel(self.n, self.dx, self.lam, self.dz / 2, band_limit=False)
+        return np.fft.ifft2(np.fft.fft2(self.truth_probe) * half).astype(np.complex64)
+
     def forward_check(self):
         """daskpty's K-slab model on the truth vs abTEM's noise-free patterns (relative error):
         (probe at the entrance, probe carried dz/2 into the first slab, one projected slab). The
         first fits data sliced as daskpty slices (``--slices-per-slab 1``), the second abTEM's
         finer slicing, whose slabs act about at their middles."""
         from daskpty.physics.multislice import SliceGeometry, multislice_intensities
-        from daskpty.physics.propagation import angular_spectrum_kernel
 
         kernel = SliceGeometry(self.k, self.dz, self.lam, self.dx).kernel(self.n)
-        half = angular_spectrum_kernel(self.n, self.dx, self.lam, self.dz / 2, band_limit=False)
-        carried = np.fft.ifft2(np.fft.fft2(self.truth_probe) * half).astype(np.complex64)
+        carried = self.first_screen_probe()
         sel = slice(0, min(64, len(self.clean)))
         clean = self.clean[sel].astype(np.float64)
 

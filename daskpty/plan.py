@@ -237,7 +237,7 @@ def _geometry_probe(probe, data, client, intensities, modes, seed, options, reso
         n = intensities.shape[-1]
         power = float(client.compute(intensities.sum(axis=(1, 2), dtype=np.float64).mean()).result())
         first = aperture_probe(getattr(data, "metadata", None), n, power=power, positions=data.positions,
-                               aperture=options.aperture)
+                               aperture=options.aperture, first_screen_m=resolved.first_screen_m)
         return _more_modes(first, modes, seed)
     if probe is None and getattr(data, "probe", None) is None and resolved.near_field:
         mean = client.compute(intensities.mean(axis=0, dtype=np.float64)).result()

@@ -153,6 +153,13 @@ class ResolvedSample:
         return int(self.geometry.n_slices)
 
     @property
+    def first_screen_m(self) -> float:
+        """Distance from the sample's entrance surface (where a defocus is measured) to the first
+        object screen: Δz/2 for K > 1 slices (a slab's mass acts about at its middle), 0 for K = 1
+        (one projected screen, whose geometry holds no thickness)."""
+        return 0.5 * float(self.geometry.spacing_m) if self.n_slices > 1 else 0.0
+
+    @property
     def near_field(self) -> bool:
         return self.detector_kernel is not None
 
@@ -190,10 +197,13 @@ class ResolvedSample:
         return array
 
 
-def aperture_probe(metadata: dict, n: int, *, power: float, positions=None, aperture: dict | None = None):
+def aperture_probe(metadata: dict, n: int, *, power: float, positions=None, aperture: dict | None = None,
+                   first_screen_m: float = 0.0):
     """``probe="aperture"``: :func:`daskpty.physics.probes.probe_from_geometry` from the data's
     geometry (electrons when the metadata hold ``electron_voltage_v``, with the stored
-    ``defocus_m`` unless ``aperture`` names one; else X-rays)."""
+    ``defocus_m`` unless ``aperture`` names one; else X-rays). The defocus is measured at the
+    sample's entrance surface; the probe returned lives ``first_screen_m`` further downstream
+    (:attr:`ResolvedSample.first_screen_m`), at the model's first screen."""
     meta = metadata or {}
     kwargs = dict(aperture or {})
     lam, dx = meta.get("wavelength_m"), meta.get("object_pixel_size_m")
@@ -210,4 +220,6 @@ def aperture_probe(metadata: dict, n: int, *, power: float, positions=None, aper
             kwargs.setdefault("defocus_m", float(meta["defocus_m"]))
     elif "diameter_m" not in kwargs:
         kwargs["diameter_m"] = probe_diameter_from_scan(positions, n) * float(dx)
+    if first_screen_m:  # defocus_m = z_sample - z_focus: a screen further downstream adds to it
+        kwargs["defocus_m"] = float(kwargs.get("defocus_m", 0.0)) + float(first_screen_m)
     return probe_from_geometry(geometry, power=power, **kwargs)

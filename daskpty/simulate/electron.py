@@ -6,7 +6,8 @@ store then holds what a measured electron scan would: the patterns, the scan pos
 geometry (``electron_voltage_v``, ``convergence_semiangle_rad``, the object pixel size, the
 nominal ``defocus_m``, 10 % off the true one; the slice spacing and the true values under
 ``simulation``) and a start probe from those nominal optics. ``truth/`` holds the K slices, the
-probe and the true positions.
+probe and the true positions. Defoci are measured at the sample's entrance surface; both probes
+live at the first slice, half a slice spacing in (:func:`.multislice.simulate_multislice`).
 
 Scan errors (``position_errors``): the stored positions are the true ones turned by ``rotation``
 degrees and stretched by ``1 + scale`` about the scan's centre, plus Gaussian noise of ``rms`` px
@@ -135,8 +136,11 @@ def simulate_electron(path, *, grid=None, step=None, probe_size=None, slices=Non
         rng = np.random.default_rng(np.random.SeedSequence([seed, 7]))
         nominal = perturb(true, rng=rng, **errors)
     lam = electron_wavelength_m(p["energy_ev"])
+    # the nominal defocus is at the entrance surface; the start probe at the first slice (as
+    # probe="aperture" builds it)
+    first_screen = 0.5 * p["slice_spacing_m"] if p["slices"] > 1 else 0.0
     guess = electron_probe(n, p["object_pixel_size_m"], lam, alpha,
-                           defocus_m=GUESS_DEFOCUS * p["defocus_m"], power=float(p["dose"]))
+                           defocus_m=GUESS_DEFOCUS * p["defocus_m"] + first_screen, power=float(p["dose"]))
     intensities = sim.intensities.astype(np.float32)
     if not noise_free:
         intensities = intensities.astype(np.uint32 if intensities.max() > 65535 else np.uint16)

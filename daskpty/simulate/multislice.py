@@ -47,12 +47,17 @@ def simulate_multislice(*, n: int = 32, n_slices: int = 2, grid: int | tuple[int
     Returns a namespace: ``intensities`` (N, n, n) float32 with DC at the centre (as recorded),
     ``positions`` (N, 2) object pixels, ``geometry`` (:class:`SliceGeometry`), ``kernel`` (n, n),
     ``wavelength_m``, and ``truth`` (``slices`` (K, H, W), ``probe`` (1, n, n), ``object`` = the
-    product of the slices, the projection a single-slice model would try to fit).
+    product of the slices, the projection a single-slice model would try to fit). ``defocus_m`` is
+    measured at the sample's entrance surface; ``truth.probe`` is the probe at the first slice,
+    half a slice spacing in for K > 1 (the probe a K-slice reconstruction estimates; see
+    :attr:`daskpty.engines.sample_options.ResolvedSample.first_screen_m`).
     """
     rng = np.random.default_rng(seed)
     lam = electron_wavelength_m(voltage_v)
     geometry = SliceGeometry(n_slices, spacing_m, lam, pixel_size_m)
-    probe = electron_probe(n, pixel_size_m, lam, convergence_semiangle_rad, defocus_m=defocus_m, power=photons)
+    first_screen = 0.5 * spacing_m if n_slices > 1 else 0.0
+    probe = electron_probe(n, pixel_size_m, lam, convergence_semiangle_rad, defocus_m=defocus_m + first_screen,
+                           power=photons)
     margin = 4
     rows, cols = (grid, grid) if np.ndim(grid) == 0 else grid
     shape = tuple(int(np.ceil((g - 1) * step)) + n + 2 * margin for g in (rows, cols))
