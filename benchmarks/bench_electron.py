@@ -9,7 +9,8 @@ Poisson noise, true and nominal positions (scale, rotation and random errors). U
     python benchmarks/bench_electron.py electron.npz --rounds-sweep 2,4,8 --epochs 30 --subset 20
 
 Runs (all from the same start: K slabs of ones, the aperture probe of the nominal optics with
-the defocus ``--start-defocus-error`` off, scaled to the data, or ``--true-probe`` abTEM's): daskpty
+the defocus ``--start-defocus-error`` off, scaled to the data, or ``--true-probe`` abTEM's; either
+carried dz/2 from the entrance surface to the first slab's screen, docs/physics.md): daskpty
 multislice LSQML, AD or rPIE (``--engine``; ``slices=K, slice_spacing_m`` = the slab thickness)
 with the true positions, with the nominal ones fixed, with the nominal ones refined
 (``refine_positions``); Pty-Chi's multislice LSQML with its position correction and affine
@@ -46,7 +47,7 @@ from bench_vs_ptychi import _phase_nrmse  # noqa: E402
 class Electron:
     """The abTEM scan, its truth and the common reconstruction frame."""
 
-    def __init__(self, path, subset=None, defocus_error=0.1, true_probe=False):
+    def __init__(self, path, subset=None, defocus_error=0.1, true_probe=False, sub_slices=1):
         from daskpty.engines.initial import object_frame
         from daskpty.metrics import illumination_map
         from daskpty.physics.probes import electron_probe
@@ -82,9 +83,11 @@ class Electron:
         # 0.999 with this sign, 0.04 with the other)
         # a defocus is measured at the entrance surface; the K-slab model's probe lives at its
         # first screen, half a slab in (where abTEM's finely sliced slab acts, forward_check)
-        c1 = -float(z["defocus_m"]) * (1 + defocus_error) + self.dz / 2
+        # (S slices per slab: the first screen is dz / 2S in)
+        first = self.dz / (2 * sub_slices)
+        c1 = -float(z["defocus_m"]) * (1 + defocus_error) + first
         self.probe = electron_probe(n, self.dx, self.lam, self.alpha, defocus_m=c1, power=power)
-        self.probe = (self.first_screen_probe() if true_probe else self.probe).astype(np.complex64)
+        self.probe = (self.first_screen_probe(first) if true_probe else self.probe).astype(np.complex64)
         self.object = np.ones((self.k,) + tuple(self.shape), np.complex64)
 
     def data(self, positions):
@@ -122,11 +125,13 @@ class Electron:
         m = affine_fit(self.truth_positions, positions)[:2].T
         return float(np.sqrt(abs(np.linalg.det(m))) - 1), float(np.degrees(np.arctan2(m[1, 0] - m[0, 1], m[0, 0] + m[1, 1])))
 
-    def first_screen_probe(self):
-        """abTEM's probe (given at the entrance surface) carried dz/2 to the first slab's screen."""
+    def first_screen_probe(self, distance=None):
+        """abTEM's probe (given at the entrance surface) carried ``distance`` (default dz/2) to the
+        first screen."""
         from daskpty.physics.propagation import angular_spectrum_kernel
 
-        half = angular_spectrum_kernel(self.n, self.dx, self.lam, self.dz / 2, band_limit=False)
+        distance = self.dz / 2 if distance is None else distance
+        half = angular_spectrum_kernel(self.n, self.dx, self.lam, distance, band_limit=False)
         return np.fft.ifft2(np.fft.fft2(self.truth_probe) * half).astype(np.complex64)
 
     def forward_check(self):
@@ -256,7 +261,7 @@ def main():
     rounds = args.rounds if args.rounds == "auto" else int(args.rounds)
     refine = json.loads(args.refine)
     PositionOptions.from_argument(refine, args.engine)  # a bad setting stops here, before any run
-    case = Electron(args.data, subset=args.subset, defocus_error=args.start_defocus_error,
+    case = Electron(args.data, subset=args.subset, defocus_error=args.start_defocus_error, sub_slices=args.sub_slices,
                     true_probe=args.true_probe)
     print(case.describe())
     entrance, ms, one = case.forward_check()
