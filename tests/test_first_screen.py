@@ -58,3 +58,29 @@ def test_the_simulated_truth_probe_is_the_entrance_probe_half_a_slice_in():
     for k, want in ((2, _carried(entrance, SPACING / 2)), (1, entrance)):
         ds = simulate_multislice(n=N, n_slices=k, grid=2, spacing_m=SPACING, defocus_m=DEFOCUS)
         assert _overlap(ds.truth.probe[0], want) > 0.9999, k
+
+
+def test_a_finely_sliced_slab_acts_at_its_middle():
+    """Two thick slabs, each cut into 8 thin slices (as abTEM slices them): the 2-screen model
+    fits their patterns best with the entrance probe carried +Δz/2, worse at the entrance, worse
+    still carried −Δz/2."""
+    from daskpty.physics.multislice import SliceGeometry, multislice_intensities
+    from daskpty.simulate.multislice import weak_phase_slices
+
+    fine, n = 8, 32
+    slabs = weak_phase_slices((48, 48), 2, np.random.default_rng(0), phase=1.0)
+    thin = np.repeat(slabs ** (1.0 / fine), fine, axis=0).astype(np.complex64)
+    positions = np.array([[16.0, 16.0], [20.5, 24.0], [30.0, 18.5], [26.0, 31.0]])
+    entrance = electron_probe(n, DX, LAM, ALPHA, defocus_m=DEFOCUS)[0]
+
+    def carried(distance):
+        kernel = angular_spectrum_kernel(n, DX, LAM, distance, band_limit=False)
+        return np.fft.ifft2(np.fft.fft2(entrance) * kernel).astype(np.complex64)
+
+    spacing = 4 * SPACING
+    measured = multislice_intensities(thin, carried(spacing / fine / 2), positions,
+                                      SliceGeometry(2 * fine, spacing / fine, LAM, DX).kernel(n))
+    kernel = SliceGeometry(2, spacing, LAM, DX).kernel(n)
+    errors = [np.linalg.norm(multislice_intensities(slabs, carried(d), positions, kernel) - measured)
+              for d in (spacing / 2, 0.0, -spacing / 2)]
+    assert errors[0] < 0.7 * errors[1] < 0.7 * errors[2], errors
