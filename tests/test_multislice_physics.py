@@ -266,7 +266,8 @@ def test_multislice_lsqml_recovers_each_slice_far_better_than_one_slice(n_slices
     from daskpty.physics.probes import electron_probe
 
     ds = simulate_multislice(n_slices=n_slices, noise=True, seed=n_slices)
-    ds.probe0 = electron_probe(32, DX, ds.wavelength_m, 25e-3, defocus_m=6e-9, power=1.0)
+    # the simulator's defocus is at the entrance surface; its first slice is half a spacing in
+    ds.probe0 = electron_probe(32, DX, ds.wavelength_m, 25e-3, defocus_m=6e-9 + ds.geometry.spacing_m / 2, power=1.0)
     multi, loss_multi = _fit(ds, n_slices)
     single, loss_single = _fit(ds, 1)
     lit = multi.illumination[0] > 0.3 * multi.illumination[0].max()
@@ -352,7 +353,7 @@ def _gradient_descent_fit(ds, n_slices, iterations=40, lr=0.5):
     g = ds.geometry
     kernel = SliceGeometry(n_slices, g.spacing_m, g.wavelength_m, g.pixel_size_m).kernel(y.shape[-1])
     obj = np.ones((n_slices,) + ds.truth.slices.shape[1:], np.complex64)
-    probe = electron_probe(32, DX, ds.wavelength_m, 25e-3, defocus_m=6e-9,
+    probe = electron_probe(32, DX, ds.wavelength_m, 25e-3, defocus_m=6e-9 + g.spacing_m / 2,  # at the first slice
                            power=float(y.sum(axis=(1, 2)).mean()))
     for it in range(iterations):
         part = ad.chunk_gradient(obj, probe, y, ds.positions, sample=slice_model(obj, kernel))

@@ -108,7 +108,8 @@ def thick_scan():
     ds = simulate_multislice(n=32, n_slices=3, grid=10, step=3.0, noise=True, photons=1e6, seed=0)
     g = ds.geometry
     nominal = perturb(ds.positions, 0.5, 0.01, 1.0, np.random.default_rng(10))
-    probe = electron_probe(32, g.pixel_size_m, g.wavelength_m, 25e-3, defocus_m=6.6e-9, power=1e6)
+    probe = electron_probe(32, g.pixel_size_m, g.wavelength_m, 25e-3, defocus_m=6.6e-9 + g.spacing_m / 2,
+                           power=1e6)  # the entrance defocus, carried to the first slice
     data = daskpty.from_arrays(ds.intensities, nominal, wavelength_m=g.wavelength_m,
                                object_pixel_size_m=g.pixel_size_m, electron_voltage_v=300e3,
                                convergence_semiangle_rad=25e-3)
