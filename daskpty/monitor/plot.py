@@ -278,7 +278,7 @@ def plot_positions(ax, rec, *, max_arrows: int = 4000):
     arrows = ax.quiver(nominal[::every, 1], nominal[::every, 0], moved[::every, 1] * gain,
                        moved[::every, 0] * gain, distance[::every], cmap="viridis",
                        angles="xy", scale_units="xy", scale=1.0, width=0.004)
-    ax.figure.colorbar(arrows, ax=ax, label="moved [px]", shrink=0.8)
+    ax.figure.colorbar(arrows, ax=ax, label="moved [px]", shrink=0.8, location="bottom")  # (the right edge is the figure's)
     ax.invert_yaxis()
     ax.set_aspect("equal")
     ax.set_xlabel("x [px]")
