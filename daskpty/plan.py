@@ -230,7 +230,12 @@ def _initial_probe(probe, data, client, intensities, modes, seed):
 def _geometry_probe(probe, data, client, intensities, modes, seed, options, resolved):
     """The initial probe when the sample model decides it (``probe="aperture"``, or no probe for a
     near-field data set: :func:`daskpty.engines.initial.probe_from_mean_hologram`); else None (the
-    single-slice default applies)."""
+    single-slice default applies). A store's probe made from its optics at the entrance surface
+    (``probe_plane: "entrance"``, as ``daskpty import --defocus`` writes it) is made again at a
+    K-slice model's first screen, where the model's probe lives."""
+    if probe is None and resolved.first_screen_m and getattr(data, "probe", None) is not None \
+            and (getattr(data, "metadata", None) or {}).get("probe_plane") == "entrance":
+        probe = "aperture"
     if isinstance(probe, str):
         if probe != "aperture":
             raise ValueError(f"probe must be an array, None or 'aperture', got {probe!r}")

@@ -169,6 +169,13 @@ def test_import_flags_fill_what_the_aperture_probe_needs(scan, use_client, tmp_p
     assert main(["reconstruct", out, "-o", rec, "--probe", "aperture", "--slices", "3", "--slice-spacing",
                  SPACING, "--epochs", "2", "--quiet"]) == 0, capsys.readouterr().err
     assert daskpty.Reconstruction.from_zarr(rec).object.shape[0] == 3
+    assert imported.metadata["probe_plane"] == "entrance"
+    # without --probe, a K-slice run starts from the store's probe made again at its first screen
+    first = daskpty.reconstruct(imported, epochs=0, slices=3, slice_spacing_m=float(SPACING), check_data=False,
+                                progress=False).probe
+    for probe, same in ((carried, True), (start, False)):
+        overlap = abs(np.vdot(first, probe)) / (np.linalg.norm(first) * np.linalg.norm(probe))
+        assert (overlap > 0.9999) == same, overlap
 
 
 def test_the_aperture_probe_takes_the_stored_defocus():

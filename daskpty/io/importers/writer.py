@@ -98,6 +98,7 @@ def _optics(geometry: Geometry, meta: dict, size: int):
                                defocus_m=geometry.defocus_m or 0.0)
     except ValueError as exc:
         fail(f"the probe of --convergence-semiangle and --defocus: {exc}")
+    extra["probe_plane"] = "entrance"  # made at the sample's entrance surface, where the defocus is measured
     return extra, probe
 
 
