@@ -257,14 +257,14 @@ def test_ad_opr_with_three_modes_on_a_minibatched_raster_beats_no_opr(client):
     "auto" picks there without OPR): unlimited eigen-probe steps grew from round to round and
     AD's K = 3 ended at 7.9× the constant-probe NRMSE, worse than without OPR (6.3×); limited
     to EIGEN_TRUST, 2.3×; with the smooth part of the weight norms' steps taken back as well
-    (probe_model.damp_smooth_norm) 0.62× the NRMSE without OPR. With OPR "auto" picks the plain
-    run's rounds (execution.data.auto_rounds)."""
+    (probe_model.damp_smooth_norm) 0.66× the NRMSE without OPR (0.70× without it). With OPR
+    "auto" picks the plain run's rounds (execution.data.auto_rounds)."""
     ds = simulate_variable_probe(grid=24)
     plain_run = _run(ds, client, engine="ad", epochs=40)
     plain = _nrmse(plain_run, ds)
     opr = _nrmse(_run(ds, client, engine="ad", epochs=40, opr_modes=3, rounds_per_epoch=3), ds)
     print(f"AD, 24 x 24 raster: NRMSE without OPR {plain:.4f}, OPR K=3 {opr:.4f}")
-    assert opr < 0.65 * plain
+    assert opr < 0.68 * plain
     auto = _run(ds, client, engine="ad", epochs=1, opr_modes=3)
     assert (plain_run.options["rounds_per_epoch"], auto.options["rounds_per_epoch"]) == (3, 3)
 
@@ -548,12 +548,16 @@ def test_centred_eigen_terms_are_additive_and_centre_the_weights():
 
 
 @pytest.mark.slow
-def test_opr_with_intensity_factors_pays_on_a_strongly_drifting_beam(client):
+@pytest.mark.parametrize("engine, seed", [("ad", 0), ("ad", 1), ("lsqml", 0)])
+def test_opr_with_intensity_factors_pays_on_a_strongly_drifting_beam(client, engine, seed):
     """A strongly drifting, flickering beam (256 × 64², defocus ± 30 % along the scan, flux
-    ± 20 %), OPR K = 3 with intensity factors and the defaults otherwise, AD: better than no
-    OPR at 30 epochs and within 1.2× the constant-probe run at 50. One round per epoch here, so
-    the factors keep their smooth part (1.41× at 50 when flattened)."""
-    scan = dict(n=64, grid=16, defocus_drift=1.14, seed=0)
+    ± 20 %), OPR K = 3 with intensity factors and the defaults otherwise: better than no OPR at
+    30 epochs, within 1.2× the constant-probe run at 50, and the loss at 50 below the loss at
+    30. One round per epoch here, so the factors keep their smooth part (1.41× at 50 when
+    flattened). With the eigen-weights' mean left in the weights, AD seed 1 rose from a loss of
+    616 at 30 to 628 at 50 and ended at 1.94×; with a curvature of the phase as the second
+    starting eigen-probe, LSQML seed 0 ended at 1.31×."""
+    scan = dict(n=64, grid=16, defocus_drift=1.14, seed=seed)
     constant, varying = simulate_variable_probe(constant=True, **scan), simulate_variable_probe(**scan)
     snapshots = {}
 
@@ -561,10 +565,43 @@ def test_opr_with_intensity_factors_pays_on_a_strongly_drifting_beam(client):
         if epoch + 1 == 30:
             snapshots[30] = (np.array(state.object), np.array(state.illumination))
 
-    e_const = _nrmse(_run(constant, client, engine="ad", epochs=50), constant)
-    e_plain = _nrmse(_run(varying, client, engine="ad", epochs=30), varying)
-    rec = _run(varying, client, engine="ad", epochs=50, opr_modes=3, fit_intensity=True, callback=keep)
+    e_const = _nrmse(_run(constant, client, engine=engine, epochs=50), constant)
+    e_plain = _nrmse(_run(varying, client, engine=engine, epochs=30), varying)
+    rec = _run(varying, client, engine=engine, epochs=50, opr_modes=3, fit_intensity=True, callback=keep)
     e_opr = _nrmse(rec, varying)
     e_opr30 = nrmse_vs_truth(snapshots[30][0], rec.positions, snapshots[30][1], varying.truth)
-    print(f"NRMSE constant probe {e_const:.4f}, no OPR (30) {e_plain:.4f}, OPR (30) {e_opr30:.4f}, (50) {e_opr:.4f}")
+    loss = [h["loss"] for h in rec.history]
+    print(f"NRMSE constant probe {e_const:.4f}, no OPR (30) {e_plain:.4f}, OPR (30) {e_opr30:.4f}, (50) {e_opr:.4f}; "
+          f"loss (30) {loss[29]:.0f}, (50) {loss[49]:.0f}")
     assert e_opr30 < e_plain and e_opr <= 1.2 * e_const
+    assert loss[49] < loss[29]
+
+
+def test_starting_eigen_probes_follow_a_defocus_drift_to_second_order():
+    """The probe of a pattern whose defocus drifts by δ, P(d + δ) − P(d), lies to second order
+    in δ in the real span of U_0, the changes the data do not see and the two starting
+    eigen-probes (the first and second derivatives along the beam): what is left falls as δ³,
+    where with the first alone it falls as δ², and with a curvature of the phase at the sample
+    second (P_0 · i r²) more of it stays."""
+    from daskpty.simulate.variable_probe import disc_probe
+
+    p0 = disc_probe(64, 1.9).astype(np.complex128)
+    u = ep.initial_eigen_probes(p0, 2).astype(np.complex128)
+    unseen = list(ep.unseen_directions(p0))
+    c = np.arange(64) - 31.5
+    curvature = p0 * 1j * np.add.outer(c**2, c**2)
+
+    def left(delta, *directions):
+        change = (disc_probe(64, 1.9 + delta) - p0).ravel()
+        rows = np.stack([d.ravel() for d in (p0, *unseen, *directions)])
+        real = np.concatenate([rows.real, rows.imag], 1)
+        v = np.concatenate([change.real, change.imag])
+        coef, *_ = np.linalg.lstsq(real.T, v, rcond=None)
+        return np.linalg.norm(v - real.T @ coef)
+
+    both = [left(d, u[0], u[1]) for d in (0.2, 0.4)]
+    first = [left(d, u[0]) for d in (0.2, 0.4)]
+    assert 6 < both[1] / both[0] < 10, both          # ∝ δ³
+    assert 3 < first[1] / first[0] < 5, first        # ∝ δ²
+    assert both[1] < 0.3 * first[1]
+    assert both[1] < 0.5 * left(0.4, u[0], curvature)

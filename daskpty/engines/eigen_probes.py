@@ -26,30 +26,32 @@ EIGEN_TRUST = 0.05
 
 def initial_eigen_probes(probe0, n_eigen: int, seed: int = 0) -> np.ndarray:
     """K − 1 starting eigen-probes (K−1, n, n) complex64, orthogonal to P_0 and to each other,
-    each as strong as P_0 (their weights start at zero), in the order of how a beam drifts:
+    each as strong as P_0 (their weights start at zero): the first two terms of a drifting
+    defocus d, P(d) ≈ P_0 + d ∂P/∂d + ½ d² ∂²P/∂d² (a change of the propagation distance to the
+    sample, or of the lens' focus),
 
-    1. defocus, the derivative of P_0 along the beam: i F⁻¹(|k|² F P_0) (a change of the
-       propagation distance to the sample, or of the lens' focus);
-    2. a real-space curvature of the phase, P_0 · i(r² − ⟨r²⟩) (a change of the lens' focal
-       length seen at the sample);
-    then seeded noise. Not the beam's pointing (the shifts ∂P_0/∂y, ∂P_0/∂x): a pattern's probe
-    shifted is its window moved, which position refinement fits, and as eigen-probes the shifts
-    fitted the object's errors along the scan (bench_opr.py's scan, five seeds, LSQML / AD:
-    K = 3 1.38 / 1.12× the constant-probe NRMSE with the shift ∂P_0/∂y second, 1.08 / 1.09×
-    with the curvature second; K = 4 1.63 / 1.20× with both shifts, 1.20 / 1.16× without)."""
+    1. i F⁻¹(|k|² F P_0), the derivative of P_0 along the beam;
+    2. −F⁻¹(|k|⁴ F P_0), its second derivative (the weights of a defocus drifting linearly
+       over the scan are then linear and quadratic in it);
+
+    then seeded noise. Not a real-space curvature of the phase, P_0 · i(r² − ⟨r²⟩): with weights
+    linear over a dense raster it traded with an object phase cubic along the scan (the
+    strongly drifting beam of bench_opr.py, K = 3 with intensity factors, LSQML seed 0 at 50
+    epochs: 1.31× the constant-probe NRMSE with it second, 1.02× with the second derivative).
+    Not the beam's pointing (the shifts ∂P_0/∂y, ∂P_0/∂x): a pattern's probe shifted is its
+    window moved, which position refinement fits, and as eigen-probes the shifts fitted the
+    object's errors along the scan (bench_opr.py's default scan, five seeds, LSQML / AD: K = 3
+    1.38 / 1.12× the constant-probe NRMSE with the shift ∂P_0/∂y second, 1.08 / 1.09× without;
+    K = 4 1.63 / 1.20× with both shifts, 1.20 / 1.16× without)."""
     probe0 = np.asarray(to_numpy(probe0), dtype=np.complex128)
     n = probe0.shape[-1]
     if n_eigen == 0:
         return np.zeros((0, n, n), np.complex64)
-    power = np.abs(probe0) ** 2
-    total = power.sum() or 1.0
-    y, x = _coordinates_about_power_centre(probe0)
-    r2 = y * y + x * x
     spectrum = np.fft.fft2(probe0)
     k = np.fft.fftfreq(n)
     ky, kx = np.meshgrid(k, k, indexing="ij")
-    directions = [np.fft.ifft2(1j * (ky * ky + kx * kx) * spectrum),
-                  probe0 * 1j * (r2 - (power * r2).sum() / total)]
+    k2 = ky * ky + kx * kx
+    directions = [np.fft.ifft2(1j * k2 * spectrum), np.fft.ifft2(-(k2 * k2) * spectrum)]
     rng = np.random.default_rng(seed)
     while len(directions) < n_eigen:
         directions.append(probe0 * (rng.standard_normal((n, n)) + 1j * rng.standard_normal((n, n))))
@@ -127,6 +129,32 @@ def orthonormalize(probe0, eigen) -> tuple[np.ndarray, np.ndarray | None]:
     half = new_rows.shape[1] // 2
     new = (new_rows[:, :half] + 1j * new_rows[:, half:]).reshape(eigen.shape)
     return new.astype(np.complex64), transform
+
+
+def add_eigen_weight_sums(sums, arrays, count: float) -> np.ndarray:
+    """``sums`` (K,: the patterns counted, then Σ_j w_jk per eigen-probe; None: nothing yet)
+    with a round's ``count`` patterns and their eigen-weights' sums added."""
+    new = np.concatenate([[float(count)], np.asarray(arrays["opr_eigen_moments"], np.float64)[:, 0]])
+    return new if sums is None else sums + new
+
+
+def recentre(probe0, eigen, mean) -> tuple:
+    """The mean probe with the eigen-probes' share of the mean weights ``mean`` moved into it,
+    U'_0 = U_0 + Σ_k w̄_k U_k, and the K × K matrix T (``w_new = w_old · T``: w'_k = w_k − w̄_k w_j0)
+    that keeps every pattern's probe Σ_k w_jk U_k exactly. Returns ``(U'_0, T)``.
+
+    The model cannot tell a weight's mean from the mean probe, and the steps see them apart:
+    the mean probe takes Σ_j G_j0 and the eigen-probes only the centred sums
+    (:func:`centred_eigen_terms`). Left to drift (means of 0.1 ‖U_0‖ after 35 epochs), the
+    mean of the eigen-weights fought the mean probe: on the strongly drifting beam of
+    bench_opr.py (K = 3, intensity factors, six seeds) AD's loss rose from epoch 30 and ended at
+    0.98–2.21× the constant-probe NRMSE at 50 epochs; kept at zero, 0.68–0.96× with a falling loss."""
+    xp = get_xp(probe0)
+    mean = np.asarray(mean, np.float64)
+    shift = np.tensordot(mean, np.asarray(to_numpy(eigen), np.complex128), axes=1)
+    transform = np.eye(len(mean) + 1)
+    transform[0, 1:] = -mean
+    return (probe0 + xp.asarray(shift.astype(np.complex64))).astype(probe0.dtype), transform
 
 
 def centred_eigen_terms(arrays, count: float):

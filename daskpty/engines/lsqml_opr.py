@@ -24,7 +24,8 @@ import numpy as np
 
 from ..physics import ifft2
 from . import lsqml
-from .eigen_probes import EIGEN_TRUST, centred_eigen_terms, initial_eigen_probes, limit_eigen_step, orthonormalize
+from .eigen_probes import (EIGEN_TRUST, add_eigen_weight_sums, centred_eigen_terms, initial_eigen_probes, limit_eigen_step,
+                           orthonormalize, recentre)
 from .pattern_probes import INTENSITY_TIKHONOV, PatternProbes
 from .probe_model import (
     WEIGHT_TRUST,
@@ -112,6 +113,7 @@ def apply(state, total, model: ProbeModelOptions, delta: float = 0.1, valid=None
     arrays = total.arrays
     if "opr_eigen_num" in arrays and state.eigen_probes is not None:
         num, den = centred_eigen_terms(arrays, total.scalars.get("n", 1.0))
+        state.eigen_weight_sums = add_eigen_weight_sums(state.eigen_weight_sums, arrays, total.scalars.get("n", 1.0))
         num = ifft2(np.asarray(num, np.complex64))
         step = num / np.float32(1.0 + delta) / np.maximum(den, 1e-30).astype(np.float32)
         step = limit_eigen_step(np.float32(model.eigen_step) * step, state.probe[0], EIGEN_TRUST)
@@ -122,8 +124,10 @@ def apply(state, total, model: ProbeModelOptions, delta: float = 0.1, valid=None
 
 
 def end_epoch(state, model: ProbeModelOptions) -> None:
-    """Before ``lsqml.end_epoch``: orthonormalise the eigen-probes after an epoch that moved them;
-    ``state.weight_transform`` is the T every chunk applies to its weights at its next visit.
+    """Before ``lsqml.end_epoch`` (and AD's): after an epoch that moved the eigen-probes, move
+    the eigen-weights' mean over the epoch into the mean probe (:func:`~.eigen_probes.recentre`)
+    and orthonormalise the eigen-probes; ``state.weight_transform`` is the product T every chunk
+    applies to its weights at its next visit.
 
     Before the first epoch that fits them (``start_epoch``) the eigen-probes start afresh from
     the mean probe as it is then (:func:`~.eigen_probes.initial_eigen_probes`): the probe the
@@ -132,7 +136,16 @@ def end_epoch(state, model: ProbeModelOptions) -> None:
     state.weight_transform = None
     if state.eigen_probes is None or not len(state.eigen_probes):
         return
+    sums, state.eigen_weight_sums = state.eigen_weight_sums, None
     if model.active(state.epoch):
+        shift = None
+        mean = None if sums is None else sums[1:] / max(sums[0], 1.0)
+        if mean is not None and np.any(mean):
+            probe = state.probe.copy()
+            probe[0], shift = recentre(probe[0], state.eigen_probes, mean)
+            state.probe = probe
         state.eigen_probes, state.weight_transform = orthonormalize(state.probe[0], state.eigen_probes)
+        if shift is not None:
+            state.weight_transform = shift @ state.weight_transform
     elif state.epoch + 1 == model.start_epoch:
         state.eigen_probes = initial_eigen_probes(state.probe[0], len(state.eigen_probes))

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...physics import get_noise_model, ifft2
-from ..eigen_probes import EIGEN_TRUST, centred_eigen_terms, limit_eigen_step
+from ..eigen_probes import EIGEN_TRUST, add_eigen_weight_sums, centred_eigen_terms, limit_eigen_step
 from ..pattern_probes import PatternProbes
 from ..probe_model import (WEIGHT_TRUST, ProbeModelOptions, check_finite, damp_smooth_norm, flatten_model_local,
                            model_local, smooth_eigen_weights, solve_weight_steps, step_factors, step_weights)
@@ -115,6 +115,7 @@ def apply(state, total, model: ProbeModelOptions, loss: str, delta: float = 0.1)
         pixels = arrays["opr_eigen_num"].shape[-1] ** 2
         kappa = gauss_newton_scale(loss, total.scalars.get("sum_model", 0.0) / (n * pixels))
         num, den = centred_eigen_terms(arrays, n)
+        state.eigen_weight_sums = add_eigen_weight_sums(state.eigen_weight_sums, arrays, n)
         step = kappa * ifft2(np.asarray(num)) / ((1.0 + delta) * np.maximum(den, 1e-30))
         step = limit_eigen_step(model.eigen_step * step, state.probe[0], EIGEN_TRUST)
         state.eigen_probes = (state.eigen_probes - step).astype(state.eigen_probes.dtype)

@@ -202,6 +202,7 @@ class ADState:
     epoch_start_probe: np.ndarray | None = None  # the probe at the epoch's start, while undecided
     eigen_probes: np.ndarray | None = None      # varying probe (engines.probe_model)
     weight_transform: np.ndarray | None = None
+    eigen_weight_sums: np.ndarray | None = None  # this epoch's count and Σ_j w_jk of the eigen-weights (K,)
     background: np.ndarray | None = None
 
     def active(self, name: str, options: ADOptions) -> bool:
