@@ -553,7 +553,7 @@ def test_opr_with_intensity_factors_pays_on_a_strongly_drifting_beam(client, eng
     """A strongly drifting, flickering beam (256 × 64², defocus ± 30 % along the scan, flux
     ± 20 %), OPR K = 3 with intensity factors and the defaults otherwise: better than no OPR at
     30 epochs, within 1.2× the constant-probe run at 50, and the loss at 50 below the loss at
-    30. One round per epoch here, so the factors keep their smooth part (1.41× at 50 when
+    30. One round per epoch here, so the factors keep their smooth part (AD seed 0: 1.44× at 50 when
     flattened). With the eigen-weights' mean left in the weights, AD seed 1 rose from a loss of
     616 at 30 to 628 at 50 and ended at 1.94×; with a curvature of the phase as the second
     starting eigen-probe, LSQML seed 0 ended at 1.31×."""

@@ -316,8 +316,8 @@ def flatten_model_local(new: dict, positions, options: ProbeModelOptions, n: int
     per epoch nothing walks, and flattening would cost what the overlap can tell of a
     flickering flux's local mean, so it is off there (:meth:`ProbeModelOptions.for_rounds`; the
     strongly drifting, flickering scan of bench_opr.py, K = 3 with intensity factors, seeds
-    0 / 1 / 2, the constant-probe NRMSE at 50 epochs: LSQML 1.64 / 1.35 / 1.36× flattened,
-    1.57 / 0.92 / 1.08× not; AD 1.41 / 1.89 / 1.39× and 0.98 / 1.94 / 1.74×). OPR's weights
+    0 / 1 / 2, the constant-probe NRMSE at 50 epochs: LSQML 1.45 / 1.16 / 1.28× flattened,
+    1.02 / 0.76 / 0.83× not; AD 1.44 / 1.22 / 1.31× and 0.96 / 0.81 / 0.90×). OPR's weights
     without intensity factors: :func:`damp_smooth_norm`."""
     if not options.flat_brightness or positions is None:
         return new
