@@ -135,6 +135,32 @@ def test_a_lone_previous_is_resumed_not_deleted(tmp_path, ds, data_path, client,
     assert not os.path.exists(str(out) + ".previous")  # superseded by the newer store
 
 
+def test_a_swap_killed_while_removing_the_old_copy_never_blocks_the_next_write(tmp_path, ds, client):
+    """A checkpoint swap ends by deleting ``PATH.previous``. Killed part-way through that
+    deletion (a follower SIGKILLed mid-checkpoint) it must leave something the next write
+    recognises as daskpty's: at every step of :func:`safety.deletion_order` the half-deleted
+    copy is still a daskpty store, its own leftover or an empty directory, and a resumed run
+    writes over it. Deleted in directory order, the root ``zarr.json`` went early and the next
+    resume refused "a directory that is not a daskpty store"."""
+    out = tmp_path / "r.zarr"
+    daskpty.reconstruct(ds, epochs=1, client=client, checkpoint=out)
+    template = tmp_path / "template.zarr"
+    shutil.copytree(out, template)
+    steps = safety.deletion_order(str(template))
+    assert steps[-1].endswith("zarr.json") and len(steps) > 3
+    previous = str(out) + ".previous"
+    for k in range(len(steps) + 1):
+        shutil.rmtree(previous, ignore_errors=True)
+        shutil.copytree(template, previous)
+        for entry in safety.deletion_order(previous)[:k]:                 # killed after k steps
+            shutil.rmtree(entry) if os.path.isdir(entry) else os.remove(entry)
+        safety.check_replaceable(previous)                              # never refused
+        assert safety.is_daskpty_store(previous) or safety.is_own_leftover(previous) \
+            or not os.listdir(previous), (k, sorted(os.listdir(previous)))
+    rec = daskpty.reconstruct(ds, epochs=2, client=client, checkpoint=out, resume=out)
+    assert rec.epochs == 2 and not os.path.exists(previous)
+
+
 def test_stale_partials_of_daskpty_are_cleaned_and_others_kept(tmp_path, ds, client):
     out = tmp_path / "r.zarr"
     own = tmp_path / "r.zarr.partial-0123abcd"  # a killed checkpoint write

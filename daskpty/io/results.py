@@ -14,7 +14,8 @@ import zarr
 
 from .integrity import EVERY_CHUNK, WRITE_ALL, check_json_files, read_store_arrays
 from .lock import StoreLock
-from .safety import FORMAT_VERSIONS, WRITING_MARKER, check_replaceable, clean_stale, intact_note, write_error
+from .safety import (FORMAT_VERSIONS, WRITING_MARKER, check_replaceable, clean_stale, intact_note, remove_tree,
+                     write_error)
 
 RECON_FORMAT = "daskpty-reconstruction"
 RECON_VERSION = FORMAT_VERSIONS[RECON_FORMAT]
@@ -150,10 +151,10 @@ class Reconstruction:
                 raise
             if os.path.lexists(path):
                 if os.path.lexists(previous):
-                    shutil.rmtree(previous)  # a daskpty store (checked above)
+                    remove_tree(previous)  # a daskpty store (checked above)
                 os.replace(path, previous)
             os.replace(tmp, path)
-            shutil.rmtree(previous, ignore_errors=True)
+            remove_tree(previous)
         return path
 
     def _write(self, root) -> None:

@@ -82,6 +82,32 @@ def _empty_dir(path) -> bool:
     return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
 
 
+def deletion_order(path) -> list[str]:
+    """The entries of the directory ``path`` in the order :func:`remove_tree` deletes them:
+    everything else first, then the root ``zarr.json`` (what marks the tree as daskpty's), then
+    the writing marker. A deletion killed at any step leaves a directory still marked as
+    daskpty's (or an empty one), which the next write recognises and removes instead of refusing
+    to replace a directory it cannot tell from a user's."""
+    last = [os.path.join(path, name) for name in ("zarr.json", WRITING_MARKER)]
+    entries = sorted(os.path.join(path, name) for name in os.listdir(path))
+    return [e for e in entries if e not in last] + [e for e in last if os.path.lexists(e)]
+
+
+def remove_tree(path) -> None:
+    """Delete the directory tree ``path`` (daskpty's own) in :func:`deletion_order`."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        return
+    for entry in deletion_order(path):
+        if os.path.isdir(entry) and not os.path.islink(entry):
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.remove(entry)
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+    shutil.rmtree(path, ignore_errors=True)   # anything written meanwhile
+
+
 def remove_own(path) -> None:
     """Delete ``path`` if daskpty wrote it (a store or a leftover) or it is an empty directory;
     refuse anything else with :class:`FileExistsError`. A missing path is fine."""
@@ -96,7 +122,7 @@ def remove_own(path) -> None:
         raise FileExistsError(f"{path} is not a store daskpty wrote (no daskpty marker in its "
                               f"zarr.json); refusing to delete it: remove it yourself or choose "
                               f"another path")
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)
 
 
 def written_version(fmt: str) -> int:
@@ -172,7 +198,7 @@ def clean_stale(path) -> list[str]:
     """Remove :func:`stale_leftovers` of ``path``; returns what was removed."""
     removed = []
     for p in stale_leftovers(path):
-        shutil.rmtree(p, ignore_errors=True)
+        remove_tree(p)
         if not os.path.lexists(p):
             removed.append(p)
     return removed
