@@ -19,7 +19,7 @@ from daskpty.engines import specs
 from daskpty.engines.ad import opr
 from daskpty.engines.ad.gradient import refining_chunk_gradient
 from daskpty.engines.core import EngineCore, TileSteps, chunk_steps
-from daskpty.engines.positions import accumulate_affine, accumulate_window
+from daskpty.engines.positions import accumulate_position_sums
 from daskpty.metrics import nrmse
 from daskpty.physics.backend import get_xp
 from daskpty.physics.geometry import NearFieldGeometry
@@ -54,8 +54,7 @@ def _descend(state, total, options, peak=None):
     """x ← x − lr · g / (W + δ max W) for the object and the probe (``peak``: max W of every tile)."""
     if total is None:
         return state
-    accumulate_affine(state, total)
-    accumulate_window(state, total)
+    accumulate_position_sums(state, total)
     xp = get_xp(state.object)
     illum = xp.zeros(state.object.shape, np.float32)
     total.boxes["illumination"].add_into(illum)

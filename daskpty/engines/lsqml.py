@@ -33,7 +33,7 @@ from .state import EngineState, trimmed_mean
 from .state import trimmed_mean as _trimmed_mean  # noqa: F401  (the tests' name)
 from .window_deformation import warp_object
 from .tile_frame import frame_of
-from .positions import PositionOptions, accumulate_affine, accumulate_window
+from .positions import PositionOptions, accumulate_position_sums
 
 
 #: the illumination preconditioner's δ for one slice, and for K > 1 slices (LSQMLOptions.delta)
@@ -380,8 +380,7 @@ def apply(state: LSQMLState, total: Partial, options: LSQMLOptions,
     :mod:`daskpty.execution.device_state`); ``total`` must live there too. ``illumination_max``:
     max W (per slice) over the whole object, when the state holds only a tile of it
     (:mod:`daskpty.execution.tile_numbers`)."""
-    accumulate_affine(state, total)
-    accumulate_window(state, total)
+    accumulate_position_sums(state, total)
     if "object" not in total.boxes:
         return state
     xp = get_xp(state.object)
@@ -414,8 +413,7 @@ def apply_in_place(state: LSQMLState, total: Partial, options: LSQMLOptions, pea
     """:func:`apply` writing into the state's object and illumination (the epoch's own:
     :func:`~.lsqml_epoch.begin_owned_epoch`) block by block of rows, the same bits. ``peak``:
     max W (per slice) over the whole object when the state holds a tile; None: the round's own."""
-    accumulate_affine(state, total)
-    accumulate_window(state, total)
+    accumulate_position_sums(state, total)
     if "object" not in total.boxes:
         return state
     xp = get_xp(state.object)

@@ -53,7 +53,7 @@ from .forward_model import THIN, ForwardModel
 from .lsqml_epoch import close_epoch
 from .partials import BoxedArray, Partial
 from .position_sums import PositionSums, refining_step
-from .positions import (PositionOptions, accumulate_affine, accumulate_window)
+from .positions import PositionOptions, accumulate_position_sums
 from .state import EngineState
 
 #: target bytes of one sub-batch's (b, M, n, n) complex64 exit waves
@@ -206,8 +206,7 @@ def apply(state: EngineState, total: Partial, options: PIEOptions, illumination_
     with (K, h, w) boxes (each slice its own denominator).
     ``illumination_max``: the round's largest illumination over the whole object (per slice),
     when the state holds a tile of it."""
-    accumulate_affine(state, total)
-    accumulate_window(state, total)
+    accumulate_position_sums(state, total)
     if "object_num" not in total.boxes:
         return state
     xp = get_xp(state.object)

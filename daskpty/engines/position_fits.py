@@ -100,6 +100,13 @@ def affine_parameters(affine) -> dict:
             "affine_shear": shear, "affine_shift_y": float(affine[2, 0]), "affine_shift_x": float(affine[2, 1])}
 
 
+def accumulate_position_sums(state, total) -> None:
+    """Every engine's ``apply``: a round's loss, affine normal equations and window-deformation
+    sums added to the epoch's (:func:`accumulate_affine`, :func:`accumulate_window`)."""
+    accumulate_affine(state, total)
+    accumulate_window(state, total)
+
+
 def accumulate_affine(state, total) -> None:
     """``apply``: add a round's affine normal equations to the state's sums of the epoch (a new
     dict: copies of a state share the old one), and its loss to the epoch's (``epoch_loss``, once

@@ -24,6 +24,7 @@ from ..physics.backend import to_numpy
 from .position_fits import (  # noqa: F401  (re-exported)
     WINDOW_KEYS,
     accumulate_affine,
+    accumulate_position_sums,
     accumulate_window,
     affine_boost,
     affine_parameters,

@@ -9,7 +9,7 @@ import numpy as np
 
 from ...physics.backend import get_xp
 from ..partials import Partial
-from ..positions import accumulate_affine, accumulate_window, restore_rules, start_arrays, start_from_arrays
+from ..positions import accumulate_position_sums, restore_rules, start_arrays, start_from_arrays
 from ...physics.noise_models import get_noise_model
 from .losses import DEFAULT_EPS
 from .optimizers import SGD, Adam, ConjugateGradient, OptimizerState
@@ -267,8 +267,7 @@ def apply(state: ADState, total: Partial, options: ADOptions, evaluate=None, *, 
     """
     if total is None:
         return state
-    accumulate_affine(state, total)
-    accumulate_window(state, total)
+    accumulate_position_sums(state, total)
     xp = get_xp(state.object)  # NumPy, or CuPy for a state on a GPU worker's device
     params, grads, pre, lrs = {}, {}, {}, {}
     epoch = state.epoch
