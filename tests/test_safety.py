@@ -7,6 +7,7 @@ mounts for full and read-only disks (skipped with the reason where this machine 
 from __future__ import annotations
 
 import errno
+import glob
 import json
 import os
 import re
@@ -14,6 +15,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 
@@ -159,6 +161,66 @@ def test_a_swap_killed_while_removing_the_old_copy_never_blocks_the_next_write(t
             or not os.listdir(previous), (k, sorted(os.listdir(previous)))
     rec = daskpty.reconstruct(ds, epochs=2, client=client, checkpoint=out, resume=out)
     assert rec.epochs == 2 and not os.path.exists(previous)
+
+
+def test_two_quick_interrupts_during_a_checkpoint_write_leave_no_partial_store(tmp_path):
+    """Two Ctrl-Cs in quick succession: the first stops a checkpoint write (the run then writes
+    its stop checkpoint), the second lands while the partial store is being removed. The removal
+    must still finish; cut short, it left ``PATH.partial-*`` beside the checkpoint (CI:
+    ``test_interrupts_say_which_epoch_was_kept``, interrupts 20 ms apart)."""
+    rng = np.random.default_rng(0)
+    shape = (2000, 2000)
+    obj = (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(np.complex64)
+    rec = Reconstruction(object=obj, probe=np.ones((1, 16, 16), np.complex64), positions=np.zeros((4, 2)),
+                         origin=np.zeros(2))
+    for k, gap in enumerate((0.0, 0.005, 0.01, 0.02, 0.03, 0.05) * 2):
+        out = tmp_path / f"r{k}.zarr"
+
+        def interrupt_twice(out=out, gap=gap):
+            deadline = time.monotonic() + 10
+            while not glob.glob(f"{out}.partial-*/object/c/*") and time.monotonic() < deadline:
+                time.sleep(0.001)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(gap)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        sender = threading.Thread(target=interrupt_twice)
+        caught = 0
+        try:
+            sender.start()
+            try:
+                rec.to_zarr(out)
+            except KeyboardInterrupt:
+                caught += 1
+            sender.join()
+            time.sleep(0.1)  # a second interrupt not taken by the write lands here
+        except KeyboardInterrupt:
+            caught += 1
+            sender.join()
+        assert caught >= 1, "the write ended before the first interrupt"
+        time.sleep(0.3)
+        assert _leftovers(tmp_path) == [], (gap, _leftovers(tmp_path))
+        assert not out.exists() or Reconstruction.from_zarr(out).object.shape == shape
+
+
+def test_settling_zarr_waits_for_a_write_its_caller_stopped_waiting_for(tmp_path):
+    """A write still running on zarr's IO loop (its caller interrupted) ends before
+    ``settle_zarr_writes`` returns, so a removal after it is not undone by that write."""
+    import asyncio
+
+    from zarr.core.sync import _get_loop
+
+    from daskpty.io.pending_writes import settle_zarr_writes
+
+    late = tmp_path / "late" / "c" / "0"
+
+    async def slow_write():
+        await asyncio.sleep(0.3)
+        late.parent.mkdir(parents=True)
+        late.write_bytes(b"x")
+
+    asyncio.run_coroutine_threadsafe(slow_write(), _get_loop())
+    assert settle_zarr_writes(timeout=5.0) and late.exists()
 
 
 def test_stale_partials_of_daskpty_are_cleaned_and_others_kept(tmp_path, ds, client):
