@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Callable
 
 
 def settle_zarr_writes(timeout: float = 3.0) -> bool:
@@ -32,3 +33,19 @@ def settle_zarr_writes(timeout: float = 3.0) -> bool:
     with contextlib.suppress(Exception):
         return bool(future.result(timeout + 1.0))
     return False
+
+
+def despite_interrupts(clean_up: Callable[[], None]) -> None:
+    """Run the idempotent ``clean_up`` to its end even when Ctrl-C lands in it (a second one,
+    right after the first stopped a write), repeating it after each interrupt; the last
+    interrupt is raised once it has finished. The interrupt guard of the command line still
+    ends a run that takes too long."""
+    interrupt = None
+    while True:
+        try:
+            clean_up()
+            break
+        except KeyboardInterrupt as exc:
+            interrupt = exc
+    if interrupt is not None:
+        raise interrupt

@@ -14,7 +14,7 @@ import zarr
 
 from .integrity import EVERY_CHUNK, WRITE_ALL, check_json_files, read_store_arrays
 from .lock import StoreLock
-from .pending_writes import settle_zarr_writes
+from .pending_writes import despite_interrupts, settle_zarr_writes
 from .safety import (FORMAT_VERSIONS, WRITING_MARKER, check_replaceable, clean_stale, intact_note, remove_tree,
                      write_error)
 
@@ -279,22 +279,19 @@ def _stored_epoch(value, path) -> int:
 def _discard(tmp: str, timeout: float = 2.0) -> None:
     """Remove a partial store, also when an interrupt stopped the wait for zarr's background
     writes: those are let finish first (:func:`settle_zarr_writes`, bounded: the interrupt guard
-    ends a run 5 s after a second Ctrl-C), and any file they still create is removed again.
-    A further Ctrl-C during the removal (two in quick succession: the first stopped the write)
-    does not cut it short; it is raised once ``tmp`` is gone."""
-    interrupt = None
+    ends a run 5 s after a second Ctrl-C), and any file they still create is removed again. A
+    further Ctrl-C does not cut the removal short (:func:`despite_interrupts`)."""
     deadline = time.monotonic() + timeout
-    while True:
-        try:
+
+    def remove():
+        while True:
             settle_zarr_writes()
             shutil.rmtree(tmp, ignore_errors=True)
             time.sleep(0.05)
             if not os.path.lexists(tmp) or time.monotonic() > deadline:
-                break
-        except KeyboardInterrupt as exc:
-            interrupt = exc
-    if interrupt is not None:
-        raise interrupt
+                return
+
+    despite_interrupts(remove)
 
 
 def is_lazy(arr) -> bool:

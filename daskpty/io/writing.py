@@ -25,6 +25,7 @@ from zarr.codecs import BloscCodec
 from ..faults import WriteCancelled  # noqa: F401 (also named here)
 from .dask_client import current_client
 from .lock import StoreLock, check_unlocked
+from .pending_writes import despite_interrupts
 from .integrity import EVERY_CHUNK, WRITE_ALL
 from .metadata import Truth, jsonable
 from .progress import TextProgress
@@ -183,7 +184,7 @@ def atomic_store(path, overwrite: bool = False):
                 for lone in (path + ".previous", *glob.glob(glob.escape(path) + ".old-*")):
                     _remove_tree(lone)  # an interrupted copy the caller chose to replace
         except BaseException as exc:
-            _discard(tmp)
+            despite_interrupts(lambda: _discard(tmp))
             err = write_error(exc, "writing", path, intact_note(path)) \
                 if isinstance(exc, OSError) else None
             if err is not None:
