@@ -82,15 +82,34 @@ def _rise(loss):
     return rise.max(), SETTLED + 2 + rise.argmax()
 
 
+def _errors_at(data, client, epochs, **flags):
+    """NRMSE against the truth after each of ``epochs`` (placed by the final positions' mean
+    offset, which the refinement keeps), and the loss history."""
+    truth = SimpleNamespace(object=np.asarray(data.truth.object), positions=np.asarray(data.truth.positions))
+    kept = {}
+
+    def keep(epoch, state, metrics):
+        if epoch + 1 in epochs:
+            kept[epoch + 1] = (np.array(state.object), np.array(state.illumination))
+
+    rec = daskpty.reconstruct(data.path, epochs=max(epochs), client=client, progress=False, callback=keep, **flags)
+    errors = {e: nrmse_vs_truth(obj, rec.positions, illum, truth) for e, (obj, illum) in kept.items()}
+    return errors, np.array([h["loss"] for h in rec.history])
+
+
 @pytest.mark.slow
 def test_position_refinement_alone_never_worse_on_an_ideal_scan(drifting, two_workers):
     """Position refinement on exact positions: it starts once the object has formed (the probe
-    settled and the loss falling by at most 2 % an epoch), and its global moves stop once they
-    raise the misfit, so it costs at most 5 % of the plain run's NRMSE; at one round per epoch
-    the affine speed-up no longer runs away."""
-    plain, _ = _run(drifting, two_workers)
-    error, loss = _run(drifting, two_workers, refine_positions=True)
-    assert error <= 1.05 * plain, f"refine_positions: NRMSE {error:.4f} against {plain:.4f} without it"
+    settled and the loss falling by at most 0.5 % an epoch), the windows ask for no scale below
+    their dead band, and its global moves stop once they raise the misfit, so it costs at most
+    5 % of the plain run's NRMSE at 30 and at 60 epochs (1.016 / 1.057 with the 2 % loss rule
+    and no dead band: the scan stretched by 0.1 %); at one round per epoch the affine speed-up
+    no longer runs away."""
+    plain, _ = _errors_at(drifting, two_workers, (EPOCHS, 2 * EPOCHS))
+    error, loss = _errors_at(drifting, two_workers, (EPOCHS, 2 * EPOCHS), refine_positions=True)
+    for epoch in plain:
+        assert error[epoch] <= 1.05 * plain[epoch], \
+            f"refine_positions at {epoch} epochs: NRMSE {error[epoch]:.4f} against {plain[epoch]:.4f} without it"
     assert _rise(loss)[0] < JUMP, "refine_positions: the loss rose {:.3f}x in epoch {}".format(*_rise(loss))
     _, loss = _run(drifting, two_workers, refine_positions=True, rounds_per_epoch=1)
     assert _rise(loss)[0] < JUMP, "one round: the loss rose {:.3f}x in epoch {}".format(*_rise(loss))

@@ -130,7 +130,7 @@ def test_groups_by_dict_and_instance_and_engine_settings():
     group = op.ExecutionOptions(chunk_length=16)
     assert op.resolve(execution=group).execution is group  # an instance without shortcuts is kept
     positions = op.resolve("ad", refine_positions={"max_step": 0.5}).positions
-    assert positions.max_step == 0.5 and positions.start_epoch == 5  # the engine's default filled in
+    assert positions.max_step == 0.5 and positions.affine_gain == 2.0  # the engine's default filled in
 
 
 @pytest.mark.parametrize("run, pattern", [
@@ -203,7 +203,7 @@ def test_cli_help_shows_the_classes_defaults(capsys, monkeypatch):
     text = " ".join(capsys.readouterr().out.split())
     for cls, skip in ((op.ProbeModelOptions, op.SHORTCUTS), (op.PositionOptions, ())):
         assert op.defaults_text(cls, skip=skip) in text
-    assert "curvature_damping=0.02 (ad: 0.002)" in text and "start_epoch=auto (ad: 5)" in text
+    assert "curvature_damping=0.02 (ad: 0.002)" in text and "affine_gain=6.0 (ad: 2.0)" in text
     assert f"(default: {op.RunOptions().checkpoint_every})" in text and "beta=0.9" in text
 
 

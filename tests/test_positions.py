@@ -61,6 +61,19 @@ def test_affine_fit_is_additive_and_exact():
     assert solve_affine(two["affine_xtx"], two["affine_xty"]) is None
 
 
+def test_the_windows_small_isotropic_deformation_is_left_out():
+    """The windows' scale request is soft-thresholded by the dead band; rotation and shear stay."""
+    from daskpty.engines.position_fits import WINDOW_SCALE_DEADBAND as band, without_small_scale
+
+    rotation_shear = np.array([[0.0, 3e-4], [-1e-4, 0.0]])
+    small = rotation_shear + 0.5 * band * np.eye(2)
+    np.testing.assert_allclose(without_small_scale(small), rotation_shear, atol=1e-15)
+    large = rotation_shear - 4 * band * np.eye(2)
+    np.testing.assert_allclose(without_small_scale(large), rotation_shear - 3 * band * np.eye(2), atol=1e-15)
+    anisotropic = np.diag([2 * band, -2 * band])     # a shear along the axes: no isotropic part
+    np.testing.assert_allclose(without_small_scale(anisotropic), anisotropic)
+
+
 def test_the_affine_boost_leaves_the_window_correction_alone():
     """The boost extrapolates only what the refinement moved by itself: a fitted map that is the
     last one moved by the epoch's window correction (and the last boost) asks for no boost, and
@@ -266,11 +279,12 @@ def test_window_correction_removes_the_scans_rotation_and_scale(wide_scan, clien
 
     ds, nominal = wide_scan
     truth = ds.truth.positions
-    off = _run(ds, nominal, client, epochs=24, refine_positions={"window_gain": 0})
-    on = _run(ds, nominal, client, epochs=24, refine_positions={})
+    early = {"start_epoch": 6}                      # 18 epochs of refinement in each run
+    off = _run(ds, nominal, client, epochs=24, refine_positions={"window_gain": 0, **early})
+    on = _run(ds, nominal, client, epochs=24, refine_positions=early)
     start = dict(epochs=24, probe=ds.truth.probe)   # window_scale needs a probe of the right size
-    off_p = _run(ds, nominal, client, refine_positions={"window_gain": 0}, **start)
-    scaled = _run(ds, nominal, client, refine_positions={"window_scale": True}, **start)
+    off_p = _run(ds, nominal, client, refine_positions={"window_gain": 0, **early}, **start)
+    scaled = _run(ds, nominal, client, refine_positions={"window_scale": True, **early}, **start)
 
     def global_error(rec):
         design = np.c_[truth, np.ones(len(truth))]
@@ -391,8 +405,11 @@ def test_auto_start_waits_for_the_probe_to_settle(scan, client, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:daskpty. position refinement starts at epoch")  # the run that stops before it
 @pytest.mark.slow
-def test_resume_across_the_auto_start_is_bit_identical(scan, client, tmp_path):
+def test_resume_across_the_auto_start_is_bit_identical(scan, client, tmp_path, monkeypatch):
     """Checkpoints before and after "auto" decides the start: both resume bit-identically."""
+    from daskpty.engines import positions
+
+    monkeypatch.setattr(positions, "LOSS_SETTLED", 0.02)   # a decision within these few epochs
     ds, nominal = scan
     kw = dict(engine="lsqml", rounds_per_epoch=2, refine_positions={"momentum": 0.5})
     straight = _run(ds, nominal, client, epochs=8, **kw)

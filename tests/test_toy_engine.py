@@ -146,9 +146,9 @@ def test_the_toy_engine_reconstructs_with_one_slice(toy, data, client):
     assert losses[-1] < 0.4 * losses[0] and error < 0.7 * start, (losses, error, start)
 
 
-@pytest.mark.parametrize("settings", [{"tiles": True}, {"refine_positions": True},
+@pytest.mark.parametrize("settings", [{"tiles": True}, {"refine_positions": {"start_epoch": 2}},
                                       {"opr_modes": 2, "probe_model": {"start_epoch": 2}},
-                                      {"tiles": True, "refine_positions": True}],
+                                      {"tiles": True, "refine_positions": {"start_epoch": 2}}],
                          ids=["tiles", "positions", "opr", "tiles-positions"])
 def test_the_toy_engine_takes_every_part(toy, data, client, settings):
     rec, losses, error, start = _run(data, client, **settings)

@@ -23,15 +23,18 @@ OPTIMIZERS = ("momentum", "adam")
 #: fixed start of 4 was best from the first (three noise draws, 0.27–0.34 px after 50 epochs,
 #: against 0.31–0.37 px from 10) and worst from the second (0.60 against 0.50 px).
 #: The loss must have settled too (changed by at most LOSS_SETTLED over the epoch): while the
-#: object still forms, the shifts follow its errors and the positions keep what they take then
-#: (ideal 576 × 64² scan, exact positions, seed 2: NRMSE 1.09× the plain run's at 30 epochs
-#: starting at epoch 9, 1.02× at 15, where the loss fell below 2 % per epoch; a scan 1.6 px off
-#: levels out early and still starts at 9). AUTO_LATEST leaves room for that: at one round per
-#: epoch the object forms more slowly (seeds 2 / 3 start at 25: 1.02 / 1.02× the plain NRMSE at
-#: 30 epochs, 1.09 / 1.06× when cut off at epoch 20).
+#: object still forms, the shifts follow its errors and the positions keep what they take then,
+#: a stretch of the scan above all. On exact positions the loss keeps falling as the object
+#: forms; with position errors it levels out early, so the rule delays only the scans that need
+#: refinement least. 0.5 % rather than 2 % (LSQML, 60 epochs, ratio to the plain run's NRMSE at
+#: 30 / 60): exact `simulate` presets small seeds 0–2 1.00–1.02 / 1.00–1.06 → 1.00–1.01 /
+#: 1.00–1.04, medium seed 0 1.07 / 1.18 → 1.02 / 1.10; with errors (1 px + 1.5 % + 0.5°, 0.3 px
+#: + 0.5 % + 0.3°) the same or better (seed 1, 0.3 px: 0.48 → 0.40× the nominal run at 60); a
+#: pure 1 % scale error 1–2 % worse at 30, the same at 60. AUTO_LATEST leaves room for a
+#: late-forming object (one round per epoch, or a probe guessed from the mean pattern).
 AUTO_START = "auto"
 PROBE_SETTLED = 0.01
-LOSS_SETTLED = 0.02
+LOSS_SETTLED = 0.005
 AUTO_EARLIEST = 3
 AUTO_LATEST = 30
 
@@ -45,11 +48,16 @@ class PositionOptions:
     start_epoch: first epoch whose chunk steps move positions (epochs count from 0), or
         ``"auto"``: the epoch after the probe has settled (:data:`PROBE_SETTLED`, between epochs
         :data:`AUTO_EARLIEST` and :data:`AUTO_LATEST`). None: the engine's own
-        (``EngineSpec.position_defaults``: LSQML ``"auto"``, AD 5). LSQML waits until the object and
-        probe have roughly formed: its shifts from a blurred object over-step, and from a probe
-        still far off the windows' scale follows the probe's size; how soon that is depends on
-        the start probe (:data:`AUTO_START`). AD's Adam steps with the window correction gain
-        from an earlier start.
+        (``EngineSpec.position_defaults``: ``"auto"`` for every engine). Refinement waits until
+        the object and probe have roughly formed: shifts from a blurred object over-step, and
+        from a probe still far off the windows' scale follows the probe's size; how soon that is
+        depends on the start probe (:data:`AUTO_START`). AD's Adam steps are of about ``lr``
+        whatever the gradient, so an early start walks exact positions away: small preset seed
+        2, 60 epochs, from the store's probe, a fixed start at epoch 5 against "auto" (epoch 12),
+        exact scan 1.24 / 1.11× → 1.11 / 1.09× the plain run at 30 / 60 epochs, 1 % scale error
+        0.92 / 0.73× → 0.68 / 0.41× the nominal run; from a probe guessed from the mean pattern
+        epoch 5 took a scan 1 px + 1.5 % + 0.5° off to 4.9 px rms (2.1× the nominal run at 60),
+        "auto" (epoch 30) to 0.56×.
     max_step: largest move of one pattern per epoch, pixels per axis (default 0.3; LSQML's
         momentum-driven steps reach it in the first epochs of refinement; AD's Adam steps of
         about ``lr`` are clipped to it).

@@ -80,7 +80,7 @@ _PIE_CORE = "daskpty.engines.pie_core:PIECore"
 #: benchmarks/bench_positions.py (docs/benchmarks.md). The PIE family takes LSQML's shift,
 #: momentum and fits.
 _SHIFT_POSITIONS = {"affine_gain": 6.0, "start_epoch": "auto", "window_every": 1}
-_GRADIENT_POSITIONS = {"affine_gain": 2.0, "start_epoch": 5, "window_every": 2}
+_GRADIENT_POSITIONS = {"affine_gain": 2.0, "start_epoch": "auto", "window_every": 2}
 
 #: The probe model's settings left None, measured on the drifting, flickering scan of
 #: benchmarks/bench_opr.py (docs/benchmarks.md, OPR). A gradient engine takes the nearly exact
