@@ -367,6 +367,25 @@ def test_resume_with_refinement_is_bit_identical(scan, client, tmp_path, engine)
     np.testing.assert_array_equal(resumed.object, straight.object)
 
 
+def test_auto_start_waits_longer_for_the_loss_where_the_scale_may_stretch():
+    """A loss still falling 1 % an epoch holds "auto" back while the scan's scale is free (an
+    early stretch would stay), not where it is held (through slices)."""
+    from daskpty.engines import positions
+    from daskpty.engines.position_options import PositionOptions
+
+    free = PositionOptions(start_epoch="auto", scan_scale=True)
+    held = PositionOptions(start_epoch="auto", scan_scale=False)
+
+    def decided(options, fall):
+        state = SimpleNamespace(positions_start=None, epoch=10, epoch_start_probe=np.ones((1, 4, 4)),
+                                probe=np.ones((1, 4, 4)) * 1.001, epoch_loss=100 * (1 - fall), previous_loss=100.0)
+        positions.settle_start(state, options)
+        return state.positions_start
+
+    assert decided(free, 0.01) is None and decided(held, 0.01) == 10
+    assert decided(free, 0.004) == 10 and decided(held, 0.03) is None
+
+
 @pytest.mark.slow
 def test_auto_start_waits_for_the_probe_to_settle(scan, client, monkeypatch):
     """LSQML's default start ("auto"): refinement starts in the epoch after the first one (from
