@@ -392,7 +392,7 @@ def test_auto_start_waits_for_the_probe_to_settle(scan, client, monkeypatch):
     epoch 2 on) whose probe changed by at most PROBE_SETTLED, measured here from the epochs'
     probes, or in epoch AUTO_LATEST; no position moves before it. The small scan's probe settles
     at once, so the tolerance is set from a first run's changes to a value the rule meets later."""
-    from daskpty.engines import positions
+    from daskpty.engines import position_options, positions
 
     ds, nominal = scan
 
@@ -415,7 +415,7 @@ def test_auto_start_waits_for_the_probe_to_settle(scan, client, monkeypatch):
     assert decided == positions.AUTO_LATEST
     tolerance = float(min(change[3:7])) * (1 + 1e-3)   # the rule meets it there, not by a rounding
     monkeypatch.setattr(positions, "PROBE_SETTLED", tolerance)
-    monkeypatch.setattr(positions, "LOSS_SETTLED", np.inf)   # the probe's rule alone
+    monkeypatch.setattr(position_options, "LOSS_SETTLED", np.inf)   # the probe's rule alone
     decided, change2 = run()
     expected = next(e + 1 for e in range(positions.AUTO_EARLIEST - 1, len(change)) if change[e] <= tolerance)
     np.testing.assert_array_equal(change2[:expected], change[:expected])  # the same run until it starts
@@ -426,9 +426,9 @@ def test_auto_start_waits_for_the_probe_to_settle(scan, client, monkeypatch):
 @pytest.mark.slow
 def test_resume_across_the_auto_start_is_bit_identical(scan, client, tmp_path, monkeypatch):
     """Checkpoints before and after "auto" decides the start: both resume bit-identically."""
-    from daskpty.engines import positions
+    from daskpty.engines import position_options
 
-    monkeypatch.setattr(positions, "LOSS_SETTLED", 0.02)   # a decision within these few epochs
+    monkeypatch.setattr(position_options, "LOSS_SETTLED", 0.02)   # a decision within these few epochs
     ds, nominal = scan
     kw = dict(engine="lsqml", rounds_per_epoch=2, refine_positions={"momentum": 0.5})
     straight = _run(ds, nominal, client, epochs=8, **kw)

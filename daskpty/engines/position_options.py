@@ -224,6 +224,11 @@ class PositionOptions:
     def displacement_limit(self, n: int) -> float:
         return float(self.max_displacement) if self.max_displacement is not None else n / 4.0
 
+    def loss_settled(self) -> float:
+        """The loss's largest relative change over an epoch at which ``"auto"`` starts:
+        :data:`LOSS_SETTLED_HELD_SCALE` where the scan's scale is held, else :data:`LOSS_SETTLED`."""
+        return LOSS_SETTLED_HELD_SCALE if self.scan_scale is False else LOSS_SETTLED
+
     def start_bounds(self) -> tuple[int, int]:
         """(earliest, latest) epoch in which refinement can start: the start epoch twice, or
         (:data:`AUTO_EARLIEST`, :data:`AUTO_LATEST`) for ``"auto"``."""
