@@ -194,9 +194,14 @@ def _reference_chunk_gradient(obj, probe, y, positions, loss, valid, eps=ad.DEFA
     a = (np.conj(spectra) * probe_ft[None]).sum(axis=1) * ramps
     position_grad = np.stack([(a * -2j * np.pi * k[:, None]).real.sum(axis=(1, 2)),
                               (a * -2j * np.pi * k[None, :]).real.sum(axis=(1, 2))], axis=1)
+    # the dots' scatter were the spectra white noise of their own power: √(‖G_j‖² ‖D_a‖² / 2N)
+    derivative_power = np.array([(np.abs(probe_ft * -2j * np.pi * d) ** 2).sum() for d in (k[:, None], k[None, :])])
+    position_noise = np.sqrt((np.abs(spectra) ** 2).sum(axis=(1, 2, 3))[:, None] * derivative_power[None]
+                             / (2 * spectra[0].size))
     return {"object_grad": obj_grad, "illumination": illum,
             "probe_grad": ifft2((np.conj(ramps)[:, None] * spectra).sum(axis=0)),
             "probe_illumination": (np.abs(patches) ** 2).sum(axis=0), "position_grad": position_grad,
+            "position_noise": position_noise,
             "loss": (value * mask).sum(), "sum_measured": (y64 * mask).sum(), "sum_model": (yh * mask).sum()}
 
 
@@ -224,9 +229,9 @@ def test_chunk_gradient_matches_direct_reference(monkeypatch, loss, wide, modes,
         got = part.boxes[key].data
         assert got.dtype == ref[key].dtype, key
         assert np.linalg.norm(got - ref[key]) <= rtol * np.linalg.norm(ref[key]), key
-    for key in ("probe_grad", "probe_illumination", "position_grad"):
+    for key in ("probe_grad", "probe_illumination", "position_grad", "position_noise"):
         got = part.arrays[key]
-        assert got.dtype == (np.float64 if key == "position_grad" else ref[key].dtype), key
+        assert got.dtype == (np.float64 if key.startswith("position") else ref[key].dtype), key
         assert np.linalg.norm(got - ref[key]) <= rtol * np.linalg.norm(ref[key]), key
     for key in ("loss", "sum_measured", "sum_model"):
         assert part.scalars[key] == pytest.approx(ref[key], rel=rtol), key

@@ -324,28 +324,39 @@ class Chunk:
         spectra = fft2(blk.probe_waves)
         return (ifft2(spectra * (-1j * k)[:, None]), ifft2(spectra * (-1j * k)[None, :]))
 
-    def position_gradient(self, blk: Block, spectra, g_detected=None):
+    def position_gradient(self, blk: Block, spectra, g_detected=None, noise: bool = False):
         """∂L/∂(y, x) per pattern (b, 2) float64 from the entrance spectra G_j
         (:meth:`entrance_spectra`): the probe's sub-pixel shift Re⟨G_j, (−2πi k_a) F P_j⟩ (BLAS
         dots, no FFT; F P_j the pattern's own probe with a varying probe) and in the near field
         the detector's translation back by the same fraction, Re⟨g_D, ∂_a D⟩ (``g_detected``
-        the gradient at the detector, the block's detected waves kept)."""
+        the gradient at the detector, the block's detected waves kept).
+
+        ``noise``: also return each dot's scatter (b, 2) were G_j white noise of its own power,
+        √(‖G_j‖² ‖D_a‖² / 2N) over the N entries of G_j (D_a = (−2πi k_a) F P_j): a gradient
+        within it says nothing the noise could not (:func:`~.positions.noise_gate`)."""
         k = self.xp.asarray(np.fft.fftfreq(self.n), dtype=self.rdtype)
         w = self.rdtype(-2 * np.pi)
         ky, kx = (1j * w * k)[:, None], (1j * w * k)[None, :]
         if self.variable is None:
             if self._dq is None:       # F[∂(S_f P)/∂f_a] / ramp, formed once per chunk
                 self._dq = [(self.probe_ft * d).astype(self.cdtype, copy=False) for d in (ky, kx)]
+                self._dq_power = self.xp.asarray([float(real_dots(d[None], d[None])[0]) for d in self._dq])
             grad = real_dots_with(spectra, self._dq)
+            d_power = self._dq_power[None, :]
         else:
             b = blk.batch.stop - blk.batch.start
             own = self.variable.spectra(blk.batch, self._spectra[:b])
-            grad = self.xp.stack([real_dots(spectra, (own * d).astype(self.cdtype, copy=False)) for d in (ky, kx)],
-                                 axis=1)
+            derivatives = [(own * d).astype(self.cdtype, copy=False) for d in (ky, kx)]
+            grad = self.xp.stack([real_dots(spectra, d) for d in derivatives], axis=1)
+            d_power = self.xp.stack([real_dots(d, d) for d in derivatives], axis=1) if noise else None
         if blk.detector is not None:
             grad = grad + self.xp.stack([real_dots(g_detected, d) for d in self.detector_derivatives(blk.detected)],
                                         axis=1)
-        return grad
+        if not noise:
+            return grad
+        entries = spectra[0].size
+        scatter = self.xp.sqrt(real_dots(spectra, spectra)[:, None] * d_power / (2.0 * entries))
+        return grad, scatter
 
     def detector_derivatives(self, detected):
         """∂/∂f_a of the near-field operator's translation back by f (:func:`detector_frame`),

@@ -113,6 +113,9 @@ def accumulate_affine(state, total) -> None:
     :func:`~.positions.note_epoch_start` has started it)."""
     if getattr(state, "epoch_loss", None) is not None:     # the epoch's misfit (start and boost rules)
         state.epoch_loss += float(total.scalars.get("loss", 0.0))
+        moves = getattr(state, "epoch_moves", None)      # Σ |move|², count of the epoch (scale_waits)
+        state.epoch_moves = (np.zeros(2) if moves is None else moves) + np.array(
+            [total.scalars.get("position_update_sq", 0.0), total.scalars.get("position_refined", 0.0)])
     if "affine_xtx" in total.arrays:
         sums = state.affine_sums or {}
         state.affine_sums = {k: sums.get(k, 0.0) + total.arrays[k] for k in ("affine_xtx", "affine_xty")}
@@ -185,6 +188,33 @@ WINDOW_KEYS = ("window_num", "window_gram", "window_positions")
 WINDOW_SCALE_DEADBAND = 6e-5
 
 
+#: The epoch's rms per-pattern move (px) below which the patterns stand still
+#: (:func:`scale_waits`): AD on the small preset's exact scan 0.001–0.01 px an epoch over the
+#: first 10 epochs of refinement, on a scan 1.4 px + 1.5 % + 0.5° off 0.13–0.33 px.
+PATTERNS_STILL = 0.05
+
+
+def scale_waits(state, options: PositionOptions) -> bool:
+    """Whether the windows' isotropic deformation is left out this epoch: within the first
+    ``window_scale_wait`` epochs of refinement while the patterns stand still (the epoch's rms
+    move below :data:`PATTERNS_STILL`, ``state.epoch_moves``). Then the windows' scale follows
+    the object's own settling, not the scan's: AD on the small preset's exact scan read
+    +1.4·10⁻³ in its first window, and the scan shrank 0.13 %, which the noise-gated pattern
+    steps could not undo (1.06–1.11× the plain run's NRMSE at 30 epochs). Patterns that move
+    are fixing errors the windows' scale belongs to, so it is taken from the start."""
+    wait = options.window_scale_wait or 0
+    if not wait or state.epoch - options.start_epoch >= wait:
+        return False
+    return epoch_rms_move(state) < PATTERNS_STILL
+
+
+def epoch_rms_move(state) -> float:
+    """The rms per-pattern move (px) of the epoch's refined positions (``state.epoch_moves``:
+    Σ |move|² and the count, summed over its rounds); 0 before any."""
+    moves = getattr(state, "epoch_moves", None)
+    return float(np.sqrt(moves[0] / moves[1])) if moves is not None and moves[1] else 0.0
+
+
 def without_small_scale(deformation, deadband: float = WINDOW_SCALE_DEADBAND) -> np.ndarray:
     """The windows' deformation L (2, 2) with its isotropic part tr L / 2 shrunk towards 0 by
     ``deadband`` (rotation and shear untouched)."""
@@ -252,9 +282,11 @@ def fit_window(state, options: PositionOptions):
         return None
     centre = sums["window_positions"][:2] / count
     L = state.window_deformation
-    if not options.window_scale or getattr(state, "affine_held", False):   # the rotation only:
+    waiting = scale_waits(state, options)
+    if not options.window_scale or getattr(state, "affine_held", False) or waiting:   # the rotation only:
         # the antisymmetric part of L (the scale follows the probe's size, which the data may not
-        # pin: once a refining epoch's misfit rose it is no longer taken)
+        # pin: once a refining epoch's misfit rose it is no longer taken; nor while it may still
+        # follow the object's own settling, scale_waits)
         L = (L - L.T) / 2
     else:
         L = without_small_scale(L)

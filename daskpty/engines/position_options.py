@@ -72,11 +72,23 @@ class PositionOptions:
     gain: LSQML fraction of the computed shift applied per epoch (0 < gain ≤ 2).
     regularization: LSQML Tikhonov term of the shift's denominator, relative to its chunk mean:
         patterns whose object patch has weak gradients (flat or still blurred) move less.
-    noise_threshold: LSQML (single slice in the far field): each shift is shrunk by this many
-        times its own noise level (:func:`~daskpty.engines.positions.noise_limited`; 0
-        disables). Small preset, exact positions, seed 2, NRMSE vs the plain run at 60 epochs:
-        1.08× without, 1.06× with 1; a scan 1.6 px off: 0.0520 → 0.0533 (seed 2), 0.0694 →
-        0.0699 (seed 0).
+    noise_threshold: each pattern's step is shrunk by this many times its own noise level (0
+        disables; None: the engine's, ``EngineSpec.position_defaults``: LSQML 1, AD 3; one slice
+        in the far field). LSQML shrinks its shift
+        (:func:`~daskpty.engines.positions.noise_limited`): small preset, exact positions, seed
+        2, NRMSE vs the plain run at 60 epochs 1.08× without, 1.06× with 1; a scan 1.6 px off:
+        0.0520 → 0.0533 (seed 2), 0.0694 → 0.0699 (seed 0). AD shrinks Adam's mean gradient by
+        its scatter (:func:`~daskpty.engines.positions.noise_gate`) until ``gate_release``
+        opens it: small preset seeds 0–2, exact scans 1.06–1.11 / 1.09–1.12× → 1.01 /
+        1.02–1.05× the plain run at 30 / 60 epochs, the loss's 3.2× rise when refinement starts
+        gone.
+    gate_release: the epoch's rms pattern move (px) above which the scan has errors to fix and
+        the noise gate opens for the rest of the run (``state.gate_open``; 0 never; None: the
+        engine's, AD 0.05, LSQML 0). A pattern 0.2–0.3 px off pulls below its noise in one epoch;
+        ungated, Adam's normalised steps integrate that pull over many (bench_positions' scan:
+        0.062 px at 150 epochs; kept gated, it stalled at 0.31 px, 2.1× the true-position NRMSE).
+        On an exact scan the gated patterns move 0.001–0.01 px an epoch, one 1.4 px off
+        0.13–0.33 px.
     optimizer / lr: AD only: ``"adam"`` (default; steps of about ``lr`` pixels whatever the
         gradient's scale, within ``max_step``; default lr 0.5) or ``"momentum"`` (gradient
         descent with momentum, ``lr`` in px² per unit gradient).
@@ -116,6 +128,10 @@ class PositionOptions:
         either way (first moments on every pattern, the normal matrix on every 4th).
         Off through K > 1 slices (:meth:`for_start_probe`), like ``scan_scale``.
         Unresolved (None), the chunk steps treat it as False.
+    window_scale_wait: epochs after refinement starts during which the windows' scale is left
+        out while the patterns stand still (:func:`~daskpty.engines.position_fits.scale_waits`;
+        0 never). None: the engine's (LSQML 0, AD 8): AD's object still settles after its
+        start, and the windows read that as a scale.
     scan_scale: let the refinement change the scan's isotropic scale (the mean stretch of the
         refined positions against the nominal ones). Off, the fitted affine map's isotropic
         scale is brought back to the nominal one after every epoch (:func:`~.position_fits.hold_scale`;
@@ -136,7 +152,8 @@ class PositionOptions:
     momentum: float = 0.8
     gain: float = 1.0
     regularization: float = 1e-3
-    noise_threshold: float = 1.0
+    noise_threshold: float | None = None
+    gate_release: float | None = None
     optimizer: str = "adam"
     lr: float = 0.5
     affine: bool = True
@@ -145,6 +162,7 @@ class PositionOptions:
     window_gain: float = 0.5
     window_every: int | None = None
     window_scale: bool | None = None
+    window_scale_wait: int | None = None
     scan_scale: bool | None = None
     remove_drift: bool = False
     max_displacement: float | None = None
@@ -165,7 +183,7 @@ class PositionOptions:
         check(_number(self.gain) and 0 < self.gain <= 2, f"gain must lie in (0, 2], got {self.gain!r}")
         check(_number(self.regularization) and self.regularization >= 0,
               f"regularization must be >= 0, got {self.regularization!r}")
-        check(_number(self.noise_threshold) and self.noise_threshold >= 0,
+        check(self.noise_threshold is None or _number(self.noise_threshold) and self.noise_threshold >= 0,
               f"noise_threshold must be >= 0, got {self.noise_threshold!r}")
         check(self.optimizer in OPTIMIZERS, f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         check(_number(self.lr) and self.lr > 0, f"lr must be positive, got {self.lr!r}")
@@ -178,6 +196,11 @@ class PositionOptions:
         check(self.window_every is None or isinstance(self.window_every, (int, np.integer))
               and not isinstance(self.window_every, bool) and 1 <= self.window_every <= 10,
               f"window_every must be a whole number of epochs in [1, 10], got {self.window_every!r}")
+        check(self.gate_release is None or _number(self.gate_release) and self.gate_release >= 0,
+              f"gate_release must be >= 0 pixels or None, got {self.gate_release!r}")
+        check(self.window_scale_wait is None or isinstance(self.window_scale_wait, (int, np.integer))
+              and not isinstance(self.window_scale_wait, bool) and 0 <= self.window_scale_wait <= 1000,
+              f"window_scale_wait must be a whole number of epochs >= 0, got {self.window_scale_wait!r}")
         for name in ("window_scale", "scan_scale"):
             value = getattr(self, name)
             check(value is None or isinstance(value, (bool, np.bool_)),
@@ -241,11 +264,15 @@ class PositionOptions:
     def for_state(self, state) -> "PositionOptions":
         """These options as the chunk steps of ``state``'s epoch use them: ``"auto"`` replaced by
         the start epoch decided so far (``state.positions_start``, :func:`settle_start`), or by the
-        next epoch while undecided."""
+        next epoch while undecided; ``noise_threshold`` 0 once the gate has opened
+        (``state.gate_open``, ``gate_release``)."""
+        options = self
+        if getattr(state, "gate_open", False) and self.noise_threshold:
+            options = dataclasses.replace(options, noise_threshold=0.0)
         if self.start_epoch != AUTO_START:
-            return self
+            return options
         decided = state.positions_start
-        return dataclasses.replace(self, start_epoch=int(decided) if decided is not None else state.epoch + 1)
+        return dataclasses.replace(options, start_epoch=int(decided) if decided is not None else state.epoch + 1)
 
     def active(self, epoch: int) -> bool:
         if self.start_epoch is None or self.start_epoch == AUTO_START:
