@@ -90,9 +90,7 @@ def test_every_combination_runs(sets, client, engine, kind, refine, varying, mod
     each asked-for part takes effect (slices kept, positions moved, weights and factors fitted)."""
     data = sets[kind][1] if kind != "near" else sets[kind][2]
     extra = dict(optimizer="adam") if engine == "ad" else {}
-    # from epoch 0 the object has not formed: AD's noise gate (one slice) would hold the patterns
-    # still for these 3 epochs; here the part's wiring is what is checked
-    positions = dict(start_epoch=0, **({"noise_threshold": 0} if engine == "ad" else {})) if refine else None
+    positions = dict(start_epoch=0) if refine else None
     rec = _run(data, client, engine=engine, epochs=3, probe_modes=modes, refine_positions=positions,
                **(VARYING if varying else {}), **_sample(kind), **extra)
     losses = [h["loss"] for h in rec.history]

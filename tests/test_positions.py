@@ -580,9 +580,10 @@ def test_the_noise_gate_opens_for_good_once_the_patterns_move():
     from daskpty.engines.ad.state import ADState
     from daskpty.engines.positions import finish_epoch, restore_rules, start_arrays
 
-    options = PositionOptions(start_epoch=2).for_engine("ad")
+    options = PositionOptions().for_engine("ad")                    # from the "auto" start
     assert options.noise_threshold > 0 and options.gate_release > 0
     state = ADState(object=np.ones((8, 8), np.complex64), probe=np.ones((1, 4, 4), np.complex64), epoch=3)
+    state.positions_start = 2
 
     def epoch_with_moves(rms):
         state.epoch_moves = np.array([rms ** 2 * 10, 10.0])
@@ -593,4 +594,10 @@ def test_the_noise_gate_opens_for_good_once_the_patterns_move():
     assert epoch_with_moves(2 * options.gate_release) == 0            # moving: open
     assert epoch_with_moves(0.0) == 0                                  # and it stays open
     resumed = restore_rules(ADState(object=state.object, probe=state.probe, epoch=3), start_arrays(state))
+    resumed.positions_start = 2
     assert options.for_state(resumed).noise_threshold == 0
+    # from a fixed start the residual is the forming object's, not noise: no gate
+    fresh = ADState(object=state.object, probe=state.probe, epoch=3)
+    fresh.positions_start = 2
+    assert options.for_state(fresh).noise_threshold > 0                             # auto: gated
+    assert PositionOptions(start_epoch=2).for_engine("ad").for_state(fresh).noise_threshold == 0

@@ -73,22 +73,25 @@ class PositionOptions:
     regularization: LSQML Tikhonov term of the shift's denominator, relative to its chunk mean:
         patterns whose object patch has weak gradients (flat or still blurred) move less.
     noise_threshold: each pattern's step is shrunk by this many times its own noise level (0
-        disables; None: the engine's, ``EngineSpec.position_defaults``: LSQML 1, AD 3; one slice
+        disables; None: the engine's, ``EngineSpec.position_defaults``: LSQML 1, AD 5; one slice
         in the far field). LSQML shrinks its shift
         (:func:`~daskpty.engines.positions.noise_limited`): small preset, exact positions, seed
         2, NRMSE vs the plain run at 60 epochs 1.08× without, 1.06× with 1; a scan 1.6 px off:
         0.0520 → 0.0533 (seed 2), 0.0694 → 0.0699 (seed 0). AD shrinks Adam's mean gradient by
         its scatter (:func:`~daskpty.engines.positions.noise_gate`) until ``gate_release``
-        opens it: small preset seeds 0–2, exact scans 1.06–1.11 / 1.09–1.12× → 1.01 /
-        1.02–1.05× the plain run at 30 / 60 epochs, the loss's 3.2× rise when refinement starts
-        gone.
+        opens it: small preset seeds 0–2, exact scans 1.06–1.11 / 1.09–1.12× → 1.00–1.01 /
+        0.98–1.04× the plain run at 30 / 60 epochs (threshold 3: 1.01 / 1.02–1.05×), the loss's
+        3.2× rise when refinement starts gone.
     gate_release: the epoch's rms pattern move (px) above which the scan has errors to fix and
         the noise gate opens for the rest of the run (``state.gate_open``; 0 never; None: the
         engine's, AD 0.05, LSQML 0). A pattern 0.2–0.3 px off pulls below its noise in one epoch;
         ungated, Adam's normalised steps integrate that pull over many (bench_positions' scan:
         0.062 px at 150 epochs; kept gated, it stalled at 0.31 px, 2.1× the true-position NRMSE).
         On an exact scan the gated patterns move 0.001–0.01 px an epoch, one 1.4 px off
-        0.13–0.33 px.
+        0.13–0.33 px. The gate runs only from the ``"auto"`` start: it takes the residual for
+        noise, which holds once the object has formed; from a fixed early start the model's
+        error dominates it and the gate held AD's patterns near where they were
+        (tests/test_positions.py's scan from epoch 3: 1.35 → 0.99 px in 60 epochs).
     optimizer / lr: AD only: ``"adam"`` (default; steps of about ``lr`` pixels whatever the
         gradient's scale, within ``max_step``; default lr 0.5) or ``"momentum"`` (gradient
         descent with momentum, ``lr`` in px² per unit gradient).
@@ -264,10 +267,11 @@ class PositionOptions:
     def for_state(self, state) -> "PositionOptions":
         """These options as the chunk steps of ``state``'s epoch use them: ``"auto"`` replaced by
         the start epoch decided so far (``state.positions_start``, :func:`settle_start`), or by the
-        next epoch while undecided; ``noise_threshold`` 0 once the gate has opened
-        (``state.gate_open``, ``gate_release``)."""
+        next epoch while undecided; with a gate (``gate_release``), ``noise_threshold`` 0 once it
+        has opened (``state.gate_open``) or when refinement starts at a fixed epoch."""
         options = self
-        if getattr(state, "gate_open", False) and self.noise_threshold:
+        if self.gate_release and self.noise_threshold and (getattr(state, "gate_open", False)
+                                                           or self.start_epoch != AUTO_START):
             options = dataclasses.replace(options, noise_threshold=0.0)
         if self.start_epoch != AUTO_START:
             return options

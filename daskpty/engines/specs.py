@@ -81,7 +81,7 @@ _PIE_CORE = "daskpty.engines.pie_core:PIECore"
 #: momentum and fits.
 _SHIFT_POSITIONS = {"affine_gain": 6.0, "start_epoch": "auto", "window_every": 1, "noise_threshold": 1.0,
                     "gate_release": 0.0, "window_scale_wait": 0}
-_GRADIENT_POSITIONS = {"affine_gain": 2.0, "start_epoch": "auto", "window_every": 2, "noise_threshold": 3.0,
+_GRADIENT_POSITIONS = {"affine_gain": 2.0, "start_epoch": "auto", "window_every": 2, "noise_threshold": 5.0,
                        "gate_release": 0.05, "window_scale_wait": 8}
 
 #: The probe model's settings left None, measured on the drifting, flickering scan of
