@@ -223,7 +223,8 @@ def test_chunk_gradient_matches_direct_reference(monkeypatch, loss, wide, modes,
     ref = _reference_chunk_gradient(obj, probe, y, ds.positions, loss, valid)
     # 25 patterns: blocks of 7, 7, 7, 4
     monkeypatch.setattr(forward_model, "CPU_BLOCK_BYTES", 7 * np.dtype(cdtype).itemsize * modes * n * n)
-    part = ad.chunk_gradient(obj, probe, y, ds.positions, options=options, valid=valid, want_positions=True)
+    part = ad.chunk_gradient(obj, probe, y, ds.positions, options=options, valid=valid, want_positions=True,
+                             position_noise=True)
     rtol = 1e-12 if wide else 1e-5
     for key in ("object_grad", "illumination"):
         got = part.boxes[key].data

@@ -101,16 +101,16 @@ def affine_parameters(affine) -> dict:
 
 
 def accumulate_position_sums(state, total) -> None:
-    """Every engine's ``apply``: a round's loss, affine normal equations and window-deformation
-    sums added to the epoch's (:func:`accumulate_affine`, :func:`accumulate_window`)."""
+    """Every engine's ``apply``: a round's loss, position moves, affine normal equations and
+    window-deformation sums added to the epoch's (:func:`accumulate_affine`, :func:`accumulate_window`)."""
     accumulate_affine(state, total)
     accumulate_window(state, total)
 
 
 def accumulate_affine(state, total) -> None:
     """``apply``: add a round's affine normal equations to the state's sums of the epoch (a new
-    dict: copies of a state share the old one), and its loss to the epoch's (``epoch_loss``, once
-    :func:`~.positions.note_epoch_start` has started it)."""
+    dict: copies of a state share the old one), and its loss and position moves to the epoch's
+    (``epoch_loss``, ``epoch_moves``, once :func:`~.positions.note_epoch_start` has started them)."""
     if getattr(state, "epoch_loss", None) is not None:     # the epoch's misfit (start and boost rules)
         state.epoch_loss += float(total.scalars.get("loss", 0.0))
         moves = getattr(state, "epoch_moves", None)      # Σ |move|², count of the epoch (scale_waits)

@@ -37,7 +37,8 @@ def _check_chunk_inputs(intensities, positions):
 
 def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | None" = None,
                    sample: ForwardModel = THIN, valid=None, want_object: bool = True, want_probe: bool = True,
-                   want_positions: bool = False, variable=None, window_sums: bool = False, reuse=None) -> Partial:
+                   want_positions: bool = False, position_noise: bool = False, variable=None,
+                   window_sums: bool = False, reuse=None) -> Partial:
     """Loss and its gradients for one chunk of patterns, as an additive partial.
 
     obj (H, W) complex for one slice in the far field, else (K, H, W) (only the chunk's bounding
@@ -52,7 +53,9 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
     * ``arrays["probe_grad"]`` (M, n, n) ∇_P L and ``arrays["probe_illumination"]`` (n, n) Σ_j |O_1j|²
       (probe preconditioner), when ``want_probe``;
     * ``arrays["position_grad"]`` (B, 2) float64 ∂L/∂(y, x) per pattern of *this* chunk, when
-      ``want_positions`` (not additive across chunks: for single-chunk use);
+      ``want_positions`` (not additive across chunks: for single-chunk use); with
+      ``position_noise`` also ``arrays["position_noise"]`` (B, 2), each one's scatter were the
+      residual noise (one slice in the far field; the steps' noise gate);
     * ``arrays["window_num"]``, ``["window_gram"]``, ``["window_positions"]``: the windows'
       deformation sums (:class:`~daskpty.engines.position_sums.PositionSums`, with
       ``window_sums``; ``reuse``: through slices, without the normal matrix) with the exit-wave
@@ -94,14 +97,13 @@ def chunk_gradient(obj, probe, intensities, positions, *, options: "ADOptions | 
         probe_illum = xp.zeros(n * n)                                # Σ_j |O_1j|²
         obj_power = model_intensity(c.obj_box[:1, None])[0]         # |O_1|² on the box
         powers = xp.empty((c.step, n, n), rdtype)
-    gate = False
+    # the gradients' scatter, for the steps' noise gate: one slice in the far field, where the
+    # residual is mostly noise once the object has formed (through slices it is mostly the
+    # model's: a 2-slice scan 0.97 px off ended 0.88 px off with the gate, 0.04 px without)
+    gate = want_positions and position_noise and c.n_slices == 1 and c.detector is None
     if want_positions:
         position_grad = xp.empty((n_patterns, 2))
-        # the gradients' scatter, for the steps' noise gate: one slice in the far field, where the
-        # residual is mostly noise once the object has formed (through slices it is mostly the
-        # model's: a 2-slice scan 0.97 px off ended 0.88 px off with the gate, 0.04 px without)
-        gate = c.n_slices == 1 and c.detector is None
-        position_noise = xp.empty((n_patterns, 2)) if gate else None
+    position_noise = xp.empty((n_patterns, 2)) if gate else None
     measured = xp.zeros(n * n)  # the mask is applied at the end
     model = xp.zeros(n * n)
     loss = 0.0
@@ -229,6 +231,7 @@ def refining_chunk_gradient(obj, probe, intensities, nominal, local: dict, *, op
     reuse = {"reuse": ReusedSums()} if keep_gram and window and not refreshes(positions, epoch) else {}
     part = (gradient or chunk_gradient)(obj, probe, intensities, step_positions(used, frame, n, obj), options=options, valid=valid,
                                         want_object=want_object, want_probe=want_probe, want_positions=active,
+                                        position_noise=bool(positions.noise_threshold),
                                         variable=variable, window_sums=window, **reuse)
     if frame is not None:
         frame.sums_to_object(part)
