@@ -12,8 +12,6 @@ import difflib
 import importlib
 from dataclasses import dataclass
 
-from .position_fits import PATTERNS_STILL
-
 #: the optional forward-model features, as a user asks for them
 FEATURES = {
     "positions": "position refinement (refine_positions)",
@@ -84,7 +82,7 @@ _PIE_CORE = "daskpty.engines.pie_core:PIECore"
 _SHIFT_POSITIONS = {"affine_gain": 6.0, "start_epoch": "auto", "window_every": 1, "noise_threshold": 1.0,
                     "gate_release": 0.0, "window_scale_wait": 0}
 _GRADIENT_POSITIONS = {"affine_gain": 2.0, "start_epoch": "auto", "window_every": 2, "noise_threshold": 5.0,
-                       "gate_release": PATTERNS_STILL, "window_scale_wait": 8}
+                       "gate_release": 0.05, "window_scale_wait": 8}  # = position_fits.PATTERNS_STILL
 
 #: The probe model's settings left None, measured on the drifting, flickering scan of
 #: benchmarks/bench_opr.py (docs/benchmarks.md, OPR). A gradient engine takes the nearly exact
