@@ -463,3 +463,35 @@ def test_an_error_of_a_chunk_task_is_not_taken_for_a_lost_worker(client):
     with pytest.raises(FileNotFoundError, match="intensities/c/3/0/0 is missing"):
         map_reduce(client, data, _damaged_chunk, None)
     assert time.monotonic() - start < 10
+
+
+def _payload_sum_chunk(intensities, positions, payload):
+    from daskpty.engines.partials import Partial
+
+    return Partial(scalars={"sum": float(intensities.sum()) + float(payload[:4].sum())})
+
+
+@pytest.mark.slow
+def test_a_worker_killed_while_a_round_payload_travels_costs_no_connect_timeout(process_client):
+    """A worker SIGKILLed while a round's payload (40 MB) goes out: the round is run again at once
+    and sums as an undisturbed one. A broadcast scatter, hit by the death during its replication,
+    raised KeyError (the dead worker's address) or waited on the dead worker for 30 s and more."""
+    import threading
+
+    from daskpty.execution.data import prepare_data
+    from daskpty.execution.rounds import map_reduce
+
+    ds = make_dataset(grid=6, seed=3)
+    data = prepare_data(process_client, ds.intensities, ds.positions, chunk_length=9, persist=False)
+    payload = np.ones(5_000_000)
+    expected = float(np.asarray(ds.intensities).sum()) + 4.0 * data.n_chunks
+    for trial in range(6):
+        process_client.wait_for_workers(2, timeout=60)
+        pid = list(process_client.run(os.getpid).values())[trial % 2]
+        killer = threading.Timer(0.02 + 0.03 * trial, os.kill, (pid, signal.SIGKILL))
+        start = time.monotonic()
+        killer.start()
+        total = map_reduce(process_client, data, _payload_sum_chunk, payload, timeout=60)
+        killer.join()
+        assert time.monotonic() - start < 15, trial
+        assert total.scalars["sum"] == pytest.approx(expected, rel=1e-12), trial

@@ -260,7 +260,8 @@ def map_reduce(client, data: ChunkedData, func, payload, *, round_index: int = 0
     """Run ``func(intensities_chunk, positions_chunk, payload) -> Partial`` on every chunk
     (or on subset ``round_index`` of every chunk, :func:`round_rows`) and return the tree-reduced sum.
 
-    ``payload`` is broadcast once to every worker for this round. ``local``: the per-pattern
+    ``payload`` goes to one worker, and from there once to each worker that runs a chunk this
+    round. ``local``: the per-pattern
     state of every chunk (``{chunk: {name: array}}``, see :func:`run_chunk`); the chunks' updates
     come back in the sum's ``local``. Round by round the chunks have no home worker that could keep
     it (out of core, any worker reads a chunk), so it travels with the tasks: 16–48 bytes per
@@ -332,8 +333,11 @@ def _map_reduce_once(client, data: ChunkedData, func, payload, *, round_index: i
                      split_every: int | None, local: dict | None, timeout: float | None) -> Partial:
     from .cluster import result_unless_paused
 
+    # To one worker, not broadcast: each worker fetches it with its first task (the same copies),
+    # while the scheduler's replication of a broadcast, hit by a worker's death, raised KeyError
+    # or waited on the dead worker (30 s and more) instead of failing at once.
     try:
-        payload_future = client.scatter(payload, broadcast=True, hash=False)
+        payload_future = client.scatter(payload, hash=False)
     except OSError as exc:  # the comm closed under it, or no worker took it in time
         raise _ClusterError(" ".join(f"{type(exc).__name__}: {exc}".split())) from None
     if data.persisted or local is not None:  # one task per chunk (persisted: on its chunk's worker)
