@@ -165,8 +165,9 @@ class Electron:
 
 
 def run_daskpty(case, client, positions, *, epochs, marks, rounds, noise, refine=None, engine="lsqml",
-                sub_slices=1):
-    """One daskpty multislice run (``engine``: lsqml or ad); {epoch: (object, positions)}, seconds per epoch, wall s."""
+                sub_slices=1, settings=None):
+    """One daskpty multislice run (``engine``: lsqml or ad; ``settings``: the engine's own, e.g.
+    ``{"momentum": 0}``); {epoch: (object, positions)}, seconds per epoch, wall s."""
     import daskpty
 
     marks = set(marks) | {epochs}
@@ -188,7 +189,8 @@ def run_daskpty(case, client, positions, *, epochs, marks, rounds, noise, refine
                               probe=case.probe, client=client, slices=case.k * sub_slices,
                               slice_spacing_m=case.dz / sub_slices,
                               rounds_per_epoch=rounds, noise=noise, callback=keep, rescale_probe=False,
-                              check_data=False, refine_positions=refine if refine is not None else False)
+                              check_data=False, refine_positions=refine if refine is not None else False,
+                              **(settings or {}))
     wall = time.perf_counter() - t0
     assert tuple(np.round(rec.origin)) == (0, 0), rec.origin  # the given object's frame
     final = np.asarray(rec.positions, dtype=np.float64)
@@ -239,6 +241,7 @@ def main():
                     help="daskpty's engine (ad: give --rounds auto and about 3x the epochs)")
     ap.add_argument("--runs", default="true,nominal,refined,peer",
                     help="of: true, nominal, refined (daskpty), peer (Pty-Chi refined), peer-true")
+    ap.add_argument("--engine-settings", default="{}", help='the engine\'s own settings (JSON), e.g. {"momentum": 0}')
     ap.add_argument("--refine", default="{}", help="daskpty PositionOptions (JSON) of the refined run")
     ap.add_argument("--peer-python", default="/work/peer-venv/bin/python")
     ap.add_argument("--peer-batch", type=int, default=96)
@@ -260,6 +263,7 @@ def main():
     epochs = marks[-1]
     rounds = args.rounds if args.rounds == "auto" else int(args.rounds)
     refine = json.loads(args.refine)
+    settings = json.loads(args.engine_settings)
     PositionOptions.from_argument(refine, args.engine)  # a bad setting stops here, before any run
     case = Electron(args.data, subset=args.subset, defocus_error=args.start_defocus_error, sub_slices=args.sub_slices,
                     true_probe=args.true_probe)
@@ -320,8 +324,9 @@ def main():
                 try:
                     score("daskpty", label, *run_daskpty(case, client, pos, epochs=epochs, marks=marks,
                                                          rounds=rounds, noise=args.noise, refine=ref,
-                                                         engine=args.engine, sub_slices=args.sub_slices),
-                          note=f"{args.engine}, R = {rounds}" + (f", {args.sub_slices} slices per slab"
+                                                         engine=args.engine, sub_slices=args.sub_slices,
+                                                         settings=settings),
+                          note=f"{args.engine}, R = {rounds}" + (f", {args.engine_settings}" if settings else "") + (f", {args.sub_slices} slices per slab"
                                                                  if args.sub_slices > 1 else "") + (f", refine_positions={refine or True}" if ref is not None else ""))
                 except ValueError as exc:  # e.g. a combination this version refuses
                     print(f"daskpty {label}: refused: {exc}")
