@@ -172,6 +172,24 @@ def _scan_scale(positions, truth) -> float:
     return float(np.sqrt(abs(np.linalg.det(coef[:2]))) - 1)
 
 
+def _check_refinement_on_exact_scan(ideal, client, engine: str, label: str):
+    """``engine`` with and without ``refine_positions`` on the exact scan: at most 5 % worse, no
+    jump of the loss, the scan's scale kept. Returns the refined run."""
+    plain, _ = _run(ideal, client, engine=engine)
+    rec = daskpty.reconstruct(ideal.path, epochs=EPOCHS, client=client, progress=False, engine=engine,
+                              refine_positions=True)
+    truth = SimpleNamespace(object=np.asarray(ideal.truth.object), positions=np.asarray(ideal.truth.positions))
+    error = nrmse_vs_truth(rec.object, rec.positions, rec.illumination, truth)
+    loss = np.array([h["loss"] for h in rec.history])
+    assert error <= 1.05 * plain, f"{label} refine_positions: NRMSE {error:.4f} against {plain:.4f} without it"
+    assert _rise(loss)[0] < JUMP, f"{label} refine_positions: the loss rose " + "{:.3f}x in epoch {}".format(
+        *_rise(loss))
+    scale = _scan_scale(np.asarray(rec.positions, np.float64) - np.asarray(rec.origin, np.float64),
+                        truth.positions)
+    assert abs(scale) < 5e-4, f"{label} refine_positions changed the exact scan's scale by {scale:+.3%}"
+    return rec
+
+
 @pytest.mark.slow
 def test_ad_position_refinement_never_worse_on_an_ideal_scan(ideal, two_workers):
     """AD's position steps on exact positions: Adam's steps are about lr whatever the gradient,
@@ -180,17 +198,7 @@ def test_ad_position_refinement_never_worse_on_an_ideal_scan(ideal, two_workers)
     readings follow the object's settling, which shrank the scan by 0.13 % (they now wait while
     the patterns stand still). Refined: at most 5 % worse, no jump, the scan's scale kept, and
     the gate never opened (the patterns stood still)."""
-    plain, _ = _run(ideal, two_workers, engine="ad")
-    rec = daskpty.reconstruct(ideal.path, epochs=EPOCHS, client=two_workers, progress=False, engine="ad",
-                              refine_positions=True)
-    truth = SimpleNamespace(object=np.asarray(ideal.truth.object), positions=np.asarray(ideal.truth.positions))
-    error = nrmse_vs_truth(rec.object, rec.positions, rec.illumination, truth)
-    loss = np.array([h["loss"] for h in rec.history])
-    assert error <= 1.05 * plain, f"AD refine_positions: NRMSE {error:.4f} against {plain:.4f} without it"
-    assert _rise(loss)[0] < JUMP, "AD refine_positions: the loss rose {:.3f}x in epoch {}".format(*_rise(loss))
-    scale = _scan_scale(np.asarray(rec.positions, np.float64) - np.asarray(rec.origin, np.float64),
-                        truth.positions)
-    assert abs(scale) < 5e-4, f"AD refine_positions changed the exact scan's scale by {scale:+.3%}"
+    rec = _check_refinement_on_exact_scan(ideal, two_workers, "ad", "AD")
     moved = [h.get("position_rms_update", 0.0) for h in rec.history]
     assert max(moved) < 0.05, f"AD refine_positions moved exact positions {max(moved):.3f} px rms in an epoch"
 
@@ -200,16 +208,6 @@ def test_rpie_position_refinement_never_worse_on_an_ideal_scan(ideal, two_worker
     """rPIE moves positions by LSQML's shift through the rules LSQML and AD share: on exact
     positions at most 5 % worse than its plain run, no jump of the loss, and the scan's scale
     kept. (rPIE takes no varying probe: that combination is refused in one line.)"""
-    plain, _ = _run(ideal, two_workers, engine="rpie")
-    rec = daskpty.reconstruct(ideal.path, epochs=EPOCHS, client=two_workers, progress=False, engine="rpie",
-                              refine_positions=True)
-    truth = SimpleNamespace(object=np.asarray(ideal.truth.object), positions=np.asarray(ideal.truth.positions))
-    error = nrmse_vs_truth(rec.object, rec.positions, rec.illumination, truth)
-    loss = np.array([h["loss"] for h in rec.history])
-    assert error <= 1.05 * plain, f"rPIE refine_positions: NRMSE {error:.4f} against {plain:.4f} without it"
-    assert _rise(loss)[0] < JUMP, "rPIE refine_positions: the loss rose {:.3f}x in epoch {}".format(*_rise(loss))
-    scale = _scan_scale(np.asarray(rec.positions, np.float64) - np.asarray(rec.origin, np.float64),
-                        truth.positions)
-    assert abs(scale) < 5e-4, f"rPIE refine_positions changed the exact scan's scale by {scale:+.3%}"
+    _check_refinement_on_exact_scan(ideal, two_workers, "rpie", "rPIE")
     with pytest.raises(ValueError, match="does not take a varying probe"):
         daskpty.reconstruct(ideal.path, epochs=1, client=two_workers, progress=False, engine="rpie", opr_modes=2)
