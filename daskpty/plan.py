@@ -37,6 +37,7 @@ from .execution.parts import sample_model
 from .execution.scatter import scatter_in_memory
 from .execution.tile_graph import TilesUnsupported, check_tiles_supported
 from .io.checkpoint import extended_to, grown_canvas
+from .io.dose import counts_per_pixel
 from .io.export import geometry_from_metadata
 from .io.inputs import (RESUMED_SETTINGS, check_initial_object, check_initial_probe, check_object_size, check_rounds,
                         check_resumed_modes, checked_data, resume_settings, resumed_store)
@@ -102,8 +103,9 @@ def draft_plan(data, epochs, probe, object, probe_modes, opts: Options, live=Non
     valid = None if mask is None else np.asarray(mask, dtype=bool)
     if valid is not None and not thick.near_field:  # far field: DC at index 0
         valid = np.fft.ifftshift(valid)
+    dose = counts_per_pixel(intensities) if thick.n_slices > 1 else None  # (defaults through slices follow it)
     options, adapter = eng.make(positions=refine, probe_model=model, sample=sample_model(thick), valid=valid,
-                                slices=thick.n_slices)
+                                slices=thick.n_slices, counts_per_pixel=dose)
     if execution.tiles:  # before any work: what tiles cannot run yet is refused here
         check_tiles_supported(adapter)
     if model is not None:

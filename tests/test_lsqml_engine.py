@@ -207,3 +207,35 @@ def test_the_preconditioner_floor_follows_the_slices():
         assert options.delta is None and adapter.options.object_delta == want
     with pytest.raises(ValueError, match="delta"):
         LSQMLOptions(delta=0.0)
+
+
+def test_low_dose_counting_data_through_slices_take_no_momentum():
+    """momentum and delta None: through K > 1 slices on counting data below LOW_DOSE_COUNTS
+    counts per pixel, momentum 0 and δ 0.1; otherwise 0.5 and the slices' δ; given values kept.
+    reconstruct reads the dose from the data (integer-valued floats count; fractional ones do not)."""
+    from daskpty.engines.sample_options import SampleOptions
+    from daskpty.execution.engine_registry import engine_spec
+    from daskpty.execution.parts import sample_model
+    from daskpty.io.dose import counts_per_pixel
+
+    LSQMLOptions = lsqml.LSQMLOptions
+    low, high = 0.5 * lsqml.LOW_DOSE_COUNTS, 2 * lsqml.LOW_DOSE_COUNTS
+    resolved = {(k, c): LSQMLOptions().for_slices(k, c) for k in (1, 3) for c in (None, low, high)}
+    assert {key: (o.momentum, o.delta) for key, o in resolved.items()} == {
+        (1, None): (0.5, 0.1), (1, low): (0.5, 0.1), (1, high): (0.5, 0.1),
+        (3, None): (0.5, 0.5), (3, low): (0.0, 0.1), (3, high): (0.5, 0.5)}
+    assert LSQMLOptions(momentum=0.3, delta=0.4).for_slices(3, low) == LSQMLOptions(momentum=0.3, delta=0.4)
+    assert LSQMLOptions().object_momentum == 0.5
+    with pytest.raises(ValueError, match="momentum"):
+        LSQMLOptions(momentum=1.0)
+
+    rng = np.random.default_rng(0)
+    counts = rng.poisson(12.0, (40, 16, 16)).astype(np.float32)
+    assert abs(counts_per_pixel(counts) - 12.0) < 1.0
+    assert counts_per_pixel(counts.astype(np.uint16)) == counts_per_pixel(counts)
+    assert counts_per_pixel(counts * 1.5 + 0.25) is None        # scaled intensities are not counts
+    sample = SampleOptions(slices=3, slice_spacing_m=2e-9, wavelength_m=1.97e-12,
+                           object_pixel_size_m=0.25e-10).resolve(None, 16)
+    _, adapter = engine_spec("lsqml").make("gaussian", sample=sample_model(sample), slices=3,
+                                           counts_per_pixel=counts_per_pixel(counts))
+    assert (adapter.options.object_momentum, adapter.options.object_delta) == (0.0, 0.1)

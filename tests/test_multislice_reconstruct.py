@@ -248,3 +248,24 @@ def test_show_draws_each_slice(two_slices, client, tmp_path, capsys):
     names = summary_panels(1, False, False, n_slices=2)
     assert names[:4] == ["object phase", "object amplitude", "slice 1 phase", "slice 2 phase"]
     assert summary_panels(1, False) == summary_panels(1, False, n_slices=1)  # K = 1: the figure as before
+
+
+def test_low_dose_counts_through_slices_run_lsqml_without_momentum(client):
+    """reconstruct reads the dose from the data: 2-slice counting data at ~15 counts per pixel
+    run LSQML's defaults as momentum 0, δ 0.1 (bit-identical to those given); the same
+    intensities scaled to non-integers (not counts) run as momentum 0.5, δ 0.5."""
+    ds = simulate_multislice(n_slices=2, noise=True, photons=1.5e4, grid=6, seed=3)
+    g = ds.geometry
+
+    def data(scale):
+        return daskpty.from_arrays((ds.intensities * scale).astype(np.float32), ds.positions,
+                                   wavelength_m=g.wavelength_m, object_pixel_size_m=g.pixel_size_m,
+                                   electron_voltage_v=300e3, convergence_semiangle_rad=25e-3)
+
+    def run(d, **kw):
+        return _run(d, client, engine="lsqml", epochs=3, slices=2, slice_spacing_m=SPACING, **kw).object
+
+    counts, scaled = data(1.0), data(1.37)
+    np.testing.assert_array_equal(run(counts), run(counts, momentum=0.0, delta=0.1))
+    assert not np.array_equal(run(counts), run(counts, momentum=0.5, delta=0.5))
+    np.testing.assert_array_equal(run(scaled), run(scaled, momentum=0.5, delta=0.5))

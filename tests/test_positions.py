@@ -386,6 +386,22 @@ def test_auto_start_waits_longer_for_the_loss_where_the_scale_may_stretch():
     assert decided(free, 0.004) == 10 and decided(held, 0.03) is None
 
 
+def test_auto_start_takes_a_probe_still_moving_a_few_percent_where_the_scale_is_held():
+    """Through slices (scale held) a probe changing 3 % an epoch counts as settled (it keeps
+    taking up what the slab model leaves out); with a free scale it must change by at most 1 %."""
+    from daskpty.engines import positions
+    from daskpty.engines.position_options import PositionOptions
+
+    def decided(scan_scale, change):
+        state = SimpleNamespace(positions_start=None, epoch=10, epoch_start_probe=np.ones((1, 4, 4)),
+                                probe=np.ones((1, 4, 4)) * (1 + change), epoch_loss=100.0, previous_loss=100.0)
+        positions.settle_start(state, PositionOptions(start_epoch="auto", scan_scale=scan_scale))
+        return state.positions_start
+
+    assert decided(True, 0.005) == 10 and decided(True, 0.03) is None
+    assert decided(False, 0.03) == 10 and decided(False, 0.08) is None
+
+
 @pytest.mark.slow
 def test_auto_start_waits_for_the_probe_to_settle(scan, client, monkeypatch):
     """LSQML's default start ("auto"): refinement starts in the epoch after the first one (from
@@ -410,11 +426,11 @@ def test_auto_start_waits_for_the_probe_to_settle(scan, client, monkeypatch):
         assert moved[0] == decided and rec.options["refine_positions"]["start_epoch"] == "auto"
         return decided, change
 
-    monkeypatch.setattr(positions, "PROBE_SETTLED", 0.0)     # never settled: the latest start
+    monkeypatch.setattr(position_options, "PROBE_SETTLED", 0.0)     # never settled: the latest start
     decided, change = run()
     assert decided == positions.AUTO_LATEST
     tolerance = float(min(change[3:7])) * (1 + 1e-3)   # the rule meets it there, not by a rounding
-    monkeypatch.setattr(positions, "PROBE_SETTLED", tolerance)
+    monkeypatch.setattr(position_options, "PROBE_SETTLED", tolerance)
     monkeypatch.setattr(position_options, "LOSS_SETTLED", np.inf)   # the probe's rule alone
     decided, change2 = run()
     expected = next(e + 1 for e in range(positions.AUTO_EARLIEST - 1, len(change)) if change[e] <= tolerance)

@@ -38,6 +38,16 @@ from .positions import PositionOptions, accumulate_position_sums
 
 #: the illumination preconditioner's δ for one slice, and for K > 1 slices (LSQMLOptions.delta)
 DELTA, SLICES_DELTA = 0.1, 0.5
+#: the object's heavy-ball momentum (LSQMLOptions.momentum)
+MOMENTUM = 0.5
+#: Counting data below LOW_DOSE_COUNTS counts per detector pixel (mean), through K > 1 slices,
+#: take no momentum and δ = DELTA (LSQMLOptions.for_slices). There the epoch's object change
+#: turns against the last one (cosine −0.9 by epoch 24 on abTEM's 3-slab sets, 9–16 counts per
+#: pixel) and momentum feeds the oscillation; at higher doses momentum and the larger floor pay.
+#: Mean per-slab NRMSE at 30 epochs without against with: abTEM's six sets 5–12 % lower; daskpty's
+#: weak-phase sets 0–3 % lower at 10–30 counts, a tie at ~90, 5–19 % higher at ~280, 4–39 %
+#: higher at ~900 (docs/benchmarks.md, bench_electron.py).
+LOW_DOSE_COUNTS = 100.0
 
 
 @dataclass(frozen=True)
@@ -47,13 +57,17 @@ class LSQMLOptions:
     noise: ``"gaussian"`` (amplitude) or ``"poisson"`` far-field correction.
     beta: damping of the optimal step (0 < beta ≤ 1).
     delta: illumination-preconditioner regularisation, relative to max illumination. None:
-        0.1 for one slice, 0.5 for K > 1 slices (:meth:`for_slices`; read as
-        :attr:`object_delta`). Through slices the larger floor keeps the deeper slices, lit by
-        a spread beam, from taking noisy steps where they are barely lit (per-slice NRMSE
-        15–20 % lower on four of five multislice sets: docs/benchmarks.md).
+        0.1 for one slice, 0.5 for K > 1 slices, 0.1 again through slices on low-dose counting
+        data (:meth:`for_slices`; read as :attr:`object_delta`). Through slices the larger floor
+        keeps the deeper slices, lit by a spread beam, from taking noisy steps where they are
+        barely lit (per-slice NRMSE 15–20 % lower on four of five multislice sets:
+        docs/benchmarks.md).
     tikhonov: relative regularisation of the 2 × 2 step system.
     probe_start_epoch: first epoch in which the probe is updated (None: never).
-    momentum: heavy-ball momentum on the object's per-epoch change (0 disables).
+    momentum: heavy-ball momentum on the object's per-epoch change (0 disables). None:
+        :data:`MOMENTUM`, or 0 through K > 1 slices on counting data below
+        :data:`LOW_DOSE_COUNTS` counts per pixel (:meth:`for_slices`; read as
+        :attr:`object_momentum`).
     orthogonalize: SVD-orthogonalise probe modes after each epoch.
     normalize_every: remove the object/probe scale ambiguity every this many epochs (0: never).
     eps: small number added where intensities are divided.
@@ -64,7 +78,7 @@ class LSQMLOptions:
     delta: float | None = None
     tikhonov: float = 1e-2
     probe_start_epoch: int | None = 0
-    momentum: float = 0.5
+    momentum: float | None = None
     orthogonalize: bool = True
     normalize_every: int = 1
     eps: float = 1e-6
@@ -75,19 +89,29 @@ class LSQMLOptions:
             raise ValueError(f"beta must lie in (0, 1], got {self.beta}")
         if not (self.delta is None or self.delta > 0):
             raise ValueError(f"delta must be positive or None, got {self.delta}")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"momentum must lie in [0, 1), got {self.momentum}")
+        if not (self.momentum is None or 0 <= self.momentum < 1):
+            raise ValueError(f"momentum must lie in [0, 1) or be None, got {self.momentum}")
 
     @property
     def object_delta(self) -> float:
         """The preconditioner's δ (``delta``, or one slice's default when unresolved)."""
         return DELTA if self.delta is None else float(self.delta)
 
-    def for_slices(self, n_slices: int) -> "LSQMLOptions":
-        """These options with ``delta`` None resolved for an object of ``n_slices`` slices."""
-        if self.delta is not None:
+    @property
+    def object_momentum(self) -> float:
+        """The object's momentum (``momentum``, or :data:`MOMENTUM` when unresolved)."""
+        return MOMENTUM if self.momentum is None else float(self.momentum)
+
+    def for_slices(self, n_slices: int, counts_per_pixel: float | None = None) -> "LSQMLOptions":
+        """These options with ``delta`` and ``momentum`` None resolved for an object of
+        ``n_slices`` slices and data of ``counts_per_pixel`` mean counts per detector pixel
+        (None: not counting data, e.g. float intensities): see :data:`LOW_DOSE_COUNTS`."""
+        low_dose = n_slices > 1 and counts_per_pixel is not None and counts_per_pixel < LOW_DOSE_COUNTS
+        delta = self.delta if self.delta is not None else DELTA if n_slices <= 1 or low_dose else SLICES_DELTA
+        momentum = self.momentum if self.momentum is not None else 0.0 if low_dose else MOMENTUM
+        if (delta, momentum) == (self.delta, self.momentum):
             return self
-        return dataclasses.replace(self, delta=SLICES_DELTA if n_slices > 1 else DELTA)
+        return dataclasses.replace(self, delta=delta, momentum=momentum)
 
 
 #: the state of LSQML (and of the PIE engines): :class:`~.state.EngineState`

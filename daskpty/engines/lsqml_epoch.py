@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 def begin_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
     """Remember the object at the start of the epoch (for momentum) and reset illumination."""
-    if options.momentum > 0:
+    if options.object_momentum > 0:
         state.epoch_start_object = state.object.copy()
     state.illumination = None
     state.affine_sums = None
@@ -32,7 +32,7 @@ def begin_owned_epoch(state: LSQMLState, options: LSQMLOptions) -> LSQMLState:
     fetch), so the update may not write into them. With momentum :func:`begin_epoch` just copied
     the object as the epoch's start: the copy becomes the object and the shared array the
     (read-only) start — the same values, no extra copy."""
-    if options.momentum > 0 and state.epoch_start_object is not None:
+    if options.object_momentum > 0 and state.epoch_start_object is not None:
         state.object, state.epoch_start_object = state.epoch_start_object, state.object
     else:
         state.object = state.object.copy()
@@ -44,7 +44,7 @@ def owned_at_end(state: LSQMLState, options: LSQMLOptions, in_place: bool) -> tu
     velocity once momentum has made it anew (before that it is the previous epoch's)."""
     if not in_place:
         return ()
-    return ("object", "velocity") if options.momentum > 0 and state.epoch_start_object is not None else ("object",)
+    return ("object", "velocity") if options.object_momentum > 0 and state.epoch_start_object is not None else ("object",)
 
 
 #: Rows at a time of an in-place epoch end's momentum step (its temporaries stay small).
@@ -71,17 +71,17 @@ def end_epoch(state: LSQMLState, options: LSQMLOptions, *, agree: bool | None = 
     ``in_place``: the object is the epoch's own (after :func:`begin_owned_epoch`) and is written into, as is the
     new velocity — the same bits, two object-sized temporaries fewer."""
     owned = owned_at_end(state, options, in_place)
-    if options.momentum > 0 and state.epoch_start_object is not None:
+    if options.object_momentum > 0 and state.epoch_start_object is not None:
         change = state.object - state.epoch_start_object
         if state.velocity is not None:
             if agree is None:
                 agree = float(get_xp(change).vdot(state.velocity, change).real) > 0
             if agree and in_place:
-                _add_momentum(state.object, change, state.velocity, options.momentum)
+                _add_momentum(state.object, change, state.velocity, options.object_momentum)
                 state.velocity = change
             elif agree:
-                state.object = (state.object + options.momentum * state.velocity).astype(np.complex64)
-                state.velocity = (change + options.momentum * state.velocity).astype(np.complex64)
+                state.object = (state.object + options.object_momentum * state.velocity).astype(np.complex64)
+                state.velocity = (change + options.object_momentum * state.velocity).astype(np.complex64)
             else:
                 state.velocity = change if in_place else change.astype(np.complex64)
         else:

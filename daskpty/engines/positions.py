@@ -234,12 +234,14 @@ def probe_change(before, after) -> float:
     return float(np.linalg.norm(after - np.asarray(to_numpy(before)))) / scale if scale > 0 else float("inf")
 
 
-def decide_start(epoch: int, change: float, fall: float = 0.0, loss_settled: float = LOSS_SETTLED) -> int | None:
+def decide_start(epoch: int, change: float, fall: float = 0.0, loss_settled: float = LOSS_SETTLED,
+                 probe_settled: float = PROBE_SETTLED) -> int | None:
     """After epoch ``epoch`` ended with the probe's relative change ``change`` and the loss's
     relative fall ``fall`` over the epoch before: the start epoch of an ``"auto"`` refinement
-    (the next epoch, once the probe has settled and the loss changes by at most
-    ``loss_settled`` (:meth:`PositionOptions.loss_settled`), or by :data:`AUTO_LATEST`), or None (not yet)."""
-    settled = change <= PROBE_SETTLED and abs(fall) <= loss_settled
+    (the next epoch, once the probe changes by at most ``probe_settled`` and the loss by at most
+    ``loss_settled`` (:meth:`PositionOptions.probe_settled`, :meth:`PositionOptions.loss_settled`),
+    or by :data:`AUTO_LATEST`), or None (not yet)."""
+    settled = change <= probe_settled and abs(fall) <= loss_settled
     if epoch + 1 >= AUTO_LATEST or (settled and epoch + 1 >= AUTO_EARLIEST):
         return epoch + 1
     return None
@@ -324,7 +326,7 @@ def settle_start(state, options: PositionOptions) -> None:
     loss, previous = getattr(state, "epoch_loss", None), getattr(state, "previous_loss", None)
     fall = 0.0 if loss is None else np.inf if not previous else (previous - loss) / previous
     state.positions_start = decide_start(state.epoch - 1, probe_change(state.epoch_start_probe, state.probe), fall,
-                                         options.loss_settled())
+                                         options.loss_settled(), options.probe_settled())
     state.epoch_start_probe = None
 
 

@@ -25,10 +25,11 @@ class EngineSpec(specs.EngineSpec):
         return adapter_class(specs.engine_spec(self.name))
 
     def make(self, noise: str, loss=None, optimizer=None, lr=None, engine_options: dict | None = None,
-             slices: int | None = None, **parts):
+             slices: int | None = None, counts_per_pixel: float | None = None, **parts):
         """Validated options and a fresh adapter with ``parts`` (``positions``, ``probe_model``,
         ``sample``, ``valid``): ``(options, adapter)``; ``slices``: the adapter's options resolved
-        for that many slices (``for_slices``, where the options have it)."""
+        for that many slices and data of ``counts_per_pixel`` (``for_slices``, where the options
+        have it; :func:`daskpty.io.dose.counts_per_pixel`)."""
         engine_options = dict(engine_options or {})
         if not self.gradient_based and (loss is not None or optimizer is not None or lr is not None):
             takers = " or ".join(f"engine={n!r}" for n, s in ENGINES.items() if s.gradient_based)
@@ -44,7 +45,7 @@ class EngineSpec(specs.EngineSpec):
             options = self.options(loss=loss or noise, optimizer=optimizer, lr=lr, **settings)
         else:
             options = self.options(noise=noise, **settings)
-        run_options = options.for_slices(slices) if slices and hasattr(options, "for_slices") else options
+        run_options = options.for_slices(slices, counts_per_pixel) if slices and hasattr(options, "for_slices") else options
         return options, self.adapter(run_options, **parts)
 
 

@@ -156,8 +156,9 @@ class ADOptions:
             return base * self.decay ** (e // self.decay_every)
         return base
 
-    def for_slices(self, n_slices: int) -> "ADOptions":
-        """These options with ``momentum`` None resolved for an object of ``n_slices`` slices."""
+    def for_slices(self, n_slices: int, counts_per_pixel: float | None = None) -> "ADOptions":
+        """These options with ``momentum`` None resolved for an object of ``n_slices`` slices
+        (``counts_per_pixel``, the data's dose, changes no AD setting)."""
         if self.momentum is not None:
             return self
         momentum = max(0.0, 1.0 - n_slices * (1.0 - SGD_MOMENTUM)) if n_slices > 1 else SGD_MOMENTUM

@@ -1,0 +1,39 @@
+"""The dose of a data set from a few of its patterns: mean counts per detector pixel where the
+intensities are counts (integer-valued), which some engine defaults follow
+(:meth:`daskpty.engines.lsqml.LSQMLOptions.for_slices`).
+
+NumPy only; a dask or Zarr array is read in a few small slices (``SAMPLE_BLOCKS`` ×
+``SAMPLE_LENGTH`` patterns spread over the scan), never whole.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+#: patterns read: SAMPLE_BLOCKS runs of SAMPLE_LENGTH consecutive ones, evenly spread over the scan
+SAMPLE_BLOCKS, SAMPLE_LENGTH = 4, 8
+
+
+def sample_patterns(intensities) -> np.ndarray:
+    """A few patterns of ``intensities`` (N, n, n) as float64: runs of consecutive patterns
+    spread over the scan (consecutive, so that a chunked array is read in few chunks)."""
+    n = int(intensities.shape[0])
+    starts = np.unique(np.linspace(0, max(n - SAMPLE_LENGTH, 0), SAMPLE_BLOCKS).astype(int))
+    runs = []
+    for start in starts:
+        block = intensities[int(start):int(start) + SAMPLE_LENGTH]
+        block = block.compute() if hasattr(block, "compute") else block
+        runs.append(np.asarray(block, dtype=np.float64))
+    return np.concatenate(runs)
+
+
+def counts_per_pixel(intensities) -> float | None:
+    """Mean counts per detector pixel of counting data (integer dtype, or floats that are all
+    whole numbers on the sample), from :func:`sample_patterns`; None where the intensities are
+    not counts (any fractional value) or hold nothing finite."""
+    sample = sample_patterns(intensities)
+    finite = sample[np.isfinite(sample)]
+    if finite.size == 0:
+        return None
+    if not np.issubdtype(np.dtype(intensities.dtype), np.integer) and np.any(finite != np.round(finite)):
+        return None
+    return float(finite.mean())
