@@ -124,7 +124,7 @@ def draft_plan(data, epochs, probe, object, probe_modes, opts: Options, live=Non
     check_windows_inside(split_positions(run_positions, n)[0], n, obj.shape)
     if checkpoint is not None:
         check_free_space(checkpoint, reconstruction_bytes(obj.shape, (probe_modes or 1, n, n), len(positions)))
-    run_options = _run_options(eng.name, epochs, eng.seed, execution, options, refine, model,
+    run_options = _run_options(eng.name, epochs, eng.seed, execution, adapter.options, refine, model,
                                sample if thick.multislice else None)
     return Plan(opts, epochs, adapter, options, execution, thick, checkpoint, resumed, data, intensities,
                 len(positions), frame_positions, run_positions, origin, obj, run_options, probe, probe_modes,
@@ -308,8 +308,9 @@ def _initial_object(given, resumed, thick, positions, n: int):
 
 
 def _run_options(engine, epochs, seed, execution, options, positions, model, sample) -> dict:
-    """The settings stored with the result (and read back by resume); the execution settings
-    that depend on the cluster are filled in once they are resolved."""
+    """The settings stored with the result (and read back by resume): ``options`` as the run
+    resolved them for its slices and dose; the execution settings that depend on the cluster
+    are filled in once they are resolved."""
     run = dict(engine=engine, epochs=epochs, rounds_per_epoch=execution.rounds_per_epoch, seed=seed,
                chunk_length=execution.chunk_length, split_every=execution.split_every, sort=execution.sort,
                tiles=bool(execution.tiles), **dataclasses.asdict(options))

@@ -266,6 +266,8 @@ def test_low_dose_counts_through_slices_run_lsqml_without_momentum(client):
         return _run(d, client, engine="lsqml", epochs=3, slices=2, slice_spacing_m=SPACING, **kw).object
 
     counts, scaled = data(1.0), data(1.37)
+    stored = _run(counts, client, engine="lsqml", epochs=1, slices=2, slice_spacing_m=SPACING).options
+    assert (stored["momentum"], stored["delta"]) == (0.0, 0.1)     # the result says what ran
     np.testing.assert_array_equal(run(counts), run(counts, momentum=0.0, delta=0.1))
     assert not np.array_equal(run(counts), run(counts, momentum=0.5, delta=0.5))
     np.testing.assert_array_equal(run(scaled), run(scaled, momentum=0.5, delta=0.5))
