@@ -101,9 +101,9 @@ def draft_plan(data, epochs, probe, object, probe_modes, opts: Options, live=Non
         refine = refine.for_start_probe(guessed=_probe_is_guessed(probe, data), slices=thick.n_slices)
     mask = getattr(data, "mask", None)
     valid = None if mask is None else np.asarray(mask, dtype=bool)
+    dose = counts_per_pixel(intensities, valid) if thick.n_slices > 1 else None  # (defaults through slices follow it)
     if valid is not None and not thick.near_field:  # far field: DC at index 0
         valid = np.fft.ifftshift(valid)
-    dose = counts_per_pixel(intensities) if thick.n_slices > 1 else None  # (defaults through slices follow it)
     options, adapter = eng.make(positions=refine, probe_model=model, sample=sample_model(thick), valid=valid,
                                 slices=thick.n_slices, counts_per_pixel=dose)
     if execution.tiles:  # before any work: what tiles cannot run yet is refused here

@@ -234,6 +234,9 @@ def test_low_dose_counting_data_through_slices_take_no_momentum():
     assert abs(counts_per_pixel(counts) - 12.0) < 1.0
     assert counts_per_pixel(counts.astype(np.uint16)) == counts_per_pixel(counts)
     assert counts_per_pixel(counts * 1.5 + 0.25) is None        # scaled intensities are not counts
+    hot, valid = counts.copy(), np.ones((16, 16), bool)
+    hot[:, 0, 0], valid[0, 0] = 65535, False                    # a masked hot pixel does not count
+    assert counts_per_pixel(hot, valid) == counts_per_pixel(counts, valid) < counts_per_pixel(hot) / 10
     sample = SampleOptions(slices=3, slice_spacing_m=2e-9, wavelength_m=1.97e-12,
                            object_pixel_size_m=0.25e-10).resolve(None, 16)
     _, adapter = engine_spec("lsqml").make("gaussian", sample=sample_model(sample), slices=3,

@@ -26,11 +26,14 @@ def sample_patterns(intensities) -> np.ndarray:
     return np.concatenate(runs)
 
 
-def counts_per_pixel(intensities) -> float | None:
+def counts_per_pixel(intensities, valid=None) -> float | None:
     """Mean counts per detector pixel of counting data (integer dtype, or floats that are all
-    whole numbers on the sample), from :func:`sample_patterns`; None where the intensities are
-    not counts (any fractional value) or hold nothing finite."""
+    whole numbers on the sample), from :func:`sample_patterns`, over the ``valid`` pixels (a
+    boolean (n, n) mask in the stored layout; None: all); None where the intensities are not
+    counts (any fractional value) or hold nothing finite."""
     sample = sample_patterns(intensities)
+    if valid is not None:
+        sample = sample[:, np.asarray(valid, dtype=bool)]
     finite = sample[np.isfinite(sample)]
     if finite.size == 0:
         return None
