@@ -211,21 +211,27 @@ def test_the_preconditioner_floor_follows_the_slices():
 
 def test_low_dose_counting_data_through_slices_take_no_momentum():
     """momentum and delta None: through K > 1 slices on counting data below LOW_DOSE_COUNTS
-    counts per pixel, momentum 0 and δ 0.1; otherwise 0.5 and the slices' δ; given values kept.
+    counts per pixel, momentum 0 and δ 0.1 (AD: momentum 0); otherwise 0.5 and the slices' δ (AD:
+    its slices' rule); given values kept.
     reconstruct reads the dose from the data (integer-valued floats count; fractional ones do not)."""
     from daskpty.engines.sample_options import SampleOptions
     from daskpty.execution.engine_registry import engine_spec
     from daskpty.execution.parts import sample_model
+    from daskpty.engines.dose_rule import LOW_DOSE_COUNTS
     from daskpty.io.dose import counts_per_pixel
 
     LSQMLOptions = lsqml.LSQMLOptions
-    low, high = 0.5 * lsqml.LOW_DOSE_COUNTS, 2 * lsqml.LOW_DOSE_COUNTS
+    low, high = 0.5 * LOW_DOSE_COUNTS, 2 * LOW_DOSE_COUNTS
     resolved = {(k, c): LSQMLOptions().for_slices(k, c) for k in (1, 3) for c in (None, low, high)}
     assert {key: (o.momentum, o.delta) for key, o in resolved.items()} == {
         (1, None): (0.5, 0.1), (1, low): (0.5, 0.1), (1, high): (0.5, 0.1),
         (3, None): (0.5, 0.5), (3, low): (0.0, 0.1), (3, high): (0.5, 0.5)}
     assert LSQMLOptions(momentum=0.3, delta=0.4).for_slices(3, low) == LSQMLOptions(momentum=0.3, delta=0.4)
     assert LSQMLOptions().object_momentum == 0.5
+    from daskpty.engines.ad import ADOptions
+    assert [ADOptions().for_slices(k, c).momentum for k, c in ((1, low), (3, None), (3, high), (3, low))] == \
+        [0.9, 0.7, 0.7, 0.0]
+    assert ADOptions(momentum=0.5).for_slices(3, low).momentum == 0.5
     with pytest.raises(ValueError, match="momentum"):
         LSQMLOptions(momentum=1.0)
 

@@ -250,10 +250,11 @@ def test_show_draws_each_slice(two_slices, client, tmp_path, capsys):
     assert summary_panels(1, False) == summary_panels(1, False, n_slices=1)  # K = 1: the figure as before
 
 
-def test_low_dose_counts_through_slices_run_lsqml_without_momentum(client):
+def test_low_dose_counts_through_slices_run_without_momentum(client):
     """reconstruct reads the dose from the data: 2-slice counting data at ~15 counts per pixel
-    run LSQML's defaults as momentum 0, δ 0.1 (bit-identical to those given); the same
-    intensities scaled to non-integers (not counts) run as momentum 0.5, δ 0.5."""
+    run LSQML's defaults as momentum 0, δ 0.1 (bit-identical to those given) and AD's as
+    momentum 0; the same intensities scaled to non-integers (not counts) run as momentum 0.5,
+    δ 0.5 (AD: 0.8)."""
     ds = simulate_multislice(n_slices=2, noise=True, photons=1.5e4, grid=6, seed=3)
     g = ds.geometry
 
@@ -271,3 +272,10 @@ def test_low_dose_counts_through_slices_run_lsqml_without_momentum(client):
     np.testing.assert_array_equal(run(counts), run(counts, momentum=0.0, delta=0.1))
     assert not np.array_equal(run(counts), run(counts, momentum=0.5, delta=0.5))
     np.testing.assert_array_equal(run(scaled), run(scaled, momentum=0.5, delta=0.5))
+
+    def ad(d, **kw):
+        return _run(d, client, engine="ad", epochs=3, slices=2, slice_spacing_m=SPACING, **kw).object
+
+    np.testing.assert_array_equal(ad(counts), ad(counts, momentum=0.0))
+    np.testing.assert_array_equal(ad(scaled), ad(scaled, momentum=0.8))
+    assert not np.array_equal(ad(counts), ad(counts, momentum=0.8))

@@ -27,6 +27,7 @@ from ..physics.multislice import slice_windows, transmit
 from .lsqml_epoch import (begin_epoch, begin_owned_epoch, close_epoch, end_epoch,  # noqa: F401 (re-exported)
                           normalize_scale, normalizes_now, owned_at_end)
 from .partials import BoxedArray, Partial
+from .dose_rule import low_dose_through_slices
 from .forward_model import THIN, ForwardModel
 from .position_sums import PositionSums, refining_step
 from .state import EngineState, trimmed_mean
@@ -40,14 +41,6 @@ from .positions import PositionOptions, accumulate_position_sums
 DELTA, SLICES_DELTA = 0.1, 0.5
 #: the object's heavy-ball momentum (LSQMLOptions.momentum)
 MOMENTUM = 0.5
-#: Counting data below LOW_DOSE_COUNTS counts per detector pixel (mean), through K > 1 slices,
-#: take no momentum and δ = DELTA (LSQMLOptions.for_slices). There the epoch's object change
-#: turns against the last one (cosine −0.9 by epoch 24 on abTEM's 3-slab sets, 9–16 counts per
-#: pixel) and momentum feeds the oscillation; at higher doses momentum and the larger floor pay.
-#: Mean per-slab NRMSE at 30 epochs without against with: abTEM's six sets 5–12 % lower; daskpty's
-#: weak-phase sets 0–3 % lower at 10–30 counts, a tie at ~90, 5–19 % higher at ~280, 4–39 %
-#: higher at ~900 (docs/benchmarks.md, bench_electron.py).
-LOW_DOSE_COUNTS = 100.0
 
 
 @dataclass(frozen=True)
@@ -65,9 +58,8 @@ class LSQMLOptions:
     tikhonov: relative regularisation of the 2 × 2 step system.
     probe_start_epoch: first epoch in which the probe is updated (None: never).
     momentum: heavy-ball momentum on the object's per-epoch change (0 disables). None:
-        :data:`MOMENTUM`, or 0 through K > 1 slices on counting data below
-        :data:`LOW_DOSE_COUNTS` counts per pixel (:meth:`for_slices`; read as
-        :attr:`object_momentum`).
+        :data:`MOMENTUM`, or 0 through K > 1 slices on low-dose counting data
+        (:mod:`~daskpty.engines.dose_rule`; :meth:`for_slices`; read as :attr:`object_momentum`).
     orthogonalize: SVD-orthogonalise probe modes after each epoch.
     normalize_every: remove the object/probe scale ambiguity every this many epochs (0: never).
     eps: small number added where intensities are divided.
@@ -105,8 +97,8 @@ class LSQMLOptions:
     def for_slices(self, n_slices: int, counts_per_pixel: float | None = None) -> "LSQMLOptions":
         """These options with ``delta`` and ``momentum`` None resolved for an object of
         ``n_slices`` slices and data of ``counts_per_pixel`` mean counts per detector pixel
-        (None: not counting data, e.g. float intensities): see :data:`LOW_DOSE_COUNTS`."""
-        low_dose = n_slices > 1 and counts_per_pixel is not None and counts_per_pixel < LOW_DOSE_COUNTS
+        (None: not counting data, e.g. float intensities): :mod:`~daskpty.engines.dose_rule`."""
+        low_dose = low_dose_through_slices(n_slices, counts_per_pixel)
         delta = self.delta if self.delta is not None else DELTA if n_slices <= 1 or low_dose else SLICES_DELTA
         momentum = self.momentum if self.momentum is not None else 0.0 if low_dose else MOMENTUM
         if (delta, momentum) == (self.delta, self.momentum):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...physics.backend import get_xp
+from ..dose_rule import low_dose_through_slices
 from ..partials import Partial
 from ..positions import accumulate_position_sums, restore_rules, start_arrays, start_from_arrays
 from ...physics.noise_models import get_noise_model
@@ -63,7 +64,8 @@ class ADOptions:
         slices μ_K = max(0, 1 − K (1 − 0.9)) (0.8, 0.7, ... ; :meth:`for_slices`): the slices'
         updates add up in the low spatial frequencies they share, so K of them at one slice's
         momentum take about K times its step (on a 3-slab electron scan 0.9 diverges and 0.7
-        converges: docs/benchmarks.md, bench_electron.py).
+        converges: docs/benchmarks.md, bench_electron.py); 0 through slices on low-dose
+        counting data (:mod:`~daskpty.engines.dose_rule`).
     cg_c1, cg_backtrack, cg_max_evaluations: Armijo constant, backtracking factor, loss evaluations
         (map-reduces) allowed per CG iteration.
     orthogonalize: SVD-orthogonalise probe modes after each epoch (optimiser memory is rotated too).
@@ -157,11 +159,15 @@ class ADOptions:
         return base
 
     def for_slices(self, n_slices: int, counts_per_pixel: float | None = None) -> "ADOptions":
-        """These options with ``momentum`` None resolved for an object of ``n_slices`` slices
-        (``counts_per_pixel``, the data's dose, changes no AD setting)."""
+        """These options with ``momentum`` None resolved for an object of ``n_slices`` slices and
+        data of ``counts_per_pixel`` mean counts per pixel (None: not counts):
+        :mod:`~daskpty.engines.dose_rule`."""
         if self.momentum is not None:
             return self
-        momentum = max(0.0, 1.0 - n_slices * (1.0 - SGD_MOMENTUM)) if n_slices > 1 else SGD_MOMENTUM
+        if low_dose_through_slices(n_slices, counts_per_pixel):
+            momentum = 0.0
+        else:
+            momentum = max(0.0, 1.0 - n_slices * (1.0 - SGD_MOMENTUM)) if n_slices > 1 else SGD_MOMENTUM
         return dataclasses.replace(self, momentum=round(momentum, 12))
 
     def make_optimizer(self):
