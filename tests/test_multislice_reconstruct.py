@@ -279,3 +279,16 @@ def test_low_dose_counts_through_slices_run_without_momentum(client):
     np.testing.assert_array_equal(ad(counts), ad(counts, momentum=0.0))
     np.testing.assert_array_equal(ad(scaled), ad(scaled, momentum=0.8))
     assert not np.array_equal(ad(counts), ad(counts, momentum=0.8))
+
+
+def test_info_shows_the_settings_a_low_dose_run_resolved(tmp_path, use_client, capsys):
+    """``daskpty info`` on a reconstruction lists the engine's settings as the run resolved
+    them: a low-dose electron scan through 3 slices ran LSQML with momentum 0 and δ 0.1."""
+    data, out = tmp_path / "e.zarr", tmp_path / "r.zarr"
+    assert main(["simulate", str(data), "--preset", "electron", "--grid", "5x5", "--dose", "2e4", "--quiet"]) == 0
+    assert main(["reconstruct", str(data), "-o", str(out), "--slices", "3", "--slice-spacing", "2e-9",
+                 "--epochs", "1", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["info", str(out)]) == 0
+    settings = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("settings"))
+    assert "momentum=0.0" in settings and "delta=0.1" in settings and "beta=0.9" in settings

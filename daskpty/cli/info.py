@@ -241,21 +241,38 @@ def describe_result(path: str) -> dict:
     root = zarr.open_group(path, mode="r")
     attrs = dict(root.attrs)
     live = attrs.get("live") if isinstance(attrs.get("live"), dict) else None
+    options = attrs.get("options") or {}
     d = {"path": os.path.abspath(path), "format": "daskpty-reconstruction", "epoch": attrs.get("epoch"),
          "object_shape": list(root["object"].shape), "probe_shape": list(root["probe"].shape),
          "frames_used": int((live or {}).get("frames_used", root["positions"].shape[0])),
-         "engine": (attrs.get("options") or {}).get("engine")}
+         "engine": options.get("engine"), "settings": _engine_settings(options)}
     if live is not None:
         d["live"] = live
     return d
 
 
+def _engine_settings(options: dict) -> dict:
+    """The engine's own settings among a result's stored ``options`` (as the run resolved them,
+    e.g. LSQML's momentum through slices on low-dose data); empty for an unknown engine."""
+    import dataclasses
+
+    from ..engines.specs import ENGINE_SPECS
+
+    spec = ENGINE_SPECS.get(options.get("engine"))
+    if spec is None:
+        return {}
+    return {f.name: options[f.name] for f in dataclasses.fields(spec.options) if f.name in options}
+
+
 def format_result_text(d: dict) -> str:
     live = d.get("live") or {}
     state = "" if not live else " (scan ended)" if live.get("scan_ended") else " (scan still being written)"
-    return "\n".join([f"reconstruction {d['path']}", f"engine       {d['engine']}, epoch {d['epoch']}",
-                      f"object       {tuple(d['object_shape'])}, probe {tuple(d['probe_shape'])}",
-                      f"frames used  {d['frames_used']:,}{state}"])
+    lines = [f"reconstruction {d['path']}", f"engine       {d['engine']}, epoch {d['epoch']}",
+             f"object       {tuple(d['object_shape'])}, probe {tuple(d['probe_shape'])}",
+             f"frames used  {d['frames_used']:,}{state}"]
+    if d.get("settings"):
+        lines.append("settings     " + ", ".join(f"{k}={v}" for k, v in d["settings"].items()))
+    return "\n".join(lines)
 
 
 def run(args) -> int:
