@@ -325,6 +325,26 @@ def test_loss_noise_goes_to_info_and_other_errors_pass():
     assert "k2" in records[0].getMessage()
 
 
+def test_a_loss_reported_at_info_keeps_its_line_and_loses_its_traceback():
+    """distributed logs "Batched Comm Closed" at INFO with the CommClosedError's traceback when
+    the scheduler dies (the CLI then printed a traceback above its one-line error): the line
+    stays, the traceback goes; an INFO record with an unrelated exception keeps its traceback."""
+    import logging
+
+    from distributed.comm.core import CommClosedError
+
+    from daskpty.execution.watchdog import quiet_handled_losses
+
+    log = logging.getLogger("distributed.batched")
+    with _records_of("distributed.batched", logging.INFO) as records:
+        with quiet_handled_losses():
+            log.info("Batched Comm Closed %r", "<TCP (closed)>", exc_info=(CommClosedError, CommClosedError(), None))
+            log.info("something else", exc_info=(ValueError, ValueError("real"), None))
+    assert [r.getMessage()[:19] for r in records] == ["Batched Comm Closed", "something else"]
+    assert records[0].exc_info is None and records[0].levelno == logging.INFO
+    assert records[1].exc_info is not None
+
+
 def test_an_interrupt_before_a_sync_call_started_leaves_no_traceback():
     """Ctrl-C or SIGTERM reaching distributed's ``sync`` before the coroutine it waits for has
     started makes its ``cancel`` callback raise NameError on the loop thread, which tornado logs

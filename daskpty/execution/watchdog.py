@@ -126,8 +126,9 @@ LOSS_LOGGERS = ("distributed", "distributed.worker", "distributed.core", "distri
 class HandledLossNoise(logging.Filter):
     """Route distributed's reports of lost workers or a lost scheduler (ERROR tracebacks:
     ``failed during get data``, heartbeats, ``Compute Failed`` of cancelled tasks; asyncio's
-    ``Task exception was never retrieved … AllExit``) to INFO without the traceback: they show
-    only where INFO logging is on (distributed's own loggers are at WARNING in daskpty's local
+    ``Task exception was never retrieved … AllExit``) to INFO without the traceback, and drop
+    the traceback of those already at INFO (``Batched Comm Closed`` with its CommClosedError
+    when the scheduler dies): they show only where INFO logging is on (distributed's own loggers are at WARNING in daskpty's local
     clusters). Other records pass unchanged. On a handler (``handler_level``), a record demoted
     below that handler's level is dropped: handlers test the level before their filters run."""
 
@@ -145,10 +146,12 @@ class HandledLossNoise(logging.Filter):
         if msg.startswith(("Compute Failed", "Task exception")) or (exc is not None and not loss):
             names = text + ("" if exc is None else f" {type(exc).__name__} {exc}")
             loss = any(word in names for word in LOSS_EXCEPTIONS)
-        if not loss or record.levelno < logging.WARNING:
+        if not loss:
+            return True
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        if record.levelno < logging.WARNING:  # (e.g. "Batched Comm Closed" at INFO): the line stays
             return True
         record.levelno, record.levelname = logging.INFO, "INFO"
-        record.exc_info, record.exc_text, record.stack_info = None, None, None
         return self.handler_level <= logging.INFO and logging.getLogger(record.name).isEnabledFor(logging.INFO)
 
 
