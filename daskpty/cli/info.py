@@ -254,8 +254,6 @@ def describe_result(path: str) -> dict:
 def _engine_settings(options: dict) -> dict:
     """The engine's own settings among a result's stored ``options`` (as the run resolved them,
     e.g. LSQML's momentum through slices on low-dose data); empty for an unknown engine."""
-    import dataclasses
-
     from ..engines.specs import ENGINE_SPECS
 
     spec = ENGINE_SPECS.get(options.get("engine"))

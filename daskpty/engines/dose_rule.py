@@ -9,8 +9,8 @@ bench_electron.py and daskpty's weak-phase sets):
 
 - LSQML: abTEM's sets 2–12 % lower; weak-phase sets 0–3 % lower at 10–30 counts, a tie at ~90,
   5–19 % higher at ~280, 4–39 % at ~900.
-- AD: abTEM's sets 2–16 % lower (one diverged with K = 4's 0.6); weak-phase sets 8–13 % lower at 10–50 counts, a tie at ~90,
-  4–25 % higher at ~290, 14–60 % at ~980.
+- AD: abTEM's sets 2–16 % lower (one diverged with K = 4's 0.6); weak-phase sets 8–13 % lower
+  at 10–50 counts, a tie at ~90, 4–25 % higher at ~290, 14–60 % at ~980.
 
 The dose is read by :func:`daskpty.io.dose.counts_per_pixel` (None for data that are not counts).
 """

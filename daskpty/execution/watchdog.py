@@ -128,9 +128,10 @@ class HandledLossNoise(logging.Filter):
     ``failed during get data``, heartbeats, ``Compute Failed`` of cancelled tasks; asyncio's
     ``Task exception was never retrieved … AllExit``) to INFO without the traceback, and drop
     the traceback of those already at INFO (``Batched Comm Closed`` with its CommClosedError
-    when the scheduler dies): they show only where INFO logging is on (distributed's own loggers are at WARNING in daskpty's local
-    clusters). Other records pass unchanged. On a handler (``handler_level``), a record demoted
-    below that handler's level is dropped: handlers test the level before their filters run."""
+    when the scheduler dies): they show only where INFO logging is on (distributed's own
+    loggers are at WARNING in daskpty's local clusters). Other records pass unchanged. On a
+    handler (``handler_level``), a record demoted below that handler's level is dropped:
+    handlers test the level before their filters run."""
 
     def __init__(self, handler_level: int = logging.NOTSET):
         super().__init__()
