@@ -209,6 +209,36 @@ def test_the_preconditioner_floor_follows_the_slices():
         LSQMLOptions(delta=0.0)
 
 
+def test_poisson_through_slices_warms_up_with_the_gaussian_model():
+    """noise_warmup None: NOISE_WARMUP Gaussian epochs before a Poisson model through K > 1
+    slices, none for one slice or the Gaussian model; a given warm-up is kept. The chunk steps
+    of each epoch take the model at_epoch names (the adapter's payload)."""
+    from daskpty.engines.sample_options import SampleOptions
+    from daskpty.execution.engine_registry import engine_spec
+    from daskpty.execution.parts import sample_model
+
+    LSQMLOptions, warmup = lsqml.LSQMLOptions, lsqml.NOISE_WARMUP
+    resolved = {(noise, k): LSQMLOptions(noise=noise).for_slices(k, 10.0).noise_warmup
+                for noise in ("gaussian", "poisson") for k in (1, 3)}
+    assert resolved == {("gaussian", 1): 0, ("gaussian", 3): 0, ("poisson", 1): 0, ("poisson", 3): warmup}
+    assert LSQMLOptions(noise="poisson", noise_warmup=2).for_slices(3).noise_warmup == 2
+    poisson = LSQMLOptions(noise="poisson").for_slices(3)
+    assert [poisson.at_epoch(e).noise for e in range(warmup + 2)] == ["gaussian"] * warmup + ["poisson"] * 2
+    assert LSQMLOptions(noise="poisson").at_epoch(0).noise == "poisson"      # unresolved: no warm-up
+    with pytest.raises(ValueError, match="noise_warmup"):
+        LSQMLOptions(noise_warmup=-1)
+
+    sample = SampleOptions(slices=3, slice_spacing_m=2e-9, wavelength_m=1.97e-12,
+                           object_pixel_size_m=0.25e-10).resolve(None, 16)
+    _, adapter = engine_spec("lsqml").make("poisson", sample=sample_model(sample), slices=3)
+    state = lsqml.LSQMLState(object=np.ones((3, 40, 40), np.complex64), probe=np.ones((1, 16, 16), np.complex64))
+    seen = []
+    for epoch in (0, warmup - 1, warmup):
+        state.epoch = epoch
+        seen.append(adapter.payload(state).options.noise)
+    assert seen == ["gaussian", "gaussian", "poisson"]
+
+
 def test_low_dose_counting_data_through_slices_take_no_momentum():
     """momentum and delta None: through K > 1 slices on counting data below LOW_DOSE_COUNTS
     counts per pixel, momentum 0 and δ 0.1 (AD: momentum 0); otherwise 0.5 and the slices' δ (AD:
@@ -226,7 +256,8 @@ def test_low_dose_counting_data_through_slices_take_no_momentum():
     assert {key: (o.momentum, o.delta) for key, o in resolved.items()} == {
         (1, None): (0.5, 0.1), (1, low): (0.5, 0.1), (1, high): (0.5, 0.1),
         (3, None): (0.5, 0.5), (3, low): (0.0, 0.1), (3, high): (0.5, 0.5)}
-    assert LSQMLOptions(momentum=0.3, delta=0.4).for_slices(3, low) == LSQMLOptions(momentum=0.3, delta=0.4)
+    given = LSQMLOptions(momentum=0.3, delta=0.4).for_slices(3, low)
+    assert (given.momentum, given.delta) == (0.3, 0.4)
     assert LSQMLOptions().object_momentum == 0.5
     from daskpty.engines.ad import ADOptions
     assert [ADOptions().for_slices(k, c).momentum for k, c in ((1, low), (3, None), (3, high), (3, low))] == \

@@ -281,6 +281,31 @@ def test_low_dose_counts_through_slices_run_without_momentum(client):
     assert not np.array_equal(ad(counts), ad(counts, momentum=0.8))
 
 
+def test_poisson_through_slices_switches_from_the_gaussian_model_after_the_warmup(client):
+    """noise="poisson" through 2 slices: the amplitude model for NOISE_WARMUP epochs, then the
+    Poisson one (bit-identical to the warm-up given, stored with the result, the loss turning to
+    the Poisson NLL's large negative values), unlike Poisson from the first epoch."""
+    from daskpty.engines.lsqml import NOISE_WARMUP
+
+    ds = simulate_multislice(n_slices=2, noise=True, photons=1.5e4, grid=6, seed=4)
+    g = ds.geometry
+    counts = daskpty.from_arrays(ds.intensities.astype(np.float32), ds.positions, wavelength_m=g.wavelength_m,
+                                 object_pixel_size_m=g.pixel_size_m, electron_voltage_v=300e3,
+                                 convergence_semiangle_rad=25e-3)
+
+    def run(**kw):
+        return _run(counts, client, engine="lsqml", epochs=NOISE_WARMUP + 2, slices=2, slice_spacing_m=SPACING,
+                    noise="poisson", **kw)
+
+    rec = run()
+    assert rec.options["noise_warmup"] == NOISE_WARMUP
+    losses = [h["loss"] for h in rec.history]
+    assert min(losses[:NOISE_WARMUP]) > 0 > max(losses[NOISE_WARMUP:])
+    np.testing.assert_array_equal(rec.object, run(noise_warmup=NOISE_WARMUP).object)
+    assert not np.array_equal(rec.object, run(noise_warmup=0).object)
+    assert max(h["loss"] for h in run(noise_warmup=0).history) < 0
+
+
 def test_info_shows_the_settings_a_low_dose_run_resolved(tmp_path, use_client, capsys):
     """``daskpty info`` on a reconstruction lists the engine's settings as the run resolved
     them: a low-dose electron scan through 3 slices ran LSQML with momentum 0 and δ 0.1."""

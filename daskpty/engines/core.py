@@ -82,6 +82,11 @@ class EngineCore:
         return {}
 
     @staticmethod
+    def epoch_options(state, options):
+        """The options the chunk steps of ``state``'s epoch run with (default: ``options``)."""
+        return options
+
+    @staticmethod
     def new_state(obj, probe, epoch: int, stored: dict):
         """A state from an object, a probe and the arrays of :meth:`stored` (empty: a fresh start)."""
         raise NotImplementedError

@@ -35,6 +35,10 @@ class LSQMLCore(EngineCore):
         return {"update_probe": state.update_probe(options)}
 
     @staticmethod
+    def epoch_options(state, options):
+        return options.at_epoch(state.epoch)   # the noise model's warm-up
+
+    @staticmethod
     def new_state(obj, probe, epoch: int, stored: dict):
         return lsqml.LSQMLState(object=obj, probe=probe, epoch=epoch, velocity=stored.get("velocity"))
 
