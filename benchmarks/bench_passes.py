@@ -4,7 +4,7 @@ Usage (not run in CI):
 
     python benchmarks/bench_passes.py [--probe-size 128] [--chunk-length 64] [--modes 4] [--slices 3]
         [--bandwidth-gbs 4800] [--epoch-patterns 262144] [--engines lsqml,ad,rpie] [--parts ...] [--ops]
-        [--whole-chunk] [--no-time] [--json]
+        [--whole-chunk] [--noise poisson] [--no-time] [--json]
 
 Runs one chunk step (LSQML ``chunk_step``, AD ``chunk_gradient``, rPIE ``chunk_step``; after an uncounted warm-up) on one
 chunk of simulated patterns, no dask, inside :class:`daskpty.physics.counting.PassCounter`, for
@@ -82,9 +82,10 @@ def _slices(obj, k: int):
     return np.stack([obj] + [np.exp(0.5 * np.log(obj)).astype(np.complex64)] * (k - 1))
 
 
-def step_function(engine: str, part: str, n: int, chunk: int, modes: int, slices: int):
-    """(arguments, step) for one chunk step of ``engine`` with ``part``; None where the engine has
-    no such part. ``step(*arguments)`` runs it; the arguments are what a counter must wrap."""
+def step_function(engine: str, part: str, n: int, chunk: int, modes: int, slices: int, noise: str = "gaussian"):
+    """(arguments, step) for one chunk step of ``engine`` with ``part`` and the ``noise`` model
+    (AD: its loss; LSQML: past any warm-up); None where the engine has no such part.
+    ``step(*arguments)`` runs it; the arguments are what a counter must wrap."""
     obj, probe, pos, y = scan(n, chunk, modes if part == "modes" else 1)
     kernel = angular_spectrum_kernel(n, DX, LAM, 2e-9) if part == "K slices" else None
     detector = near_field_kernel(n, 55e-6, 1e-10, 1.0, 3e-3) if part == "near field" else None
@@ -99,20 +100,22 @@ def step_function(engine: str, part: str, n: int, chunk: int, modes: int, slices
         extra = dict(model=model, eigen=eigen, transform=None, background=None, epoch=1)
         if engine == "lsqml":
             return (obj, probe, y, pos), lambda o, p, yy, q: lsqml_opr.variable_chunk_step(
-                o, p, yy, q, dict(local), options=lsqml.LSQMLOptions(), update_probe=True, **extra)
+                o, p, yy, q, dict(local), options=lsqml.LSQMLOptions(noise=noise), update_probe=True, **extra)
         if engine == "ad":
             return (obj, probe, y, pos), lambda o, p, yy, q: ad_opr.variable_chunk_gradient(
-                o, p, yy, q, dict(local), options=ad.ADOptions(), **extra)
+                o, p, yy, q, dict(local), options=ad.ADOptions(loss=noise), **extra)
         return None
     if engine == "lsqml":
-        options = lsqml.LSQMLOptions().for_slices(sample.n_slices)
+        options = lsqml.LSQMLOptions(noise=noise, noise_warmup=0).for_slices(sample.n_slices)
         return (obj, probe, y, pos), lambda o, p, yy, q: lsqml.chunk_step(
             o, p, yy, q, options=options, sample=sample, position_terms=positions, window_sums=positions)
     if engine == "ad":
         return (obj, probe, y, pos), lambda o, p, yy, q: ad.chunk_gradient(
-            o, p, yy, q, options=ad.ADOptions(), sample=sample, want_positions=positions, window_sums=positions)
+            o, p, yy, q, options=ad.ADOptions(loss=noise), sample=sample, want_positions=positions,
+            window_sums=positions)
     return (obj, probe, y, pos), lambda o, p, yy, q: pie.chunk_step(
-        o, p, yy, q, options=pie.PIEOptions(), sample=sample, position_terms=positions, window_sums=positions)
+        o, p, yy, q, options=pie.PIEOptions(noise=noise), sample=sample, position_terms=positions,
+        window_sums=positions)
 
 
 @contextlib.contextmanager
@@ -132,11 +135,11 @@ def whole_chunks(enabled: bool = True):
 
 
 def count_step(engine: str, part: str, n: int = 128, chunk: int = 64, modes: int = 4, slices: int = 3,
-               fused: bool = False):
+               fused: bool = False, noise: str = "gaussian"):
     """(partial, tally) of one counted chunk step, or None where the engine has no such part;
     ``fused``: each call of a fused kernel (``daskpty.physics.kernels``) counted as one pass.
     One uncounted step runs first, so that what the engines cache between steps is not counted."""
-    made = step_function(engine, part, n, chunk, modes, slices)
+    made = step_function(engine, part, n, chunk, modes, slices, noise)
     if made is None:
         return None
     args, step = made
@@ -146,9 +149,10 @@ def count_step(engine: str, part: str, n: int = 128, chunk: int = 64, modes: int
     return part_out, counter.tally
 
 
-def time_step(engine: str, part: str, n: int, chunk: int, modes: int, slices: int, repeat: int = 3) -> float:
+def time_step(engine: str, part: str, n: int, chunk: int, modes: int, slices: int, repeat: int = 3,
+              noise: str = "gaussian") -> float:
     """Median seconds of the uncounted chunk step on this CPU."""
-    args, step = step_function(engine, part, n, chunk, modes, slices)
+    args, step = step_function(engine, part, n, chunk, modes, slices, noise)
     step(*args)
     times = []
     for _ in range(repeat):
@@ -203,6 +207,8 @@ def arguments(argv=None) -> argparse.Namespace:
     ap.add_argument("--epoch-patterns", type=int, default=262144)
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--parts", default=",".join(PARTS), help="comma-separated, of: " + ", ".join(PARTS))
+    ap.add_argument("--noise", default="gaussian", choices=("gaussian", "poisson"),
+                    help="noise model (AD: loss) of every engine's step")
     ap.add_argument("--no-time", action="store_true", help="skip the uncounted CPU timing")
     ap.add_argument("--whole-chunk", action="store_true",
                     help="no cache-sized sub-batches: each step over the whole chunk, as on the GPU")
@@ -222,14 +228,15 @@ def tables(a: argparse.Namespace) -> tuple[list, list]:
     for engine in a.engines:
         for part in a.parts:
             name = part.replace("K", str(a.slices))
-            counted = count_step(engine, part, a.probe_size, a.chunk_length, a.modes, a.slices)
+            counted = count_step(engine, part, a.probe_size, a.chunk_length, a.modes, a.slices, noise=a.noise)
             if counted is None:
                 continue
             r = row(engine, name, counted[1], a.probe_size, a.chunk_length, a.bandwidth_gbs, a.epoch_patterns)
             r["cpu_s"] = None if a.no_time else time_step(engine, part, a.probe_size, a.chunk_length, a.modes,
-                                                          a.slices)
+                                                          a.slices, noise=a.noise)
             rows.append(r)
-            fused = count_step(engine, part, a.probe_size, a.chunk_length, a.modes, a.slices, fused=True)[1]
+            fused = count_step(engine, part, a.probe_size, a.chunk_length, a.modes, a.slices, fused=True,
+                               noise=a.noise)[1]
             fused_rows.append(row(engine, name, fused, a.probe_size, a.chunk_length, a.bandwidth_gbs,
                                   a.epoch_patterns))
     return rows, fused_rows
@@ -242,7 +249,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps({"numpy": rows, "fused": fused_rows}, indent=1))
         return 0
-    print(f"{a.probe_size}² patterns, chunks of {a.chunk_length}"
+    print(f"{a.probe_size}² patterns, chunks of {a.chunk_length}, {a.noise} noise"
           f"{' (whole-chunk steps)' if a.whole_chunk else ''}, per pattern; modes part: {a.modes} modes; "
           f"floor: {a.epoch_patterns:,} patterns at {a.bandwidth_gbs:g} GB/s")
     for title, table in (("NumPy path (CPU)", rows), ("fused kernels counted as one pass each", fused_rows)):

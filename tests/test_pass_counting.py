@@ -166,3 +166,21 @@ def test_the_benchmark_prints_its_table(capsys):
     assert "| rpie | OPR |" not in out and "multiply" in out   # rPIE has no OPR
     with pytest.raises(SystemExit):
         bench_passes.main(["--parts", "2 slices"])
+
+
+def test_the_poisson_step_length_stops_once_every_pattern_has_converged():
+    """Newton's steps for the Poisson α end when every pattern's step is at most ALPHA_STEP_DONE:
+    allowing 40 steps costs the passes of allowing 10, and α is the 10-step one to 1e-9."""
+    from daskpty.physics.noise import poisson_step_lengths
+
+    rng = np.random.default_rng(5)
+    yhat = rng.gamma(2.0, 4.0, (12, N, N))
+    y = rng.poisson(yhat * rng.uniform(0.5, 1.5, (12, 1, 1))).astype(np.float64)
+    tallies, alphas = [], []
+    for iterations in (10, 40):
+        with PassCounter(N * N) as counter:
+            alphas.append(np.asarray(poisson_step_lengths(counter.wrap(yhat), counter.wrap(y), iterations=iterations)))
+        tallies.append(counter.tally.passes)
+    assert tallies[0] == tallies[1] > 0
+    np.testing.assert_allclose(alphas[0], alphas[1], atol=1e-9)
+    assert ((alphas[0] > 0.05) & (alphas[0] < 1)).all()
