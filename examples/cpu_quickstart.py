@@ -14,8 +14,8 @@ The defaults finish in well under a minute on two cores::
     python examples/cpu_quickstart.py --grid 24 --probe-size 64 --epochs 100 --workers 4
     python examples/cpu_quickstart.py --out /tmp/quickstart      # keep the stores
 
-Every 10 epochs it prints the data loss (with ``--noise poisson``, the default, a negative
-log-likelihood up to a constant: it may be negative and should fall). The last line is
+Every 10 epochs it prints the data loss (with ``--noise poisson``, the default, the negative
+log-likelihood up to a constant of the data: 0 for a model equal to the counts; it should fall). The last line is
 ``object NRMSE vs truth: <value>`` (0 is perfect, about 1 is an unrelated image; the defaults
 give about 1 %).
 """

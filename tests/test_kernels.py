@@ -58,6 +58,12 @@ def _mask(valid, shape):
     return np.ones(shape[-2:]) if valid is None else valid.astype(np.float64)
 
 
+def _poisson_terms(model, y, eps):
+    """The Poisson loss per pixel, ŷ − y − y log((ŷ+ε)/y), with y log y taken as 0 below one count."""
+    y = np.asarray(y, np.float64)
+    return model - y - y * (np.log(model + eps) - np.log(np.maximum(y, 1.0)))
+
+
 def _alpha_by_minimisation(yhat, y, valid, eps):
     """Ground truth α_j: minimise the Poisson NLL along Ψ(1 − α g) by a bounded 1-D search."""
     m = _mask(valid, yhat.shape)
@@ -131,7 +137,7 @@ def test_poisson_far_field_update(shape, masked, background):
     expected = far * (-alpha[:, None, None] * (1.0 - y / (model + eps)) * m)[:, None]
     assert _rel(delta, expected) < 2e-4
     assert _rel(yhat, model) < 1e-6
-    expected_loss = (m * (model - y * np.log(model + eps))).sum(axis=(1, 2))
+    expected_loss = (m * _poisson_terms(model, y, eps)).sum(axis=(1, 2))
     np.testing.assert_allclose(loss, expected_loss, rtol=1e-6)
 
 
@@ -145,7 +151,7 @@ def test_poisson_alpha_and_loss(shape):
                                atol=2e-4)
     m = _mask(valid, y.shape)
     np.testing.assert_allclose(kernels.poisson_loss(yhat, y, valid, eps),
-                               (m * (yhat - y * np.log(yhat.astype(np.float64) + eps))).sum(axis=(1, 2)),
+                               (m * _poisson_terms(yhat.astype(np.float64), y, eps)).sum(axis=(1, 2)),
                                rtol=1e-7)
 
 
@@ -156,7 +162,7 @@ def _ad_loss_expected(name, far, y, valid, eps, bg):
         value = m * (np.sqrt(model + eps) - np.sqrt(y)) ** 2
         factor = 2.0 * (1.0 - np.sqrt(y / (model + eps))) * m
     elif name == "poisson":
-        value = m * (model - y * np.log(model + eps))
+        value = m * _poisson_terms(model, y, eps)
         factor = 2.0 * (1.0 - y / (model + eps)) * m
     else:
         value = m * (model - y) ** 2

@@ -665,6 +665,7 @@ def test_losses_match_direct_formulas():
         g_ref = [sum((np.sqrt(float(yhat[b, i, j])) - np.sqrt(float(y[b, i, j]))) ** 2
                      for i in range(n) for j in range(n) if vm[i, j]) for b in range(B)]
         p_ref = [sum(float(yhat[b, i, j]) - float(y[b, i, j]) * np.log(float(yhat[b, i, j]) + DEFAULT_EPS)
+                     + (float(y[b, i, j]) * np.log(float(y[b, i, j])) if y[b, i, j] > 1 else 0.0) - float(y[b, i, j])
                      for i in range(n) for j in range(n) if vm[i, j]) for b in range(B)]
         gl = gaussian_loss(yhat, y, v)
         pl = poisson_loss(yhat, y, v)
@@ -881,3 +882,20 @@ def test_poisson_step_lengths_match_direct_newton(masked):
     ref = _poisson_step_lengths_reference(yhat.astype(np.float32), y.astype(np.float32), valid)
     assert np.all(got[:3] == 1.0)
     np.testing.assert_allclose(got, ref, rtol=1e-9, atol=1e-12)
+
+
+def test_the_poisson_loss_is_zero_at_the_counts_and_positive_elsewhere():
+    """poisson_loss is Σ ŷ − y log(ŷ+ε) plus a constant of the data that makes it vanish where the
+    model equals the counts: positive for any other model, the same offset for every model."""
+    rng = np.random.default_rng(3)
+    y = rng.poisson(rng.gamma(1.0, 6.0, (4, 8, 8))).astype(np.float32)
+
+    def raw(yhat):
+        return (yhat - y * np.log(yhat + DEFAULT_EPS)).sum(axis=(1, 2))
+
+    np.testing.assert_allclose(poisson_loss(y.astype(np.float64), y), 0.0, atol=1e-3)
+    models = [y * 1.2 + 0.5, y * 0.8 + 0.2, np.full_like(y, y.mean())]
+    assert all((poisson_loss(m, y) > 1.0).all() for m in models)
+    offsets = [poisson_loss(m, y) - raw(m.astype(np.float64)) for m in models]
+    np.testing.assert_allclose(offsets[0], offsets[1], rtol=1e-9)
+    np.testing.assert_allclose(offsets[0], offsets[2], rtol=1e-9)

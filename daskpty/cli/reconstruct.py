@@ -39,7 +39,8 @@ def add_parser(subparsers):
                    help="total passes over all patterns (with --resume: including those already done)")
     g.add_argument("--noise", default=engine.noise, choices=noise_model_names(lsqml=True),
                    help="noise model of the far-field correction and of the reported loss (poisson: "
-                        "the negative log-likelihood up to a constant, often large and negative)")
+                        "the negative log-likelihood up to a constant of the data, 0 for a model equal "
+                        "to the counts)")
     g.add_argument("--loss", default=None, choices=noise_model_names(),
                    help="AD loss (default: --noise)")
     g.add_argument("--optimizer", default=None, choices=["adam", "sgd", "cg"],

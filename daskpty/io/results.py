@@ -34,8 +34,8 @@ class Reconstruction:
     illumination: (H, W) float32 Σ|probe|² over the scan, e.g. to mask the reconstructed area.
     history: one dict per epoch (epoch, loss, seconds, patterns_per_second, step lengths, ...);
         :meth:`history_arrays` / :meth:`history_frame` give it per key. ``loss`` is the noise
-        model's: with ``noise="poisson"`` the Poisson negative log-likelihood up to a constant
-        (often large and negative), else the amplitude least-squares misfit.
+        model's: with ``noise="poisson"`` the Poisson negative log-likelihood up to a constant of
+        the data (0 for a model equal to the counts), else the amplitude least-squares misfit.
     options: the settings used (JSON-serialisable).
     nominal_positions: (N, 2) the positions as measured, in the object frame, when position
         refinement moved ``positions`` (else None: they are the nominal ones).

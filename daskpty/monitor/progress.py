@@ -15,8 +15,8 @@ from ..physics.noise_models import NOISE_MODELS
 
 def loss_label(kind) -> str:
     """``"loss (Poisson NLL + const)"`` and the like: the loss named with what it measures, from
-    the noise model's registry entry (the Poisson negative log-likelihood leaves out log(y!), so
-    it is often large and negative)."""
+    the noise model's registry entry (the Poisson negative log-likelihood up to a constant of the
+    data: 0 for a model equal to the counts)."""
     model = NOISE_MODELS.get(kind)
     return f"loss ({model.loss_label})" if model is not None else "loss"
 

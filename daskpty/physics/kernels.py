@@ -169,9 +169,10 @@ w = s_;
 const complex<float> c_ = bz[(i / per_item) * npix + i % npix];
 res = complex<float>(a.real() * c_.real() + a.imag() * c_.imag(), a.imag() * c_.real() - a.real() * c_.imag());
 """, "daskpty_conj_product")
-    if name == "poisson_loss":      # Σ mask (ŷ − y log(ŷ+ε)), float64
+    if name == "poisson_loss":      # Σ mask (ŷ − y − y (log(ŷ+ε) − log max(y, 1))), float64
         return rk("float32 yhat, float32 y, float32 m, float64 eps", "float64 res",
-                  "(double)m * ((double)yhat - (double)y * log((double)yhat + eps))", "a + b", "res = a", "0",
+                  "(double)m * ((double)yhat - (double)y - (double)y * (log((double)yhat + eps)"
+                  " - ((double)y > 1.0 ? log((double)y) : 0.0)))", "a + b", "res = a", "0",
                   "daskpty_poisson_loss")
     if name == "poisson_newton":    # (Σ yg/u − gŷu, Σ g²ŷ + yg²/u²): φ'/2 and φ''/2
         return rk("float32 yhat, float32 y, float32 m, float64 alpha, float64 eps", "complex128 res",
@@ -276,7 +277,8 @@ def poisson_alpha(yhat, y, valid=None, eps: float = DEFAULT_EPS, iterations: int
 
 
 def poisson_loss(yhat, y, valid=None, eps: float = DEFAULT_EPS):
-    """Σ ŷ − y log(ŷ+ε) per pattern (float64 (B,)) over valid pixels (reference: noise._poisson_loss64)."""
+    """Σ ŷ − y − y log((ŷ+ε)/y) per pattern (float64 (B,)) over valid pixels (reference:
+    :func:`daskpty.physics.noise.poisson_loss`)."""
     if not (uses_fused(yhat, y, dtype=np.float32)):
         return _poisson_loss64(yhat.astype(np.float64), y.astype(np.float64), valid, eps)
     return _kernel("poisson_loss")(yhat.astype(np.float32, copy=False), y.astype(np.float32, copy=False),
@@ -340,7 +342,7 @@ def _far_field_loss_numpy(name, far, y, valid, eps, gradient, overwrite=False, b
         if gradient:
             factor = u
             factor *= rdtype(2)
-    elif name == "poisson":     # ŷ − y log(ŷ+ε),  2h' = 2 (1 − y/(ŷ+ε))
+    elif name == "poisson":     # ŷ − y − y log((ŷ+ε)/y),  2h' = 2 (1 − y/(ŷ+ε))
         value = _poisson_loss64(yhat.astype(np.float64, copy=False), y.astype(np.float64, copy=False),
                                 valid, eps)
         if gradient:

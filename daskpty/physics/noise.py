@@ -135,20 +135,31 @@ def gaussian_loss(yhat, y, valid=None):
 
 
 def poisson_loss(yhat, y, valid=None, eps: float = DEFAULT_EPS):
-    """Poisson negative log-likelihood Σ ŷ − y log(ŷ+ε) per pattern, without the log(y!) constant."""
+    """Poisson negative log-likelihood per pattern, up to a constant of the data:
+    Σ ŷ − y log(ŷ+ε) + y log y − y (y log y taken as 0 below one count), that is
+    Σ ŷ − y − y log((ŷ+ε)/y): zero for a model equal to the counts and positive otherwise (half
+    the Poisson deviance), so its relative changes read like the amplitude loss's."""
     return _poisson_loss64(yhat.astype(np.float64), y.astype(np.float64), valid, eps)
 
 
+def poisson_offset_log(y):
+    """log y where y > 1, else 0: the data's term y log y of :func:`poisson_loss` (NumPy or CuPy)."""
+    xp = get_xp(y)
+    return xp.log(xp.maximum(y, 1.0))
+
+
 def _poisson_loss64(yhat, y, valid, eps):
-    """:func:`poisson_loss` on float64 (B, n, n) arrays, as Σ ŷ minus a dot product Σ y·log(ŷ+ε)."""
+    """:func:`poisson_loss` on float64 (B, n, n) arrays, as Σ (ŷ − y) minus a dot product
+    Σ y·(log(ŷ+ε) − log y)."""
     xp = get_xp(yhat)
     n_patterns = yhat.shape[0]
-    log_model = yhat + eps
-    xp.log(log_model, out=log_model)
+    log_ratio = yhat + eps
+    xp.log(log_ratio, out=log_ratio)
+    log_ratio -= poisson_offset_log(y)
     if valid is None:
-        return yhat.reshape(n_patterns, -1).sum(axis=1) - real_dots(y, log_model)
+        return (yhat - y).reshape(n_patterns, -1).sum(axis=1) - real_dots(y, log_ratio)
     mask = valid.reshape(-1).astype(np.float64)
-    return yhat.reshape(n_patterns, -1) @ mask - real_dots(y * valid, log_model)
+    return (yhat - y).reshape(n_patterns, -1) @ mask - real_dots(y * valid, log_ratio)
 
 
 def far_field_update(noise: str, far, y, valid=None, eps: float = DEFAULT_EPS, overwrite: bool = False,

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from .backend import get_xp
-from .noise import DEFAULT_EPS, gaussian_correction, poisson_correction
+from .noise import DEFAULT_EPS, gaussian_correction, poisson_correction, poisson_offset_log
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,10 @@ GAUSSIAN = NoiseModel(
 
 POISSON = NoiseModel(
     name="poisson",
-    description="Poisson negative log-likelihood Σ ŷ − y log(ŷ+ε), without the constant log(y!)",
+    description="Poisson negative log-likelihood up to a constant of the data: Σ ŷ − y − y log((ŷ+ε)/y), "
+                "zero where the model equals the counts (half the Poisson deviance)",
     loss_label="Poisson NLL + const",
-    loss_terms=lambda yhat, y, eps: yhat - y * get_xp(yhat).log(yhat + eps),
+    loss_terms=lambda yhat, y, eps: yhat - y - y * (get_xp(yhat).log(yhat + eps) - poisson_offset_log(y)),
     gradient_factor=lambda yhat, y, eps: 1 - y / (yhat + eps),
     curvature=lambda yhat, y, eps: 1 / (yhat + eps),
     gauss_newton_scale=lambda mean_model=1.0: 0.25,
