@@ -44,7 +44,8 @@ MOMENTUM = 0.5
 #: Gaussian epochs before a Poisson noise model through K > 1 slices (LSQMLOptions.noise_warmup).
 #: The Poisson update alone forms the object slowly from slabs of ones (abTEM's `t2_s1`, 16
 #: counts per pixel: mean per-slab NRMSE 0.0681 at 30 epochs, after 5 Gaussian epochs 0.0590;
-#: a switch at 10 or 15 within 1.5 % of 5): docs/benchmarks.md.
+#: a switch at 10 or 15 within 1.5 % of 5; daskpty's own 2- and 4-slice scans 4–13 % lower with it
+#: than without): docs/benchmarks.md.
 NOISE_WARMUP = 5
 
 
