@@ -111,7 +111,8 @@ class Adapter:
     def payload(self, state) -> Payload:
         fields = self._merged("payload", state)
         variant = max(self.parts, key=lambda part: part.rank).variant
-        return Payload(state.object, state.probe, self.core.epoch_options(state, self.options), self.valid, state.epoch, self.core, variant,
+        options = self.core.epoch_options(state, self.options)   # (LSQML: the noise model's warm-up)
+        return Payload(state.object, state.probe, options, self.valid, state.epoch, self.core, variant,
                        self.core.flags(state, self.options), frame_of(state), **fields)
 
     def epoch_scalars(self, state) -> dict:
