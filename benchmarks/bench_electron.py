@@ -83,8 +83,9 @@ class Electron:
         # 0.999 with this sign, 0.04 with the other)
         # a defocus is measured at the entrance surface; the K-slab model's probe lives at its
         # first screen, half a slab in (where abTEM's finely sliced slab acts, forward_check)
-        # (S slices per slab: the first screen is dz / 2S in)
-        first = self.dz / (2 * sub_slices)
+        # (S slices per slab: the first screen is dz / 2S in); a set sliced as the model slices
+        # (electron_abtem.py --slices-per-slab 1) has its first screen at the entrance
+        first = 0.0 if self.settings.get("slices_per_slab") == 1 else self.dz / (2 * sub_slices)
         c1 = -float(z["defocus_m"]) * (1 + defocus_error) + first
         self.probe = electron_probe(n, self.dx, self.lam, self.alpha, defocus_m=c1, power=power)
         self.probe = (self.first_screen_probe(first) if true_probe else self.probe).astype(np.complex64)
