@@ -66,14 +66,16 @@ def _callbacks(checkpointer, callback, data_path, progress, frames: int | None =
     return callbacks
 
 
-def _progress(progress, epochs: int, resumed, n_patterns: int, loss: str):
+def _progress(progress, epochs: int, resumed, n_patterns: int, loss: str, warmup: int = 0):
     """The progress callback, or None: ``progress`` None shows it when the session is interactive
-    (a terminal or a notebook); a resumed run counts on from its stored epoch."""
+    (a terminal or a notebook); a resumed run counts on from its stored epoch; ``warmup``: epochs
+    of the amplitude loss first (LSQML's ``noise_warmup``)."""
     if progress is None:
         progress = interactive()
     if not progress:
         return None
-    return make_progress(epochs, n_patterns, start_epoch=resumed.epochs if resumed is not None else 0, loss=loss)
+    return make_progress(epochs, n_patterns, start_epoch=resumed.epochs if resumed is not None else 0, loss=loss,
+                         warmup=warmup)
 
 
 def _saying_what_is_kept(exc, checkpoint, checkpointer):
@@ -243,8 +245,10 @@ def _reconstruct(data, epochs, probe, object, probe_modes, client, opts: Options
     checkpointer = Checkpointer(plan.checkpoint, make_result, every=run.checkpoint_every,
                                 history=resumed.history if resumed is not None else [], check=check_finite_result)
     loss = getattr(plan.options, "loss", opts.engine.noise)
+    warmup = getattr(plan.adapter.options, "noise_warmup", 0)   # (LSQML through slices, Poisson)
     callbacks = _callbacks(checkpointer, run.callback, plan.data_path,
-                           _progress(run.progress, epochs, resumed, plan.n_patterns, loss), frames=plan.n_patterns)
+                           _progress(run.progress, epochs, resumed, plan.n_patterns, loss, warmup),
+                           frames=plan.n_patterns)
     embedded = client is None and (plan.execution.n_workers is not None or current_client() is None)
     with client_context(client, n_workers=plan.execution.n_workers) as c:
         plan = settle_plan(c, plan)

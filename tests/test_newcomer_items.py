@@ -20,6 +20,22 @@ def test_eta_ignores_the_first_epochs_start_up():
     assert etas[1:] == [f"{n} s" for n in range(9, -1, -1)]
 
 
+def test_the_progress_line_names_the_amplitude_loss_during_a_poisson_warmup():
+    """With LSQML's Poisson model after a 2-epoch warm-up the first two lines name the amplitude
+    loss they show, the later ones the Poisson loss; without a warm-up every line names Poisson."""
+    from daskpty.monitor.progress import ProgressPrinter
+
+    def labels(warmup):
+        out = io.StringIO()
+        printer = ProgressPrinter(4, 10, stream=out, every=1, loss="poisson", warmup=warmup)
+        for epoch in range(1, 5):
+            printer(epoch, None, {"loss": 1.0, "patterns_per_second": 10.0})
+        return ["amplitude" in line for line in out.getvalue().splitlines()]
+
+    assert labels(2) == [True, True, False, False]
+    assert labels(0) == [False] * 4
+
+
 def test_export_without_data_writes_the_geometry_the_store_was_reconstructed_with(tmp_path, client, capsys):
     """A near-field reconstruction store records its data's geometry: ``daskpty export`` without
     ``--data`` writes the near-field geometry into CXI and HDF5 and says nothing is missing."""

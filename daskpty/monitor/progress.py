@@ -57,9 +57,10 @@ def epoch_eta(ends, remaining: int, recent: int = 5) -> float | None:
 
 
 def make_progress(epochs: int, n_patterns: int, *, start_epoch: int = 0, loss: str | None = None,
-                  stream=None, bar: bool | None = None):
+                  stream=None, bar: bool | None = None, warmup: int = 0):
     """The progress callback: a tqdm bar (``bar`` None: when tqdm is installed and the session is
-    :func:`interactive`), else a :class:`ProgressPrinter`."""
+    :func:`interactive`), else a :class:`ProgressPrinter`; ``warmup``: epochs whose loss is the
+    amplitude model's before ``loss`` takes over (LSQML's ``noise_warmup``)."""
     if bar is None:
         bar = interactive(stream)
     if bar:
@@ -68,7 +69,7 @@ def make_progress(epochs: int, n_patterns: int, *, start_epoch: int = 0, loss: s
         except ImportError:
             bar = False
     cls = TqdmProgress if bar else ProgressPrinter
-    return cls(epochs, n_patterns, start_epoch=start_epoch, loss=loss, stream=stream)
+    return cls(epochs, n_patterns, start_epoch=start_epoch, loss=loss, stream=stream, warmup=warmup)
 
 
 class ProgressPrinter:
@@ -84,7 +85,7 @@ class ProgressPrinter:
     takes_epoch_state = True  # reads the metrics only: the state may stay on the workers
 
     def __init__(self, epochs: int, n_patterns: int, stream=None, every: int = 10, *, start_epoch: int = 0,
-                 loss: str | None = None, clock=time.perf_counter):
+                 loss: str | None = None, clock=time.perf_counter, warmup: int = 0):
         self.epochs = epochs
         self.n_patterns = n_patterns
         self.clock = clock
@@ -93,15 +94,20 @@ class ProgressPrinter:
         self.every = every
         self.start_epoch = start_epoch
         self.label = loss_label(loss)
+        self.warmup, self.warmup_label = int(warmup or 0), loss_label("gaussian")
         self.start = clock()
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.done = 0
 
     def _line(self, epoch, metrics) -> str:
         eta = epoch_eta(self.ends, self.epochs - epoch)
-        return (f"epoch {epoch}/{self.epochs}  {self.label} {metrics['loss']:.4g}  "
+        return (f"epoch {epoch}/{self.epochs}  {self.label_of(epoch)} {metrics['loss']:.4g}  "
                 f"{metrics['patterns_per_second']:.3g} patterns/s  "
                 + ("ETA ..." if eta is None else f"ETA {eta:.0f} s"))
+
+    def label_of(self, epoch: int) -> str:
+        """The loss's name after ``epoch`` epochs (the amplitude model's during a warm-up)."""
+        return self.warmup_label if epoch <= self.warmup else self.label
 
     def __call__(self, epoch, state, metrics):
         self.done += 1
@@ -121,8 +127,8 @@ class TqdmProgress(ProgressPrinter):
     """The same callback as a tqdm bar (console or notebook widget, ``tqdm.auto``)."""
 
     def __init__(self, epochs: int, n_patterns: int, stream=None, every: int = 10, *, start_epoch: int = 0,
-                 loss: str | None = None):
-        super().__init__(epochs, n_patterns, stream, every, start_epoch=start_epoch, loss=loss)
+                 loss: str | None = None, warmup: int = 0):
+        super().__init__(epochs, n_patterns, stream, every, start_epoch=start_epoch, loss=loss, warmup=warmup)
         from tqdm.auto import tqdm  # lazy: optional dependency
 
         self.bar = tqdm(total=epochs, initial=start_epoch, unit="epoch", file=self.stream, dynamic_ncols=True)
@@ -130,7 +136,7 @@ class TqdmProgress(ProgressPrinter):
     def __call__(self, epoch, state, metrics):
         self.done += 1
         epoch = int(epoch) if epoch is not None else self.start_epoch + self.done
-        self.bar.set_postfix_str(f"{self.label} {metrics['loss']:.4g}, "
+        self.bar.set_postfix_str(f"{self.label_of(epoch)} {metrics['loss']:.4g}, "
                                  f"{metrics['patterns_per_second']:.3g} patterns/s", refresh=False)
         self.bar.update(max(epoch - self.bar.n, 0))
         if epoch >= self.epochs:
