@@ -149,17 +149,19 @@ def poisson_offset_log(y):
 
 
 def _poisson_loss64(yhat, y, valid, eps):
-    """:func:`poisson_loss` on float64 (B, n, n) arrays, as Σ (ŷ − y) minus a dot product
-    Σ y·(log(ŷ+ε) − log y)."""
+    """:func:`poisson_loss` on float64 (B, n, n) arrays, as Σ ŷ − Σ y (reductions, no
+    temporary) minus a dot product Σ y·(log(ŷ+ε) − log y)."""
     xp = get_xp(yhat)
     n_patterns = yhat.shape[0]
     log_ratio = yhat + eps
     xp.log(log_ratio, out=log_ratio)
     log_ratio -= poisson_offset_log(y)
     if valid is None:
-        return (yhat - y).reshape(n_patterns, -1).sum(axis=1) - real_dots(y, log_ratio)
+        sums = yhat.reshape(n_patterns, -1).sum(axis=1) - y.reshape(n_patterns, -1).sum(axis=1)
+        return sums - real_dots(y, log_ratio)
     mask = valid.reshape(-1).astype(np.float64)
-    return (yhat - y).reshape(n_patterns, -1) @ mask - real_dots(y * valid, log_ratio)
+    y = y * valid
+    return yhat.reshape(n_patterns, -1) @ mask - y.reshape(n_patterns, -1).sum(axis=1) - real_dots(y, log_ratio)
 
 
 def far_field_update(noise: str, far, y, valid=None, eps: float = DEFAULT_EPS, overwrite: bool = False,

@@ -45,7 +45,8 @@ def gaussian_loss_gradient(far, y, valid=None, eps: float = DEFAULT_EPS):
 
 
 def poisson_loss_gradient(far, y, valid=None, eps: float = DEFAULT_EPS):
-    """Poisson negative log-likelihood up to a constant (:func:`daskpty.physics.noise.poisson_loss`): ``(loss, ∇_Ψ)``."""
+    """Poisson negative log-likelihood up to a constant of the data
+    (:func:`daskpty.physics.noise.poisson_loss`): returns ``(loss, ∇_Ψ)``."""
     per, g = loss_and_gradient(far, y, loss="poisson", valid=valid, eps=eps)
     return float(per.sum()), g
 
