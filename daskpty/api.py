@@ -11,6 +11,7 @@ from .engines.probe_model import ProbeModelDiverged, effective_weights
 from .engines.specs import DEFAULT_ENGINE
 from .execution.cluster import client_context, current_client
 from .execution.driver import run_epochs
+from .execution.round_switch import OneRoundOnceVarying
 from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
 from .io.checkpoint import Checkpointer, sigterm_as_interrupt
 from .io.epoch_handle import StateLost
@@ -167,10 +168,11 @@ def reconstruct(data, engine=DEFAULT_ENGINE, epochs: int = DEFAULT_EPOCHS, *, pr
         patterns per update (N // 150, like Pty-Chi's default batches) but at most one round per
         6 Mi pattern-pixels (at least 3), clipped to 1…16; a small data set (under 450 patterns)
         gets 3 rounds when each still holds 1 Mi pattern-pixels, else compact LSQML; 1 out of
-        core, with several object slices and with OPR weights or intensity factors; depends only
-        on the data and the model, not on the cluster); ``persist`` (keep the chunks in worker
-        memory: True, re-read them every round: False, or "auto": when they take at most half
-        the cluster memory); ``device`` ("auto" | "cpu" | "gpu": gpu when every worker sees
+        core and with several object slices; depends only on the data and the model, not on the
+        cluster; with OPR eigen-probes, one round per epoch from the epoch their weights show
+        that the probe varies, :mod:`daskpty.execution.round_switch`); ``persist`` (keep the
+        chunks in worker memory: True, re-read them every round: False, or "auto": when they
+        take at most half the cluster memory); ``device`` ("auto" | "cpu" | "gpu": gpu when every worker sees
         one); ``split_every`` (fan-in of the tree reduction; default 4 for up to 16 chunks,
         else 8); ``sort`` (order the patterns along a Morton curve when that makes chunks more
         compact); ``tiles`` (cut the object into row tiles, one per worker, instead of a copy
@@ -274,17 +276,37 @@ def _dashboard(client, plan):
     return publisher
 
 
+def _one_round_switch(plan, publisher) -> OneRoundOnceVarying:
+    """The watch of a run whose "auto" rounds go to one per epoch once its probe is seen to vary:
+    from then on the result, the checkpoints and the dashboard say one round per epoch, with the
+    epoch it began (``one_round_from_epoch``), and the probe model's rounds-dependent settings
+    follow (:meth:`daskpty.execution.parts.ProbeModel.for_rounds`)."""
+    def switch(epoch: int, rms: float) -> None:
+        plan.adapter.probe_model = plan.adapter.probe_model.for_rounds(1)
+        plan.run_options.update(rounds_per_epoch=1, one_round_from_epoch=epoch + 1)
+        if publisher is not None:
+            publisher.rounds_per_epoch = 1
+        if plan.opts.run.progress or plan.opts.run.progress is None and interactive():
+            print(f"daskpty: the probe varies over the scan (eigen-probe weights that neighbours share: "
+                  f"{rms:.3f} rms in epoch {epoch}): one round per epoch from epoch {epoch + 1} on "
+                  f"(rounds_per_epoch=N keeps N)",
+                  file=sys.stderr, flush=True)
+    behind = plan.resumed.history if plan.resumed is not None else ()   # (a resumed run decides as if not stopped)
+    return OneRoundOnceVarying(switch, history=behind or ())
+
+
 def _run(client, plan, checkpointer, callbacks, publisher=None) -> Reconstruction:
     """The plan's epochs; the result (on the cluster still: a large tiled object is a dask array
     over the workers' tiles), written to the checkpoint when the last epoch was not."""
     execution, checkpoint, state = plan.execution, plan.checkpoint, plan.state
     chunked, plan.chunked, plan.state = plan.chunked, None, None
+    switch = _one_round_switch(plan, publisher) if plan.one_round_once_varying else None
     try:
         with sigterm_as_interrupt():
             state, _ = run_epochs(client, chunked, plan.adapter, state, epochs=max(plan.epochs - state.epoch, 0),
                                   rounds_per_epoch=execution.rounds_per_epoch, split_every=execution.split_every,
                                   tiles=execution.tiles, callbacks=callbacks,
-                                  initialise=plan.opts.engine.rescale_probe)
+                                  initialise=plan.opts.engine.rescale_probe, one_round_when=switch)
     except KeyboardInterrupt:
         checkpointer.write()
         raise

@@ -34,6 +34,7 @@ from .execution.memory import (check_step_fits, clamp_chunk_length, held_shape, 
                                step_bytes, tiles_fit_where_replicas_do_not)
 from .execution.options import ExecutionOptions
 from .execution.parts import sample_model
+from .execution.round_switch import may_switch
 from .execution.scatter import scatter_in_memory
 from .execution.tile_graph import TilesUnsupported, check_tiles_supported
 from .io.checkpoint import extended_to, grown_canvas
@@ -75,6 +76,9 @@ class Plan:
     layout: PatternLayout = field(default_factory=PatternLayout)
     state: Any = None
     chunked: Any = None
+    #: rounds per epoch "auto" (drafted); settled: the run watches for one round per epoch
+    #: once its probe is seen to vary (:mod:`daskpty.execution.round_switch`)
+    one_round_once_varying: bool = False
 
 
 def draft_plan(data, epochs, probe, object, probe_modes, opts: Options, live=None) -> Plan:
@@ -112,8 +116,10 @@ def draft_plan(data, epochs, probe, object, probe_modes, opts: Options, live=Non
         model.check_run(len(positions), options.probe_start_epoch is not None, eng.name)
 
     resumed = _resumed(resume, positions, n, probe_modes, epochs, live)
+    rounds_auto = execution.rounds_per_epoch == "auto"
     if resumed is not None and live is None:  # the stored chunking, rounds and layout keep resume bit-identical
         execution = _resumed_execution(execution, resumed.options, opts.execution_given)
+        rounds_auto = rounds_auto and bool(resumed.options.get("one_round_once_varying", False))
         if execution.tiles:  # (a tiled store resumed without tiles given)
             check_tiles_supported(adapter)
     check_rounds(execution.rounds_per_epoch, len(positions))
@@ -126,9 +132,12 @@ def draft_plan(data, epochs, probe, object, probe_modes, opts: Options, live=Non
         check_free_space(checkpoint, reconstruction_bytes(obj.shape, (probe_modes or 1, n, n), len(positions)))
     run_options = _run_options(eng.name, epochs, eng.seed, execution, adapter.options, refine, model,
                                sample if thick.multislice else None)
+    if resumed is not None and execution.rounds_per_epoch == 1 and "one_round_from_epoch" in resumed.options:
+        run_options["one_round_from_epoch"] = resumed.options["one_round_from_epoch"]  # (round_switch)
     return Plan(opts, epochs, adapter, options, execution, thick, checkpoint, resumed, data, intensities,
                 len(positions), frame_positions, run_positions, origin, obj, run_options, probe, probe_modes,
-                getattr(data, "path", None), geometry_from_metadata(getattr(data, "metadata", None)))
+                getattr(data, "path", None), geometry_from_metadata(getattr(data, "metadata", None)),
+                one_round_once_varying=rounds_auto)
 
 
 def _resumed(resume, positions, n: int, probe_modes, epochs: int, live) -> Reconstruction | None:
@@ -169,7 +178,9 @@ def settle_plan(client, plan: Plan) -> Plan:
     tiles_of = len(live_workers(client)) if execution.tiles else None  # a row tile per worker
     execution = _resolve_persist_and_rounds(client, execution, intensities.nbytes, plan.n_patterns, n,
                                             held_shape(obj.shape, n, tiles_of, halo_reach), modes_hint, thick)
-    run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist)
+    plan.one_round_once_varying = may_switch(adapter, execution.rounds_per_epoch, plan.one_round_once_varying)
+    run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist,
+                       one_round_once_varying=plan.one_round_once_varying)
     # the brightness' smooth part of a varying probe follows the rounds per epoch
     adapter.probe_model = adapter.probe_model.for_rounds(execution.rounds_per_epoch)
     state = _initial_state(client, plan, data, intensities)
@@ -177,7 +188,8 @@ def settle_plan(client, plan: Plan) -> Plan:
     plan.object = None  # (the state holds it: one object-sized array less held)
     execution = _resolve_device_and_chunks(client, execution, plan.n_patterns, n, state.probe.shape[0], object_shape,
                                            thick, tiles_of, halo_reach,
-                                           intensities.nbytes if execution.persist and tiles_of else 0)
+                                           intensities.nbytes if execution.persist and tiles_of else 0,
+                                           one_round_later=plan.one_round_once_varying)
     run_options.update(chunk_length=execution.chunk_length)
     # out of core: each chunk's task reads its own patterns from the store, in the run's order
     reader = data.intensities_in_chunks if hasattr(data, "intensities_in_chunks") and not execution.persist \
@@ -402,16 +414,18 @@ def _resolve_persist_and_rounds(client, execution, data_bytes, n_patterns, n, ob
 
 
 def _resolve_device_and_chunks(client, execution, n_patterns, n, modes, object_shape, thick,
-                               tiles: int | None = None, reach: float = 0.0, data_bytes: int = 0) -> ExecutionOptions:
+                               tiles: int | None = None, reach: float = 0.0, data_bytes: int = 0,
+                               one_round_later: bool = False) -> ExecutionOptions:
     """``device="auto"``: gpu when every worker sees one; the chunk length from the probe size and
     the workers' memory (shorter on small workers rather than a refusal); a step that cannot fit
-    is refused here rather than stalling a worker (``tiles``: the object in that many row tiles)."""
+    is refused here rather than stalling a worker (``tiles``: the object in that many row tiles;
+    ``one_round_later``: a step may become a whole chunk, :mod:`~daskpty.execution.round_switch`)."""
     device, length = execution.device, execution.chunk_length
     if device == "auto":
         device = "gpu" if workers_have_gpus(client) else "cpu"
     # A step is slice round::rounds of a chunk, but its object box spans the whole chunk's scan
     # area: only on GPUs (device memory to spare, a fixed cost per step) are chunks made longer.
-    slices = gpu_steps_per_chunk(device, int(execution.rounds_per_epoch))
+    slices = gpu_steps_per_chunk(device, 1 if one_round_later else int(execution.rounds_per_epoch))
     if length is None:
         length = choose_chunk_length(client, n_patterns, n, modes, thick.working_factor, steps_per_chunk=slices)
         fitting = largest_fitting_chunk(client, n, modes, object_shape, thick.working_factor, tiles, reach,

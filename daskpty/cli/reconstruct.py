@@ -104,7 +104,7 @@ def add_parser(subparsers):
                    metavar="R",
                    help="1 = compact LSQML; R > 1 = R minibatch updates per epoch; auto: ~150 "
                         "patterns per round, at most one per 6 Mi pattern-pixels (>= 3), 1..16, for "
-                        "data held in memory; 1 out of core")
+                        "data held in memory (with OPR: 1 once the probe is seen to vary); 1 out of core")
     g.add_argument("--device", default=default_of(ExecutionOptions, "device"), choices=list(DEVICES),
                    help="cpu: NumPy chunks; gpu: CuPy chunks on GPU workers; auto: gpu when every worker sees one")
     g.add_argument("--persist", default=default_of(ExecutionOptions, "persist"), choices=["auto", "yes", "no"],

@@ -32,6 +32,7 @@ from .probe_model import (
     ProbeModelOptions,
     check_finite,
     damp_smooth_norm,
+    eigen_weight_sums,
     flatten_model_local,
     model_local,
     smooth_eigen_weights,
@@ -104,7 +105,10 @@ def variable_chunk_step(obj, probe, intensities, nominal, local: dict | None, *,
                                           update_probe=update_probe, valid=valid, variable=variable)
     if mlocal and part.scalars:
         where = part.local.get("positions", local.get("positions", nominal)) if local else nominal
-        part.local = {**part.local, **new_model_local(variable, model, epoch, where)}
+        new = new_model_local(variable, model, epoch, where)
+        part.local = {**part.local, **new}
+        if variable.want_weights:
+            part.scalars.update(eigen_weight_sums(new))
     return part
 
 

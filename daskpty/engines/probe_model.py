@@ -59,6 +59,23 @@ BRIGHTNESS_SCALE = 0.25
 #: beam, K = 2, R = 3), seeds 0 / 1 / 2, NRMSE against the plain run's at 60 epochs: 0.5 1.034 /
 #: 1.045 / 1.057×, 0.75 1.030 / 1.038 / 1.045×, 1 1.028 / 1.033 / 1.030×.
 SMOOTH_NORM_DAMPING = 1.0
+#: Shared eigen-probe weight rms (:func:`eigen_weight_sums`: √ of the mean product of the
+#: weights of neighbouring patterns, relative to the mean probe's weight of 1; what noise fits
+#: is not shared) from which a run whose rounds per epoch were "auto" goes on with one round per
+#: epoch, once it has fitted the weights for :data:`VARYING_AFTER` epochs and the value has
+#: stopped falling (:mod:`daskpty.execution.round_switch`). With minibatch rounds OPR stalls on a
+#: probe that truly varies (the strongly drifting beam of bench_opr.py on a 24 × 24 raster,
+#: R = 3: 1.8–2.7× the constant-probe NRMSE at 50 epochs), while on a constant beam one round
+#: per epoch would slow the object (the ideal small preset from epoch 15 on: 1.49× the plain
+#: run's at 60). Measured from the default start (epoch 15), R = 3, K = 2 and K = 3 with
+#: intensity factors, LSQML and AD, from the sixth fitting epoch: ideal small preset 0.001–0.003;
+#: bench_opr.py's beam (24 × 24 × 64²) held constant up to 0.019 but falling every epoch (it
+#: first takes up what the object and the probe have not fitted yet: up to 0.05), at 10⁴ / 10⁵
+#: photons 0.000 / at most 0.011; drifting ±30 % 0.04–0.08 and growing, ±7.5 % 0.016–0.04 (on
+#: some seeds falling to zero: those keep their rounds).
+VARYING_SHARED_RMS = 0.015
+#: Epochs that fitted the eigen-probe weights before a run may switch to one round per epoch.
+VARYING_AFTER = 6
 
 
 @dataclass(frozen=True)
@@ -291,6 +308,21 @@ def smooth_eigen_weights(weights, positions, sigma: float) -> np.ndarray:
     out = weights.copy()
     out[:, 1:] = (kernel @ weights[:, 1:]) / norm[:, None]
     return out
+
+
+def eigen_weight_sums(new: dict) -> dict:
+    """A chunk's sums for the eigen-probe weights' rms: Σ_j Σ_k≥1 w_jk² (``opr_eigen_sq``) and
+    the number of terms (``opr_eigen_terms``), and for their shared rms
+    (:data:`VARYING_SHARED_RMS`) Σ_j Σ_k≥1 w_jk w_(j+1)k over the step's consecutive patterns
+    (neighbours along the chunk's curve through the scan; ``opr_eigen_lag``, with its
+    ``opr_eigen_lag_terms``), from the weights a step fitted (``new["opr_weights"]``, (B, K));
+    empty without eigen-probes."""
+    w = new.get("opr_weights")
+    if w is None or np.shape(w)[1] < 2:
+        return {}
+    eigen = np.asarray(w, np.float64)[:, 1:]
+    return {"opr_eigen_sq": float(np.sum(eigen * eigen)), "opr_eigen_terms": float(eigen.size),
+            "opr_eigen_lag": float(np.sum(eigen[1:] * eigen[:-1])), "opr_eigen_lag_terms": float(eigen[1:].size)}
 
 
 def flatten_brightness(values, positions, sigma: float) -> np.ndarray:

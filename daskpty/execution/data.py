@@ -78,8 +78,9 @@ def auto_rounds(n_patterns: int, n: int, modes: int = 1, persisted: bool = True,
     (R = 6 of that size: 0.090 / 0.117 / 0.144); on 256 patterns R = 1 / 3 / 6 end at 0.082 /
     0.119 / 0.195 (docs/benchmarks.md, multislice).
 
-    A varying probe takes the plain rule: with minibatch rounds the smooth part of each
-    pattern's brightness over the scan (intensity factors, or the norm of the OPR weights) is
+    A varying probe takes the plain rule (with eigen-probes the run goes on with one round per
+    epoch once their weights show that the probe varies, :mod:`.round_switch`): with minibatch
+    rounds the smooth part of each pattern's brightness over the scan (intensity factors, or the norm of the OPR weights) is
     left to the object (:meth:`daskpty.engines.probe_model.ProbeModelOptions.for_rounds`), so
     the rounds do not walk along it; one round per epoch would cost those runs the plain run's
     pace (ideal small preset, 576 × 64², constant beam: R = 1 alone is 1.36 / 1.61× the NRMSE

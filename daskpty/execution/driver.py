@@ -172,8 +172,22 @@ def _metrics(epoch: int, scalars: dict, seconds: float, n_total: int, rounds: in
         "exchanged_bytes_per_round": scalars["exchanged_bytes"] / rounds if "exchanged_bytes" in scalars
         else None,
         "loss_evaluations": scalars.get("loss_evaluations", 0.0),
+        "rounds": rounds,
         **_position_metrics(scalars),
+        **_probe_model_metrics(scalars),
     }
+
+
+def _probe_model_metrics(scalars: dict) -> dict:
+    """History entries of a varying probe's epoch that fitted eigen-probe weights (relative to
+    the mean probe's weight): their rms over the patterns and eigen-probes, and the rms of the
+    part neighbouring patterns share (√ of their mean product; :mod:`.round_switch`)."""
+    terms = scalars.get("opr_eigen_terms", 0.0)
+    out = {"opr_eigen_rms": float(np.sqrt(scalars["opr_eigen_sq"] / terms))} if terms > 0 else {}
+    lag = scalars.get("opr_eigen_lag_terms", 0.0)
+    if lag > 0:
+        out["opr_eigen_shared_rms"] = float(np.sqrt(max(scalars["opr_eigen_lag"], 0.0) / lag))
+    return out
 
 
 def _position_metrics(scalars: dict) -> dict:
@@ -424,7 +438,8 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
 
 
 def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds_per_epoch: int = 1,
-               split_every: int | None = None, callbacks=(), initialise: bool = True, tiles: bool = False):
+               split_every: int | None = None, callbacks=(), initialise: bool = True, tiles: bool = False,
+               one_round_when=None):
     """Run ``epochs`` epochs of ``rounds_per_epoch`` rounds each. Returns ``(state, history)``.
 
     Each callback is called as ``callback(epoch, state, metrics)`` after every epoch; a callback
@@ -432,6 +447,11 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
     ``takes_epoch_state = True`` gets an :class:`EpochState` instead of the state and fetches the
     state only when it needs it: with epoch graphs, an epoch no callback fetches stays on the
     workers. ``tiles``: the object in row tiles, one per worker (:mod:`.tile_graph`).
+
+    ``one_round_when(epoch, metrics) -> bool`` (minibatch rounds only): asked after each epoch,
+    before the callbacks; once it answers True the epochs after that one run one round each
+    (:mod:`.round_switch`), and the callbacks already see the epoch's metrics with
+    ``"rounds_next": 1``.
     """
     history = []
     n_total = int(sum(data.chunk_lengths))
@@ -443,29 +463,46 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
         check_tiles_supported(adapter)
     if initialise and state.epoch == 0 and not (tiles and epochs > 0):
         state = adapter.initialise(client, data, state, split_every=split_every)
-    if epochs <= 0:
-        return state, history
+    end = state.epoch + max(epochs, 0)
+    rounds = rounds_per_epoch
+    while state.epoch < end:
+        state, switched = _epochs_at(client, data, adapter, state, end - state.epoch, rounds, split_every,
+                                     callbacks, tiles, initialise, n_total, history,
+                                     one_round_when if rounds > 1 else None)
+        if not switched:
+            break
+        rounds = 1
+    return state, history
+
+
+def _epochs_at(client, data, adapter, state, epochs, rounds, split_every, callbacks, tiles, initialise, n_total,
+               history, one_round_when):
+    """:func:`run_epochs`'s loop at ``rounds`` rounds per epoch: ``(state, switched)``, switched
+    when ``one_round_when`` asked for one round per epoch from the next epoch on."""
     if tiles:  # (the first epoch's set-up runs on the tiles there)
-        epochs_iter = tiled_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every,
+        epochs_iter = tiled_epochs(client, data, adapter, state, epochs, rounds, split_every,
                                    initialise=initialise and state.epoch == 0)
     elif data.persisted and not (isinstance(adapter, RunsOwnRounds) and adapter.needs_evaluations):
-        epochs_iter = _graph_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)
+        epochs_iter = _graph_epochs(client, data, adapter, state, epochs, rounds, split_every)
     else:
-        epochs_iter = _client_epochs(client, data, adapter, state, epochs, rounds_per_epoch, split_every)
-    last = None
+        epochs_iter = _client_epochs(client, data, adapter, state, epochs, rounds, split_every)
+    last, switched = None, False
     quiet = quiet_handled_losses()  # distributed's tracebacks of a loss the driver handles
     quiet.__enter__()
     try:
         for last, scalars, seconds in epochs_iter:
-            check_loss(last.epoch, scalars, rounds_per_epoch)
-            metrics = _metrics(last.epoch, scalars, seconds, n_total, rounds_per_epoch)
+            check_loss(last.epoch, scalars, rounds)
+            metrics = _metrics(last.epoch, scalars, seconds, n_total, rounds)
+            if one_round_when is not None and one_round_when(last.epoch, metrics):
+                switched, metrics["rounds_next"] = True, 1
             history.append(metrics)
             stop = False
             for cb in callbacks:
                 given = last if getattr(cb, "takes_epoch_state", False) else last.get()
                 if cb(last.epoch, given, metrics) is False:
                     stop = True
-            if stop:
+            if stop or switched:
+                switched = switched and not stop
                 break
         if last is not None:
             state = last.get()
@@ -474,4 +511,4 @@ def run_epochs(client, data: ChunkedData, adapter, state, *, epochs: int, rounds
             epochs_iter.close()
         finally:
             quiet.__exit__(None, None, None)
-    return state, history
+    return state, switched

@@ -156,8 +156,9 @@ class ProbeModel(Part):
 
     rank, variant, on_host = 2, "varying", True
 
-    def __init__(self, model: pm.ProbeModelOptions):
+    def __init__(self, model: pm.ProbeModelOptions, given: pm.ProbeModelOptions | None = None):
         self.options = self.model = model
+        self.given = model if given is None else given   # before :meth:`for_rounds`
         self.per_pattern = model.per_pattern
 
     def start(self, nominal, run) -> dict:
@@ -205,7 +206,9 @@ class ProbeModel(Part):
         return {} if state.background is None else {"background_mean": float(np.mean(state.background))}
 
     def for_rounds(self, rounds: int) -> "ProbeModel":
-        return ProbeModel(self.model.for_rounds(rounds))
+        """The part with the settings that follow the rounds per epoch resolved for ``rounds``
+        from the options as given (a run that goes on with one round resolves them again)."""
+        return ProbeModel(self.given.for_rounds(rounds), self.given)
 
 
 def sample_model(sample) -> sm.SampleModel:

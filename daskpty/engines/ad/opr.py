@@ -22,8 +22,9 @@ import numpy as np
 from ...physics import get_noise_model, ifft2
 from ..eigen_probes import EIGEN_TRUST, add_eigen_weight_sums, centred_eigen_terms, limit_eigen_step
 from ..pattern_probes import PatternProbes
-from ..probe_model import (WEIGHT_TRUST, ProbeModelOptions, check_finite, damp_smooth_norm, flatten_model_local,
-                           model_local, smooth_eigen_weights, solve_weight_steps, step_factors, step_weights)
+from ..probe_model import (WEIGHT_TRUST, ProbeModelOptions, check_finite, damp_smooth_norm, eigen_weight_sums,
+                           flatten_model_local, model_local, smooth_eigen_weights, solve_weight_steps, step_factors,
+                           step_weights)
 from .gradient import chunk_gradient, refining_chunk_gradient
 
 
@@ -103,6 +104,8 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
             new = flatten_model_local(new, where, model, variable.n)
         check_finite(new, model, epoch)
         part.local = {**part.local, **new}
+        if "opr_weights" in grads:
+            part.scalars.update(eigen_weight_sums(new))
     return part
 
 
