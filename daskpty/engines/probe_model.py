@@ -70,9 +70,11 @@ SMOOTH_NORM_DAMPING = 1.0
 #: run's at 60). Measured from the default start (epoch 15), R = 3, K = 2 and K = 3 with
 #: intensity factors, LSQML and AD, from the sixth fitting epoch: ideal small preset 0.001–0.003;
 #: bench_opr.py's beam (24 × 24 × 64²) held constant up to 0.019 but falling every epoch (it
-#: first takes up what the object and the probe have not fitted yet: up to 0.05), at 10⁴ / 10⁵
-#: photons 0.000 / at most 0.011; drifting ±30 % 0.04–0.08 and growing, ±7.5 % 0.016–0.04 (on
-#: some seeds falling to zero: those keep their rounds).
+#: first takes up what the object and the probe have not fitted yet: up to 0.05), at 10⁵ photons
+#: at most 0.011, at 10⁴ 0.000 (seed 0) or 0.022 and growing (seed 1: object noise that
+#: neighbours share; switched, it ended −3.5 % and +1.2 % off the runs kept at R = 3); drifting
+#: ±30 % 0.04–0.08 and growing, ±7.5 % 0.016–0.04 (on some seeds falling to zero: those keep
+#: their rounds).
 VARYING_SHARED_RMS = 0.015
 #: Epochs that fitted the eigen-probe weights before a run may switch to one round per epoch.
 VARYING_AFTER = 6
