@@ -276,23 +276,38 @@ def _dashboard(client, plan):
     return publisher
 
 
-def _one_round_switch(plan, publisher) -> OneRoundOnceVarying:
+def _one_round_switch(plan, publisher, callbacks: list) -> OneRoundOnceVarying:
     """The watch of a run whose "auto" rounds go to one per epoch once its probe is seen to vary:
     from then on the result, the checkpoints and the dashboard say one round per epoch, with the
     epoch it began (``one_round_from_epoch``), and the probe model's rounds-dependent settings
-    follow (:meth:`daskpty.execution.parts.ProbeModel.for_rounds`)."""
+    follow (:meth:`daskpty.execution.parts.ProbeModel.for_rounds`). With progress shown, one line
+    after that epoch's says so."""
     def switch(epoch: int, rms: float) -> None:
         plan.adapter.probe_model = plan.adapter.probe_model.for_rounds(1)
         plan.run_options.update(rounds_per_epoch=1, one_round_from_epoch=epoch + 1)
         if publisher is not None:
             publisher.rounds_per_epoch = 1
         if plan.opts.run.progress or plan.opts.run.progress is None and interactive():
-            print(f"daskpty: the probe varies over the scan (eigen-probe weights that neighbours share: "
-                  f"{rms:.3f} rms in epoch {epoch}): one round per epoch from epoch {epoch + 1} on "
-                  f"(rounds_per_epoch=N keeps N)",
-                  file=sys.stderr, flush=True)
+            callbacks.append(_SayOnce(f"daskpty: the probe varies over the scan (eigen-probe weights that "
+                                      f"neighbours share: {rms:.3f} rms in epoch {epoch}): one round per epoch "
+                                      f"from epoch {epoch + 1} on (rounds_per_epoch=N keeps N)"))
     behind = plan.resumed.history if plan.resumed is not None else ()   # (a resumed run decides as if not stopped)
     return OneRoundOnceVarying(switch, history=behind or ())
+
+
+class _SayOnce:
+    """An epoch callback that prints ``message`` to stderr the first time it is called (after
+    the callbacks before it, e.g. the progress line); it never fetches the state."""
+
+    takes_epoch_state = True
+
+    def __init__(self, message: str):
+        self.message = message
+
+    def __call__(self, epoch, state, metrics):
+        if self.message:
+            print(self.message, file=sys.stderr, flush=True)
+            self.message = None
 
 
 def _run(client, plan, checkpointer, callbacks, publisher=None) -> Reconstruction:
@@ -300,7 +315,8 @@ def _run(client, plan, checkpointer, callbacks, publisher=None) -> Reconstructio
     over the workers' tiles), written to the checkpoint when the last epoch was not."""
     execution, checkpoint, state = plan.execution, plan.checkpoint, plan.state
     chunked, plan.chunked, plan.state = plan.chunked, None, None
-    switch = _one_round_switch(plan, publisher) if plan.one_round_once_varying else None
+    callbacks = list(callbacks)
+    switch = _one_round_switch(plan, publisher, callbacks) if plan.one_round_once_varying else None
     try:
         with sigterm_as_interrupt():
             state, _ = run_epochs(client, chunked, plan.adapter, state, epochs=max(plan.epochs - state.epoch, 0),

@@ -136,3 +136,15 @@ def test_tiles_switch_where_the_replicas_do(client, drifting):
     kept = _run(drifting, client, epochs=18, tiles=True, rounds_per_epoch=3, **OPR)
     e_tiles, e_kept = (nrmse_vs_truth(r.object, r.positions, r.illumination, drifting.truth) for r in (tiles, kept))
     assert e_tiles < 0.9 * e_kept
+
+
+def test_the_switch_is_said_once_after_its_epochs_progress_line(client, drifting, capsys):
+    rec = daskpty.reconstruct(daskpty.from_arrays(drifting.intensities, drifting.positions), client=client,
+                              check_data=False, progress=True, chunk_length=48, epochs=12, **OPR)
+    switch = rec.options["one_round_from_epoch"]
+    err = capsys.readouterr().err
+    said = f"one round per epoch from epoch {switch} on"
+    assert err.count(said) == 1
+    assert err.index("epoch 1/12") < err.index(said) < err.index("epoch 12/12")
+    if (switch - 1) % 10 == 0:   # (off a terminal the progress line comes every 10 epochs)
+        assert err.index(f"epoch {switch - 1}/12") < err.index(said)
