@@ -13,7 +13,7 @@ from .execution.cluster import client_context, current_client
 from .execution.driver import run_epochs
 from .execution.round_switch import OneRoundOnceVarying
 from .execution.watchdog import ReconstructionDiverged, ReconstructionStalled, check_finite_result
-from .io.checkpoint import Checkpointer, sigterm_as_interrupt
+from .io.checkpoint import Checkpointer, raise_if_stopped, sigterm_as_interrupt
 from .io.epoch_handle import StateLost
 from .io.identity import DataChanged, DataWatch
 from .io.lock import StoreLock
@@ -315,7 +315,7 @@ def _run(client, plan, checkpointer, callbacks, publisher=None) -> Reconstructio
     over the workers' tiles), written to the checkpoint when the last epoch was not."""
     execution, checkpoint, state = plan.execution, plan.checkpoint, plan.state
     chunked, plan.chunked, plan.state = plan.chunked, None, None
-    callbacks = list(callbacks)
+    callbacks = [*callbacks, raise_if_stopped]   # (a stop signal Python dropped ends the run at the epoch's end)
     switch = _one_round_switch(plan, publisher, callbacks) if plan.one_round_once_varying else None
     try:
         with sigterm_as_interrupt():

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import weakref
 
 import pytest
 
@@ -227,3 +228,36 @@ def test_sigterm_while_the_cluster_starts_is_one_line(tmp_path, after):
     _, err = run.communicate(timeout=120)
     assert run.returncode == 130, err
     assert len(err.splitlines()) == 1 and err.startswith("daskpty: interrupted"), err
+
+
+def test_a_stop_signal_python_dropped_ends_the_run_at_the_epochs_end(client, tmp_path, capsys):
+    """A SIGTERM whose KeyboardInterrupt lands where Python cannot raise it (an import lock's
+    callback prints "Exception ignored in" and goes on; here a weakref's callback) still
+    stops the run at the end of that epoch, with its checkpoint (a run once finished all its
+    epochs and exited 0)."""
+    import daskpty
+    from synthetic import make_dataset
+
+    ds = make_dataset(grid=6, seed=1)
+
+    class Held:
+        pass
+
+    def signal_in_a_weakref_callback(ref):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.0)                  # the handler raises here, where Python drops it
+
+    def swallowing(epoch, state, metrics):
+        if epoch == 2:
+            held = Held()
+            keep = weakref.ref(held, signal_in_a_weakref_callback)  # noqa: F841
+            del held
+
+    with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+        daskpty.reconstruct(daskpty.from_arrays(ds.intensities, ds.positions), client=client, epochs=8,
+                            check_data=False, callback=swallowing, checkpoint=tmp_path / "r.zarr",
+                            checkpoint_every=100)
+    assert daskpty.Reconstruction.from_zarr(tmp_path / "r.zarr").epochs == 2
+    assert "Exception ignored" not in capsys.readouterr().err
+    from daskpty.io.checkpoint import raise_if_stopped
+    raise_if_stopped()   # nothing pending once the interrupt has ended the run

@@ -1,14 +1,14 @@
 """One round per epoch once the probe is seen to vary: the "auto" rounds of a run with OPR.
 
-Minibatch rounds make the object converge faster per epoch, and on a constant beam OPR's
-eigen-probe weights stay near zero, so they keep them. Where the probe truly varies over the scan,
+Minibatch rounds make the object converge faster per epoch; on a constant beam OPR's eigen-probe
+weights stay small, and such runs keep their rounds. Where the probe truly varies over the scan,
 OPR with minibatch rounds stalls well above what one round per epoch reaches (see
 :data:`daskpty.engines.probe_model.VARYING_SHARED_RMS`). So a run whose ``rounds_per_epoch`` was
 left "auto", with eigen-probes, watches their weights in each epoch's history entry
 (``opr_eigen_shared_rms``) and, from the first epoch where they show a varying probe, runs the
-rest of its epochs one round each (:func:`daskpty.execution.driver.run_epochs`, ``one_round_when``). The
-decision is a function of the run's own state, so a resumed run makes it at the same epoch, and
-the checkpoint written at that epoch already records one round per epoch.
+rest of its epochs one round each (:func:`daskpty.execution.driver.run_epochs`,
+``one_round_when``). The decision is a function of the run's history, so a resumed run makes it
+at the same epoch, and the checkpoint written at that epoch already records one round per epoch.
 """
 from __future__ import annotations
 

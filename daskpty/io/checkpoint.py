@@ -11,6 +11,7 @@ import contextlib
 import copy
 import logging
 import signal
+import sys
 import threading
 from typing import Callable
 
@@ -149,25 +150,58 @@ def _nan_rows(arr, k: int) -> np.ndarray:
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
 
 
+#: Stop signals received whose KeyboardInterrupt has not ended the block yet (see
+#: :func:`raise_if_stopped`).
+_RECEIVED: list[int] = []
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """Inside the block, SIGTERM and SIGHUP raise KeyboardInterrupt (main thread only), so a job
     killed by a batch system's wall-time limit, or whose terminal closed, writes its checkpoint
     like Ctrl-C does (SIGHUP would otherwise end the run with no stop checkpoint). A signal that
-    is ignored (``nohup``) stays ignored."""
+    is ignored (``nohup``) stays ignored. Python drops an exception raised where it cannot
+    propagate (a signal that lands in an import lock's or a weakref's callback prints "Exception
+    ignored in" and the run goes on), so the signal is also remembered until the block ends by
+    an exception: :func:`raise_if_stopped` raises it again."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
+        _RECEIVED.append(signum)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     previous = {}
     for number in STOP_SIGNALS:
         if signal.getsignal(number) is not signal.SIG_IGN:
             previous[number] = signal.signal(number, handler)
+    hook = sys.unraisablehook
+
+    def quiet_when_stopping(unraisable):   # the dropped interrupt is raised again, not printed
+        if not (isinstance(unraisable.exc_value, KeyboardInterrupt) and _RECEIVED):
+            hook(unraisable)
+
+    sys.unraisablehook = quiet_when_stopping
     try:
         yield
+    except BaseException:
+        _RECEIVED.clear()   # the interrupt (or another error) ends the block
+        raise
     finally:
+        sys.unraisablehook = hook
         for number, old in previous.items():
             signal.signal(number, old)
+
+
+def raise_if_stopped(*_args) -> None:
+    """KeyboardInterrupt when a stop signal arrived inside :func:`sigterm_as_interrupt` whose own
+    interrupt was dropped; called at every epoch's end (any arguments are ignored, so it serves
+    as an epoch callback)."""
+    if _RECEIVED:
+        name = signal.Signals(_RECEIVED[-1]).name
+        _RECEIVED.clear()
+        raise KeyboardInterrupt(name)
+
+
+raise_if_stopped.takes_epoch_state = True   # (as an epoch callback it never fetches the state)
