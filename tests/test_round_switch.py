@@ -128,14 +128,11 @@ def test_resume_across_the_switch_is_bit_identical(client, drifting, tmp_path, f
 
 def test_tiles_switch_where_the_replicas_do(client, drifting):
     """The switch restarts the epochs on the tiles' layout too (the object in row tiles, one per
-    worker, whose chunks are row bands): it comes at the replicas' epoch and ends nearer the
-    truth than the tiles kept at the rounds "auto" chose."""
-    replicas = _run(drifting, client, epochs=18, tiles=False, **OPR)
-    tiles = _run(drifting, client, epochs=18, tiles=True, **OPR)
+    worker, whose chunks are row bands) and comes at the replicas' epoch."""
+    replicas = _run(drifting, client, epochs=13, tiles=False, **OPR)
+    tiles = _run(drifting, client, epochs=13, tiles=True, **OPR)
     assert 1 in _rounds(replicas) and _rounds(tiles) == _rounds(replicas)
-    kept = _run(drifting, client, epochs=18, tiles=True, rounds_per_epoch=3, **OPR)
-    e_tiles, e_kept = (nrmse_vs_truth(r.object, r.positions, r.illumination, drifting.truth) for r in (tiles, kept))
-    assert e_tiles < 0.9 * e_kept
+    assert tiles.options["one_round_from_epoch"] == replicas.options["one_round_from_epoch"]
 
 
 def test_the_switch_is_said_once_after_its_epochs_progress_line(client, drifting, capsys):
