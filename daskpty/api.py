@@ -71,12 +71,15 @@ def _progress(progress, epochs: int, resumed, n_patterns: int, loss: str, warmup
     """The progress callback, or None: ``progress`` None shows it when the session is interactive
     (a terminal or a notebook); a resumed run counts on from its stored epoch; ``warmup``: epochs
     of the amplitude loss first (LSQML's ``noise_warmup``)."""
-    if progress is None:
-        progress = interactive()
-    if not progress:
+    if not _shows_progress(progress):
         return None
     return make_progress(epochs, n_patterns, start_epoch=resumed.epochs if resumed is not None else 0, loss=loss,
                          warmup=warmup)
+
+
+def _shows_progress(progress) -> bool:
+    """Whether a run shows its progress: ``progress`` None when the session is interactive."""
+    return interactive() if progress is None else bool(progress)
 
 
 def _saying_what_is_kept(exc, checkpoint, checkpointer):
@@ -287,7 +290,7 @@ def _one_round_switch(plan, publisher, callbacks: list) -> OneRoundOnceVarying:
         plan.run_options.update(rounds_per_epoch=1, one_round_from_epoch=epoch + 1)
         if publisher is not None:
             publisher.rounds_per_epoch = 1
-        if plan.opts.run.progress or plan.opts.run.progress is None and interactive():
+        if _shows_progress(plan.opts.run.progress):
             callbacks.append(_SayOnce(f"daskpty: the probe varies over the scan (eigen-probe weights that "
                                       f"neighbours share: {rms:.3f} rms in epoch {epoch}): one round per epoch "
                                       f"from epoch {epoch + 1} on (rounds_per_epoch=N keeps N)"))
