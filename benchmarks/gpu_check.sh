@@ -28,6 +28,9 @@
 # GPU_CHECK_SKIP: an extended regex; steps whose names match it are skipped (a second device
 # command continues where the first stopped, e.g. GPU_CHECK_SKIP='in-process|gpu_diag|bench_epoch').
 # A store simulated by an earlier call on the same (still warm) machine is reused.
+# CHUNK_LENGTHS (default none): chunk lengths to run the largest size with on one worker, after
+# the default rule's run (e.g. "16384 32768": each round then steps through chunk/R patterns).
+# ENGINES (default "lsqml"): "lsqml ad" adds AD's bench_epoch with one worker at each size.
 # WORKERS (default "2"): the counts of workers sharing the one GPU for the multi-worker bench_epoch
 # steps (layout: daskpty's default, tiles where workers share a GPU, then replicas at the first count).
 # PART=scale: the user's scale as its own device command: SIZES "65536 262144", WORKERS "2 4", only
@@ -134,6 +137,21 @@ for n in $SIZES; do
       $(data_for "$n") --epochs "$EPOCHS" --plan-cache
   last=$n
 done
+# Longer chunks at the largest size (CHUNK_LENGTHS, e.g. "16384 32768"): fewer, longer chunk steps a round.
+for len_ in ${CHUNK_LENGTHS:-}; do
+  [ -n "$last" ] || break
+  # shellcheck disable=SC2046
+  step "bench_epoch gpu ${last} x 128^2, chunks of ${len_}" 300 "$PY" benchmarks/bench_epoch.py --backend gpu \
+      --workers 1 $(data_for "$last") --epochs "$EPOCHS" --plan-cache --chunk-length "$len_"
+done
+# AD beside LSQML (issue 49's "AD within 1.5x"): one worker, each size, when ENGINES names ad.
+if [[ " ${ENGINES:-lsqml} " == *" ad "* ]]; then
+  for n in $SIZES; do
+    # shellcheck disable=SC2046
+    step "bench_epoch gpu ad ${n} x 128^2" 300 "$PY" benchmarks/bench_epoch.py --backend gpu --workers 1 \
+        --engine ad $(data_for "$n") --epochs "$EPOCHS" --plan-cache
+  done
+fi
 
 # Several workers on the one GPU (the device listed W times: cuda_cluster starts plain dask workers,
 # each with CUDA_VISIBLE_DEVICES set to it, as dask-cuda puts one worker per device): the stand-in
