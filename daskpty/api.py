@@ -196,8 +196,9 @@ def reconstruct(data, engine=DEFAULT_ENGINE, epochs: int = DEFAULT_EPOCHS, *, pr
         dask events, Prometheus gauges; the link goes to stderr); ``callback``
         (``callback(epoch, state, metrics)`` after every epoch, False stops; a callback with
         ``takes_epoch_state = True`` gets a handle, ``.get()`` fetches the state, so epochs it
-        does not look at stay on the workers); ``check_data`` (read every intensity once first
-        and refuse NaN, infinite or negative values and damaged chunks; default True).
+        does not look at stay on the workers); ``check_data`` (look at every intensity once
+        before the first epoch and refuse NaN, infinite or negative values and damaged chunks;
+        persisted data are checked where they were placed, their store read once; default True).
     client : distributed.Client, optional
         Default: the current client, else an embedded LocalCluster of ``n_workers`` processes
         (127.0.0.1 only) that is closed at the end.

@@ -118,7 +118,8 @@ class RunOptions:
     progress: show progress on stderr (None: when a terminal or notebook is watching).
     dashboard: publish progress and images to the dask dashboard's ``/daskpty`` page.
     callback: ``callback(epoch, state, metrics)`` after every epoch; False stops the run.
-    check_data: read every intensity once before starting and refuse bad values.
+    check_data: look at every intensity once before the first epoch and refuse bad values
+        (persisted data where they were placed: their source is read once).
     """
 
     checkpoint: str | os.PathLike | None = None

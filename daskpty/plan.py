@@ -44,7 +44,7 @@ from .io.inputs import (RESUMED_SETTINGS, check_initial_object, check_initial_pr
                         check_resumed_modes, checked_data, resume_settings, resumed_store)
 from .io.results import Reconstruction
 from .io.safety import check_checkpoint_target, check_free_space, check_separate, reconstruction_bytes
-from .io.validate import check_values
+from .io.validate import check_values, check_values_and
 from .options import Options
 from .physics import check_windows_inside, split_positions
 
@@ -166,8 +166,6 @@ def settle_plan(client, plan: Plan) -> Plan:
     enable_low_latency(client)
     if not hasattr(intensities, "dask") or getattr(data, "path", "") is None:
         data, intensities = scatter_in_memory(client, data, intensities, execution.chunk_length)
-    if opts.run.check_data:
-        check_values(data if hasattr(data, "path") else intensities, client=client).raise_if_bad()
     halo_reach = tile_halo.reach(adapter, n) + tile_halo.margin(adapter)  # (refined windows move)
     modes_hint = _probe_modes_hint(plan.probe, plan.probe_modes, resumed)
     if not execution.tiles and "tiles" not in opts.execution_given and resumed is None:
@@ -178,12 +176,23 @@ def settle_plan(client, plan: Plan) -> Plan:
     tiles_of = len(live_workers(client)) if execution.tiles else None  # a row tile per worker
     execution = _resolve_persist_and_rounds(client, execution, intensities.nbytes, plan.n_patterns, n,
                                             held_shape(obj.shape, n, tiles_of, halo_reach), modes_hint, thick)
+    # Persisted data are checked where they are placed (the source is read once), unless the start
+    # state is computed from them: bad values then stop the run before that computation does.
+    check_placed = opts.run.check_data and execution.persist and not _start_reads_intensities(plan, data)
+    known = {}  # reductions of the intensities the start state takes, from the check's pass
+    if opts.run.check_data and not check_placed:
+        guessed = resumed is None and _probe_is_guessed(plan.probe, data)
+        report, mean = check_values_and(data if hasattr(data, "path") else intensities,
+                                        [intensities.mean(axis=0, dtype=np.float64)] if guessed else [],
+                                        client=client)
+        report.raise_if_bad()
+        known = {"power": report.total / plan.n_patterns, **({"mean": mean[0]} if guessed else {})}
     plan.one_round_once_varying = may_switch(adapter, execution.rounds_per_epoch, plan.one_round_once_varying)
     run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist,
                        one_round_once_varying=plan.one_round_once_varying)
     # the brightness' smooth part of a varying probe follows the rounds per epoch
     adapter.probe_model = adapter.probe_model.for_rounds(execution.rounds_per_epoch)
-    state = _initial_state(client, plan, data, intensities)
+    state = _initial_state(client, plan, data, intensities, known)
     object_shape, obj = obj.shape, None
     plan.object = None  # (the state holds it: one object-sized array less held)
     execution = _resolve_device_and_chunks(client, execution, plan.n_patterns, n, state.probe.shape[0], object_shape,
@@ -198,6 +207,9 @@ def settle_plan(client, plan: Plan) -> Plan:
                            modes=state.probe.shape[0], sort=execution.sort, persist=execution.persist,
                            device=execution.device, shift=not thick.near_field, row_bands=execution.tiles,
                            reader=reader)
+    if check_placed:
+        check_values(chunked.intensities, client=client, order=chunked.order,
+                     where=getattr(data, "path", None)).raise_if_bad()
     plan.layout.update(chunked)
     data = intensities = None  # the chunks live on the workers now: release scattered originals
     if resumed is not None and adapter.local_state:
@@ -207,17 +219,48 @@ def settle_plan(client, plan: Plan) -> Plan:
     return plan
 
 
-def _initial_state(client, plan: Plan, data, intensities):
-    """The resumed store's state, or one from the initial object and a probe given or made from the data."""
+def _initial_state(client, plan: Plan, data, intensities, known=None):
+    """The resumed store's state, or one from the initial object and a probe given or made from the data.
+
+    ``known``: the intensities' ``mean`` pattern and mean ``power`` per pattern where already
+    computed (by the value check's pass), else computed here."""
     adapter, resumed, eng = plan.adapter, plan.resumed, plan.opts.engine
     if resumed is not None:
         state = adapter.new_state(resumed.object, resumed.probe, resumed.epochs, resumed.engine_state)
         state.illumination = resumed.illumination
         return state
-    first = _geometry_probe(plan.probe, data, client, intensities, plan.probe_modes, eng.seed, plan.opts.sample,
-                            plan.thick)
+    reduce = _Reductions(client, intensities, known)
+    first = _geometry_probe(plan.probe, data, reduce, plan.probe_modes, eng.seed, plan.opts.sample, plan.thick)
     return adapter.new_state(plan.object, first if first is not None else
-                             _initial_probe(plan.probe, data, client, intensities, plan.probe_modes, eng.seed))
+                             _initial_probe(plan.probe, data, reduce, plan.probe_modes, eng.seed))
+
+
+class _Reductions:
+    """The intensities' mean pattern and mean power per pattern, each computed once on demand."""
+
+    def __init__(self, client, intensities, known=None):
+        self.client, self.intensities, self.known = client, intensities, dict(known or {})
+        self.n = int(intensities.shape[-1])
+
+    def mean(self) -> np.ndarray:
+        if "mean" not in self.known:
+            self.known["mean"] = self.client.compute(self.intensities.mean(axis=0, dtype=np.float64)).result()
+        return np.asarray(self.known["mean"])
+
+    def power(self) -> float:
+        if "power" not in self.known:
+            self.known["power"] = self.client.compute(
+                self.intensities.sum(axis=(1, 2), dtype=np.float64).mean()).result()
+        return float(self.known["power"])
+
+
+def _start_reads_intensities(plan: Plan, data) -> bool:
+    """Whether :func:`_initial_state` computes from the intensities (a probe from their mean, an
+    aperture probe scaled to their power)."""
+    if plan.resumed is not None or not (plan.probe is None or isinstance(plan.probe, str)):
+        return False
+    return isinstance(plan.probe, str) or getattr(data, "probe", None) is None \
+        or (getattr(data, "metadata", None) or {}).get("probe_plane") == "entrance"
 
 
 def _probe_is_guessed(probe, data) -> bool:
@@ -226,12 +269,11 @@ def _probe_is_guessed(probe, data) -> bool:
     return probe is None and getattr(data, "probe", None) is None
 
 
-def _initial_probe(probe, data, client, intensities, modes, seed):
-    n = intensities.shape[-1]
+def _initial_probe(probe, data, reduce: _Reductions, modes, seed):
+    n = reduce.n
     if _probe_is_guessed(probe, data):
-        mean = client.compute(intensities.mean(axis=0, dtype=np.float64)).result()
         diameter = probe_diameter_from_scan(data.positions, n)
-        return probe_from_mean_pattern(np.asarray(mean), modes=modes or 1, seed=seed, diameter=diameter)
+        return probe_from_mean_pattern(reduce.mean(), modes=modes or 1, seed=seed, diameter=diameter)
     probe = check_initial_probe(getattr(data, "probe", None) if probe is None else probe, n)
     if modes and modes > probe.shape[0]:
         far = np.abs(np.fft.fftshift(np.fft.fft2(probe[0], norm="ortho"))) ** 2
@@ -241,7 +283,7 @@ def _initial_probe(probe, data, client, intensities, modes, seed):
     return probe
 
 
-def _geometry_probe(probe, data, client, intensities, modes, seed, options, resolved):
+def _geometry_probe(probe, data, reduce: _Reductions, modes, seed, options, resolved):
     """The initial probe when the sample model decides it (``probe="aperture"``, or no probe for a
     near-field data set: :func:`daskpty.engines.initial.probe_from_mean_hologram`); else None (the
     single-slice default applies). A store's probe made from its optics at the entrance surface
@@ -253,14 +295,12 @@ def _geometry_probe(probe, data, client, intensities, modes, seed, options, reso
     if isinstance(probe, str):
         if probe != "aperture":
             raise ValueError(f"probe must be an array, None or 'aperture', got {probe!r}")
-        n = intensities.shape[-1]
-        power = float(client.compute(intensities.sum(axis=(1, 2), dtype=np.float64).mean()).result())
-        first = aperture_probe(getattr(data, "metadata", None), n, power=power, positions=data.positions,
+        first = aperture_probe(getattr(data, "metadata", None), reduce.n, power=reduce.power(),
+                               positions=data.positions,
                                aperture=options.aperture, first_screen_m=resolved.first_screen_m)
         return _more_modes(first, modes, seed)
     if probe is None and getattr(data, "probe", None) is None and resolved.near_field:
-        mean = client.compute(intensities.mean(axis=0, dtype=np.float64)).result()
-        return probe_from_mean_hologram(np.asarray(mean), resolved.detector_kernel, modes=modes or 1, seed=seed)
+        return probe_from_mean_hologram(reduce.mean(), resolved.detector_kernel, modes=modes or 1, seed=seed)
     return None
 
 

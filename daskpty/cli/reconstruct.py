@@ -130,8 +130,8 @@ def add_parser(subparsers):
                    help="publish progress and images to the dask dashboard's /daskpty page")
     g.add_argument("--quiet", action="store_true", help="no progress output")
     g.add_argument("--no-check-data", dest="check_data", action="store_false",
-                   help="skip the pass that reads every intensity once before the run and refuses bad "
-                        "values (default: the check runs)")
+                   help="skip the pass that looks at every intensity once before the first epoch and "
+                        "refuses bad values (default: the check runs)")
     g.add_argument("--follow", action="store_true",
                    help="reconstruct a live store while its scan is written (daskpty.ScanWriter): snapshots "
                         "of the frames committed so far "

@@ -247,19 +247,24 @@ class ValueReport:
              f"invalid in the mask")
 
 
-def _block_stats(block, offset):
-    """Per-chunk counts: (nan, inf, negative, min, max, sum, first bad pattern or -1)."""
-    block = np.asarray(block)
+def _block_stats(block, numbers):
+    """Per-chunk counts: (nan, inf, negative, min, max, sum, first bad pattern or -1).
+
+    ``numbers``: the pattern number of the block's first row (rows numbered on from it), or
+    each row's number. NumPy or CuPy blocks (the sums come back as Python numbers)."""
+    xp = np if type(block).__module__.split(".")[0] == "numpy" else __import__("cupy")
+    block = xp.asarray(block)
     n_nan = n_inf = n_neg = 0
     bad_rows = None
     if block.dtype.kind == "f":
-        nan = np.isnan(block)
-        inf = np.isinf(block)
+        nan = xp.isnan(block)
+        inf = xp.isinf(block)
         neg = (block < 0) & ~inf  # -inf counts as infinite only
         n_nan, n_inf, n_neg = int(nan.sum()), int(inf.sum()), int(neg.sum())
         if n_nan or n_inf or n_neg:
-            bad_rows = np.flatnonzero((nan | inf | neg).any(axis=(1, 2)))
-        finite = block[np.isfinite(block)] if (n_nan or n_inf) else block
+            rows = xp.flatnonzero((nan | inf | neg).any(axis=(1, 2)))
+            bad_rows = rows if xp is np else rows.get()
+        finite = block[xp.isfinite(block)] if (n_nan or n_inf) else block
     else:
         finite = block
     if finite.size:
@@ -267,17 +272,29 @@ def _block_stats(block, offset):
         total = float(finite.sum(dtype=np.float64))
     else:
         lo, hi, total = math.inf, -math.inf, 0.0
-    first = int(offset + bad_rows[0]) if bad_rows is not None and bad_rows.size else -1
+    first = -1
+    if bad_rows is not None and bad_rows.size:
+        first = int(np.min(np.asarray(numbers)[bad_rows])) if np.ndim(numbers) else int(numbers + bad_rows[0])
     return (n_nan, n_inf, n_neg, lo, hi, total, first)
 
 
-def check_values(data, client=None) -> ValueReport:
+def check_values(data, client=None, order=None, where: str | None = None) -> ValueReport:
     """Count NaN, infinite and negative intensities, and the min/max/sum, in one pass.
 
-    ``data`` is a :class:`~daskpty.io.store.PtychoData` or a dask/NumPy array (N, H, W). Runs on
+    ``data`` is a :class:`~daskpty.io.store.PtychoData` or a dask/NumPy array (N, H, W), with
+    NumPy or CuPy chunks (data already placed on GPU workers are checked where they are). Runs on
     ``client`` if given, else on the current distributed client, else on dask's local threads.
-    Returns a :class:`ValueReport`; call ``report.raise_if_bad()`` to turn problems into a DataError.
+    ``order``: the user's pattern number of each row, for data held in another order (the first
+    bad pattern is then named by its number in the data set). ``where``: the data set's name in
+    messages (default: its path, else "the data set"). Returns a :class:`ValueReport`;
+    call ``report.raise_if_bad()`` to turn problems into a DataError.
     """
+    return check_values_and(data, (), client=client, order=order, where=where)[0]
+
+
+def check_values_and(data, extra, client=None, order=None, where: str | None = None):
+    """:func:`check_values` and the dask collections ``extra`` (built on the same intensities)
+    computed in the same pass: each chunk is read once for both. Returns (report, their values)."""
     import dask  # lazy: dask stays out of `import daskpty` and the CLI's start
     import dask.array as da
 
@@ -288,22 +305,28 @@ def check_values(data, client=None) -> ValueReport:
         fail(f"intensities have shape {x.shape}; expected (N, H, W)")
     x = x.rechunk({1: -1, 2: -1})
     offsets = np.concatenate([[0], np.cumsum(x.chunks[0])[:-1]])
-    blocks = x.to_delayed().ravel()
-    parts = [dask.delayed(_block_stats, pure=True)(b, int(o)) for b, o in zip(blocks, offsets)]
+    # unoptimised graphs: fusing the reads into each consumer would read a chunk once per consumer
+    shared = {"optimize_graph": False} if extra else {}
+    blocks = x.to_delayed(**shared).ravel()
+    numbers = [int(o) if order is None else np.asarray(order[o:o + len_])
+               for o, len_ in zip(offsets, x.chunks[0])]
+    parts = [dask.delayed(_block_stats, pure=True)(b, k) for b, k in zip(blocks, numbers)]
+    extra = list(extra)
     if client is None:
         client = current_client()
     try:
         if client is not None:
-            results = client.gather(client.compute(parts))
+            results = client.gather(client.compute(parts + extra, **shared))
         else:
-            results = dask.compute(*parts, scheduler="threads")
+            results = list(dask.compute(*parts, *extra, scheduler="threads", **shared))
     except DataError:  # a damaged shard, already named by io.integrity.NamedReader
         raise
     except (ValueError, RuntimeError, OSError, KeyError) as exc:  # zarr / numcodecs decode errors
-        where = getattr(data, "path", None) or "the data set"
+        where = where or getattr(data, "path", None) or "the data set"
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         fail(f"could not read the intensities of {where}: a chunk is damaged ({type(exc).__name__}: "
              f"{first[:200]}); re-copy or re-create the store")
+    results, computed = results[:len(parts)], results[len(parts):]
     report = ValueReport(n_values=int(np.prod(x.shape)))
     firsts = [r[6] for r in results if r[6] >= 0]
     report.n_nan = sum(r[0] for r in results)
@@ -315,4 +338,4 @@ def check_values(data, client=None) -> ValueReport:
     report.maximum = hi if math.isfinite(hi) else math.nan
     report.total = float(sum(r[5] for r in results))
     report.first_bad_pattern = min(firsts) if firsts else None
-    return report
+    return report, computed

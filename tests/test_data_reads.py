@@ -1,0 +1,92 @@
+"""How often a run reads its data: persisted data are read from their source once.
+
+The value check (NaN, infinite, negative, no counts) of persisted data runs on the chunks where
+they were placed, so the source (a Zarr store, a user's dask array) is read once, not once for
+the check and again for the placement; bad values are still named by the pattern's number in the
+data set, whatever order the run holds the patterns in.
+"""
+from __future__ import annotations
+
+import threading
+
+import dask.array as da
+import numpy as np
+import pytest
+
+import daskpty
+from synthetic import make_dataset
+
+
+ROWS: dict[str, int] = {}  # patterns read per source (the workers run in this process)
+_LOCK = threading.Lock()
+
+
+class CountingSource:
+    """An array-like that counts the patterns read from it (dask reads through ``__getitem__``;
+    the graph travels pickled, so the counts live in this module, not in the copy)."""
+
+    def __init__(self, array, name):
+        self.array, self.name = array, name
+        self.shape, self.dtype, self.ndim = array.shape, array.dtype, array.ndim
+        ROWS[name] = 0
+
+    @property
+    def rows(self) -> int:
+        return ROWS[self.name]
+
+    def __getitem__(self, index):
+        out = self.array[index]
+        with _LOCK:
+            ROWS[self.name] += out.shape[0] if out.ndim == 3 else 1
+        return out
+
+
+@pytest.fixture(scope="module")
+def client():
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def ds():
+    return make_dataset(n=16, grid=10)  # small windows: shuffled positions make loose chunks
+
+
+def _data(ds, source, positions=None):
+    return daskpty.from_arrays(da.from_array(source, chunks=(8, -1, -1)),
+                               ds.positions if positions is None else positions)
+
+
+def test_persisted_data_with_a_given_probe_are_read_once(ds, client):
+    source = CountingSource(ds.intensities, "given")
+    daskpty.reconstruct(_data(ds, source), epochs=2, client=client, probe=ds.truth.probe, persist=True,
+                        progress=False)
+    assert source.rows == len(ds.intensities)
+
+
+def test_data_the_start_probe_is_guessed_from_are_checked_first(ds, client):
+    """With no probe, the start probe is made from the mean pattern: the value check runs first,
+    on the source, and the mean comes from the same pass; bad values stop the run before it."""
+    source = CountingSource(ds.intensities, "guessed")
+    daskpty.reconstruct(_data(ds, source), epochs=2, client=client, persist=True, progress=False)
+    assert source.rows == 2 * len(ds.intensities)  # the check with the mean, then the placement
+    bad = ds.intensities.copy()
+    bad[7, 3, 3] = np.nan
+    with pytest.raises(ValueError, match=r"1 NaN value\(s\) \(first in pattern 7\)"):
+        daskpty.reconstruct(_data(ds, CountingSource(bad, "guessed-bad")), epochs=1, client=client, persist=True,
+                            progress=False)
+
+
+@pytest.mark.parametrize("tiles", [False, True])
+def test_bad_values_found_where_placed_are_named_by_their_number(ds, client, tiles):
+    shuffled = np.random.default_rng(1).permutation(len(ds.positions))  # the run puts them in order
+    bad = ds.intensities[shuffled]
+    bad[[29, 4], 5, 6] = [-3.0, np.inf]
+    source = CountingSource(bad, f"placed-{tiles}")
+    with pytest.raises(ValueError, match=r"1 infinite, 1 negative value\(s\) \(first in pattern 4\)"):
+        daskpty.reconstruct(_data(ds, source, ds.positions[shuffled]), epochs=1, client=client,
+                            probe=ds.truth.probe, persist=True, tiles=tiles, chunk_length=8, progress=False)
+    assert source.rows == len(bad)  # found in the placed chunks: no second pass over the source
