@@ -7,6 +7,7 @@ data set, whatever order the run holds the patterns in.
 """
 from __future__ import annotations
 
+import sys
 import threading
 
 import dask.array as da
@@ -90,3 +91,44 @@ def test_bad_values_found_where_placed_are_named_by_their_number(ds, client, til
         daskpty.reconstruct(_data(ds, source, ds.positions[shuffled]), epochs=1, client=client,
                             probe=ds.truth.probe, persist=True, tiles=tiles, chunk_length=8, progress=False)
     assert source.rows == len(bad)  # found in the placed chunks: no second pass over the source
+
+
+class _OnDevice(np.ndarray):
+    """A NumPy array that passes for a CuPy one (its type's module is ``cupy...``; ``.get()``)."""
+
+    def get(self):
+        return np.asarray(self).view(np.ndarray)
+
+
+_OnDevice.__module__ = "cupy._core.core"
+
+
+def _fake_cupy():
+    import types
+
+    module = types.ModuleType("cupy")
+    def on_device(function):
+        return lambda a: function(a).view(_OnDevice)
+
+    module.isnan, module.isinf, module.isfinite = (on_device(f) for f in (np.isnan, np.isinf, np.isfinite))
+    module.asarray = lambda a: np.asarray(a).view(_OnDevice)
+    module.flatnonzero = lambda a: np.flatnonzero(a).view(_OnDevice)
+    return module
+
+
+@pytest.mark.parametrize("dtype", ["float32", "uint16"])
+def test_chunks_on_gpu_workers_are_counted_as_on_the_host(monkeypatch, dtype):
+    """The value check's per-chunk counts take CuPy chunks (placed data on GPU workers) and give
+    the NumPy chunk's numbers, with the bad rows fetched from the device to name the pattern."""
+    from daskpty.io.validate import _block_stats
+
+    block = np.random.default_rng(0).poisson(20.0, (6, 8, 8)).astype(dtype)
+    if dtype == "float32":
+        block[[4, 2], 1, 1] = [np.nan, -1.0]
+    numbers = np.array([50, 10, 41, 7, 3, 60])
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    on_device = _block_stats(block.view(_OnDevice), numbers)
+    on_host = _block_stats(block, numbers)
+    assert on_device == on_host
+    assert on_host[6] == (3 if dtype == "float32" else -1)  # rows 2 and 4 are patterns 41 and 3
+    assert all(type(v) in (int, float) for v in on_device)
