@@ -36,6 +36,9 @@ def add_run_arguments(ap):
     g.add_argument("--chunk-length", type=int, default=None, help="patterns per chunk (default: daskpty's rule)")
     g.add_argument("--probe-modes", type=int, default=None, help="probe modes to reconstruct (default: the store's)")
     g.add_argument("--noise", default="gaussian", choices=("gaussian", "poisson"))
+    g.add_argument("--slices", type=int, default=1,
+                   help="object slices K (multislice; the PtyRAD paper's heavy case is 12 modes x 6 slices)")
+    g.add_argument("--slice-spacing", type=float, default=2e-6, help="slice spacing in metres (with --slices)")
     g.add_argument("--split-every", type=int, default=None,
                    help="fan-in of the reduction tree (default: daskpty's rule, 4 up to 16 chunks, else 8)")
     g.add_argument("--sample-interval", type=float, default=0.0,
@@ -95,6 +98,8 @@ def measure(args, data, store_path=None, log=print) -> dict:
                 rounds_per_epoch=rounds_value(args.rounds_per_epoch), persist=persist,
                 device=args.backend, chunk_length=args.chunk_length, probe_modes=modes,
                 noise=args.noise, split_every=args.split_every, callback=sampler.callback, seed=args.seed,
+                **({"sample": {"slices": args.slices, "slice_spacing_m": args.slice_spacing}}
+                   if getattr(args, "slices", 1) > 1 else {}),
                 **({} if args.layout == "auto" else {"tiles": args.layout == "tiles"}))
         except Exception as exc:  # report what was measured up to the failure
             error = f"{type(exc).__name__}: {exc}"
@@ -154,7 +159,9 @@ def measure(args, data, store_path=None, log=print) -> dict:
     else:
         log("exchanged bytes per round: n/a (round by round: each round's root goes to the client)")
     nrmse = None
-    if rec is not None and getattr(data, "truth", None) is not None and data.truth.object is not None:
+    if rec is not None and np.ndim(rec.object) == 3:
+        log("NRMSE: n/a (K slices against the store's one-slice truth)")
+    elif rec is not None and getattr(data, "truth", None) is not None and data.truth.object is not None:
         from common import object_nrmse_in_truth_frame
 
         nrmse = object_nrmse_in_truth_frame(rec.object, rec.positions, data.truth, rec.illumination)

@@ -30,6 +30,7 @@
 # A store simulated by an earlier call on the same (still warm) machine is reused.
 # CHUNK_LENGTHS (default none): chunk lengths to run the largest size with on one worker, after
 # the default rule's run (e.g. "16384 32768": each round then steps through chunk/R patterns).
+# HEAVY_SIZE (default none): run 12 probe modes x 6 slices on one worker at that size (3 epochs).
 # ENGINES (default "lsqml"): "lsqml ad" adds AD's bench_epoch with one worker at each size.
 # WORKERS (default "2"): the counts of workers sharing the one GPU for the multi-worker bench_epoch
 # steps (layout: daskpty's default, tiles where workers share a GPU, then replicas at the first count).
@@ -144,6 +145,13 @@ for len_ in ${CHUNK_LENGTHS:-}; do
   step "bench_epoch gpu ${last} x 128^2, chunks of ${len_}" 300 "$PY" benchmarks/bench_epoch.py --backend gpu \
       --workers 1 $(data_for "$last") --epochs "$EPOCHS" --plan-cache --chunk-length "$len_"
 done
+# The PtyRAD paper's heavy case (12 probe modes x 6 slices) on one worker, when HEAVY_SIZE names
+# one of SIZES (its patterns/s beside PtyRAD's 2,880 on a whole A100-80GB).
+if [ -n "${HEAVY_SIZE:-}" ]; then
+  # shellcheck disable=SC2046
+  step "bench_epoch gpu ${HEAVY_SIZE} x 128^2, 12 modes x 6 slices" 300 "$PY" benchmarks/bench_epoch.py \
+      --backend gpu --workers 1 $(data_for "$HEAVY_SIZE") --epochs 3 --skip 1 --probe-modes 12 --slices 6
+fi
 # AD beside LSQML (issue 49's "AD within 1.5x"): one worker, each size, when ENGINES names ad.
 if [[ " ${ENGINES:-lsqml} " == *" ad "* ]]; then
   for n in $SIZES; do
