@@ -7,7 +7,7 @@ import time
 import numpy as np
 
 from .engines.positions import PositionsDiverged
-from .engines.probe_model import ProbeModelDiverged, effective_weights
+from .engines.probe_model import EIGEN_SUPPORT_RMS, ProbeModelDiverged, effective_weights
 from .engines.specs import DEFAULT_ENGINE
 from .execution.cluster import client_context, current_client
 from .execution.driver import run_epochs
@@ -314,6 +314,25 @@ class _SayOnce:
             self.message = None
 
 
+class _SaysEigenDropped:
+    """An epoch callback that says on stderr, once, that the eigen-probes were dropped
+    (:data:`daskpty.engines.probe_model.EIGEN_SUPPORT_RMS`); it never fetches the state."""
+
+    takes_epoch_state = True
+
+    def __init__(self, said: bool = False):
+        self.said = said
+
+    def __call__(self, epoch, state, metrics):
+        if not self.said and metrics.get("opr_eigen_dropped"):
+            self.said = True
+            print(f"daskpty: the eigen-probe weights show no probe varying over the scan (shared by "
+                  f"neighbours: {metrics.get('opr_eigen_shared_rms', 0.0):.4f} rms in epoch {epoch}, below "
+                  f"{EIGEN_SUPPORT_RMS}): OPR's eigen-probes are dropped from epoch {epoch + 1} on, the "
+                  f"patterns' brightness is still fitted (probe_model drop_unsupported_eigen=False keeps "
+                  f"them)", file=sys.stderr, flush=True)
+
+
 def _run(client, plan, checkpointer, callbacks, publisher=None) -> Reconstruction:
     """The plan's epochs; the result (on the cluster still: a large tiled object is a dask array
     over the workers' tiles), written to the checkpoint when the last epoch was not."""
@@ -321,6 +340,10 @@ def _run(client, plan, checkpointer, callbacks, publisher=None) -> Reconstructio
     chunked, plan.chunked, plan.state = plan.chunked, None, None
     callbacks = [*callbacks, raise_if_stopped]   # (a stop signal Python dropped ends the run at the epoch's end)
     switch = _one_round_switch(plan, publisher, callbacks) if plan.one_round_once_varying else None
+    model = getattr(plan.adapter.probe_model, "model", None)
+    if model is not None and model.n_eigen and _shows_progress(plan.opts.run.progress):
+        behind = plan.resumed.history if plan.resumed is not None else ()
+        callbacks.append(_SaysEigenDropped(bool(behind) and bool(behind[-1].get("opr_eigen_dropped"))))
     try:
         with sigterm_as_interrupt():
             state, _ = run_epochs(client, chunked, plan.adapter, state, epochs=max(plan.epochs - state.epoch, 0),

@@ -90,6 +90,7 @@ def test_a_drifting_probe_goes_on_with_one_round_and_ends_closer_to_the_truth(cl
     assert first_fit + pm.VARYING_AFTER <= switch <= first_fit + pm.VARYING_AFTER + 2
     assert auto.history[switch - 1]["opr_eigen_shared_rms"] >= pm.VARYING_SHARED_RMS
     assert auto.history[switch - 1]["rounds_next"] == 1
+    assert not any(h.get("opr_eigen_dropped") for h in auto.history)   # the data support them
     assert auto.options["rounds_per_epoch"] == 1
     assert auto.options["one_round_from_epoch"] == switch + 1           # counted from 1, as printed
     kept = _run(drifting, client, engine=engine, epochs=24, rounds_per_epoch=3, **OPR)

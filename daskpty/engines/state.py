@@ -31,6 +31,7 @@ class EngineState:
     eigen_probes: np.ndarray | None = None  # varying probe (engines.probe_model): OPR eigen-probes U_1…
     weight_transform: np.ndarray | None = None  # T of the last orthonormalisation (chunks apply it)
     eigen_weight_sums: np.ndarray | None = None  # this epoch's count and Σ_j w_jk of the eigen-weights (K,)
+    eigen_lag_sums: np.ndarray | None = None  # this epoch's Σ of neighbours' weight products and their count
     background: np.ndarray | None = None    # fitted background, (1, 1) or (n, n)
 
     def update_probe(self, options) -> bool:

@@ -187,6 +187,8 @@ def _probe_model_metrics(scalars: dict) -> dict:
     lag = scalars.get("opr_eigen_lag_terms", 0.0)
     if lag > 0:
         out["opr_eigen_shared_rms"] = float(np.sqrt(max(scalars["opr_eigen_lag"], 0.0) / lag))
+    if scalars.get("opr_eigen_dropped"):   # (probe_model.EIGEN_SUPPORT_RMS)
+        out["opr_eigen_dropped"] = True
     return out
 
 

@@ -191,6 +191,7 @@ class ProbeModel(Part):
     def after_apply(self, state, total, run) -> None:
         if total is not None:
             run.core.apply_probe_model(state, total, self.model, run)
+            state.eigen_lag_sums = pm.add_eigen_lag_sums(state.eigen_lag_sums, total.scalars)
 
     def after_rescale(self, state, before) -> None:
         """The eigen-probes scale with the mean probe."""
@@ -200,10 +201,16 @@ class ProbeModel(Part):
                 state.eigen_probes = (state.eigen_probes * np.float32(a / b)).astype(np.complex64)
 
     def end_epoch(self, state) -> None:
+        if pm.eigen_unsupported(state, self.model):
+            pm.drop_eigen_probes(state)
+        state.eigen_lag_sums = None
         orthonormalise_eigen_probes(state, self.model)
 
     def epoch_scalars(self, state) -> dict:
-        return {} if state.background is None else {"background_mean": float(np.mean(state.background))}
+        out = {} if state.background is None else {"background_mean": float(np.mean(state.background))}
+        if self.model.n_eigen and state.eigen_probes is not None and not np.any(state.eigen_probes):
+            out["opr_eigen_dropped"] = 1.0
+        return out
 
     def for_rounds(self, rounds: int) -> "ProbeModel":
         """The part with the settings that follow the rounds per epoch resolved for ``rounds``

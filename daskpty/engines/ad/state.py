@@ -210,6 +210,7 @@ class ADState:
     eigen_probes: np.ndarray | None = None      # varying probe (engines.probe_model)
     weight_transform: np.ndarray | None = None
     eigen_weight_sums: np.ndarray | None = None  # this epoch's count and Σ_j w_jk of the eigen-weights (K,)
+    eigen_lag_sums: np.ndarray | None = None  # this epoch's Σ of neighbours' weight products and their count
     background: np.ndarray | None = None
 
     def active(self, name: str, options: ADOptions) -> bool:
