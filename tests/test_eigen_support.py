@@ -71,3 +71,13 @@ def test_a_constant_beams_eigen_probes_are_dropped_and_said_once(ideal, client, 
                                probe_model={"drop_unsupported_eigen": False}, progress=False)
     assert not any(h.get("opr_eigen_dropped") for h in kept.history)
     assert np.abs(kept.probe_weights[:, 1:]).max() > 0
+
+
+@pytest.mark.slow
+def test_tiles_drop_them_at_the_replicas_epoch(ideal, client):
+    """Each row tile applies the round's whole scalars, so every tile decides alike."""
+    rec = daskpty.reconstruct(ideal.path, epochs=15 + pm.VARYING_AFTER, client=client, opr_modes=2,
+                              fit_intensity=True, tiles=True, progress=False)
+    assert rec.options["tiles"] is True
+    assert [h["epoch"] for h in rec.history if h.get("opr_eigen_dropped")] == [15 + pm.VARYING_AFTER]
+    assert np.all(np.asarray(rec.probe_weights)[:, 1:] == 0)
