@@ -81,3 +81,20 @@ def test_tiles_drop_them_at_the_replicas_epoch(ideal, client):
     assert rec.options["tiles"] is True
     assert [h["epoch"] for h in rec.history if h.get("opr_eigen_dropped")] == [15 + pm.VARYING_AFTER]
     assert np.all(np.asarray(rec.probe_weights)[:, 1:] == 0)
+
+
+@pytest.mark.slow
+def test_a_run_resumed_before_the_drop_ends_bit_identical(ideal, client, tmp_path):
+    """The decision comes from the epoch's number and its own rounds: a resumed run makes it
+    at the same epoch."""
+    epochs = 15 + pm.VARYING_AFTER + 1
+    straight = daskpty.reconstruct(ideal.path, epochs=epochs, client=client, opr_modes=2, progress=False)
+    daskpty.reconstruct(ideal.path, epochs=18, client=client, opr_modes=2, progress=False,
+                        checkpoint=tmp_path / "c.zarr")
+    resumed = daskpty.reconstruct(ideal.path, epochs=epochs, client=client, opr_modes=2, progress=False,
+                                  resume=tmp_path / "c.zarr")
+    assert straight.history[15 + pm.VARYING_AFTER - 1].get("opr_eigen_dropped")
+    assert [h.get("opr_eigen_dropped", False) for h in resumed.history] == \
+        [h.get("opr_eigen_dropped", False) for h in straight.history]
+    np.testing.assert_array_equal(np.asarray(resumed.object), np.asarray(straight.object))
+    np.testing.assert_array_equal(np.asarray(resumed.probe_weights), np.asarray(straight.probe_weights))
