@@ -300,10 +300,11 @@ def test_settings_left_none_take_the_engines_defaults():
     assert (lsqml.curvature_damping, ad.curvature_damping) == (0.02, 0.002)
     assert lsqml.eigen_step == ad.eigen_step == 0.3      # a given setting is kept
     assert pm.ProbeModelOptions(opr_modes=2).for_engine("lsqml").eigen_step == 0.5
-    assert (lsqml.weight_momentum, ad.weight_momentum) == (0.5, 0.0)
+    assert (lsqml.weight_momentum, ad.weight_momentum) == (0.5, 0.5)
     # momentum is per-pattern state only where it is used
-    assert set(pm.initial_local(4, lsqml)) == {"opr_weights", "opr_velocity"}
-    assert set(pm.initial_local(4, ad)) == {"opr_weights"}
+    assert set(pm.initial_local(4, lsqml)) == set(pm.initial_local(4, ad)) == {"opr_weights", "opr_velocity"}
+    no_momentum = pm.ProbeModelOptions(opr_modes=2, weight_momentum=0.0).for_engine("ad")
+    assert set(pm.initial_local(4, no_momentum)) == {"opr_weights"}
 
 
 @pytest.mark.parametrize("engine", ["lsqml", "ad"])

@@ -129,7 +129,7 @@ class ProbeModelOptions:
         Within a chunk only (each chunk keeps its own weights).
     weight_momentum: heavy-ball momentum μ of the OPR weights' steps, 0 ≤ μ < 1: each pattern's
         step is Δw_j + μ v_j, v_j its last one (kept with the weights, ``opr_velocity``). None:
-        the engine's own (``EngineSpec.probe_model_defaults``: LSQML 0.5, as its object's momentum; AD 0).
+        the engine's own (``EngineSpec.probe_model_defaults``: 0.5, LSQML's object's own momentum).
     flat_brightness: leave the smooth part over the scan of the fitted brightness to the object,
         which the data cannot tell it from: the intensity factors keep only their
         pattern-to-pattern part (:func:`flatten_model_local`), OPR's weights without them only
