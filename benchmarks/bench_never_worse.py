@@ -53,8 +53,8 @@ def run(data, client, truth, epochs, engine, flags) -> dict:
     kept = {}
 
     def keep(epoch, state, metrics):
-        if epoch + 1 in epochs:
-            kept[epoch + 1] = (np.array(state.object), np.array(state.illumination))
+        if epoch in epochs:   # (a callback's epoch counts the epochs done)
+            kept[epoch] = (np.array(state.object), np.array(state.illumination))
 
     rec = daskpty.reconstruct(data.path, client=client, epochs=max(epochs), progress=False, callback=keep,
                               engine=engine, **flags)

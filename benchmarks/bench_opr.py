@@ -80,8 +80,8 @@ def main(argv=None):
 
     def run(ds, client, snapshots=None, **kw):
         def keep(epoch, state, metrics):   # object and illumination after the epochs of --at
-            if epoch + 1 in at:
-                snapshots[epoch + 1] = (np.array(state.object), np.array(state.illumination))
+            if epoch in at:   # (a callback's epoch counts the epochs done)
+                snapshots[epoch] = (np.array(state.object), np.array(state.illumination))
         return daskpty.reconstruct(daskpty.from_arrays(ds.intensities, ds.positions), client=client,
                                    check_data=False, callback=None if snapshots is None else keep, **kw)
 

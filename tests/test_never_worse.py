@@ -90,8 +90,8 @@ def _errors_at(data, client, epochs, **flags):
     kept = {}
 
     def keep(epoch, state, metrics):
-        if epoch + 1 in epochs:
-            kept[epoch + 1] = (np.array(state.object), np.array(state.illumination))
+        if epoch in epochs:   # (a callback's epoch counts the epochs done)
+            kept[epoch] = (np.array(state.object), np.array(state.illumination))
 
     rec = daskpty.reconstruct(data.path, epochs=max(epochs), client=client, progress=False, callback=keep, **flags)
     errors = {e: nrmse_vs_truth(obj, rec.positions, illum, truth) for e, (obj, illum) in kept.items()}
