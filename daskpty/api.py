@@ -300,37 +300,30 @@ def _one_round_switch(plan, publisher, callbacks: list) -> OneRoundOnceVarying:
 
 
 class _SayOnce:
-    """An epoch callback that prints ``message`` to stderr the first time it is called (after
-    the callbacks before it, e.g. the progress line); it never fetches the state."""
+    """An epoch callback that prints a message to stderr once, at the first epoch whose metrics
+    ``when(metrics)`` accepts (default: the first it sees), after the callbacks before it (e.g.
+    the progress line); it never fetches the state. ``message``: a string, or
+    ``message(epoch, metrics)``."""
 
     takes_epoch_state = True
 
-    def __init__(self, message: str):
-        self.message = message
+    def __init__(self, message, when=None, said: bool = False):
+        self.message, self.when, self.said = message, when, said
 
     def __call__(self, epoch, state, metrics):
-        if self.message:
-            print(self.message, file=sys.stderr, flush=True)
-            self.message = None
+        if self.said or (self.when is not None and not self.when(metrics)):
+            return
+        self.said = True
+        text = self.message(epoch, metrics) if callable(self.message) else self.message
+        print(text, file=sys.stderr, flush=True)
 
 
-class _SaysEigenDropped:
-    """An epoch callback that says on stderr, once, that the eigen-probes were dropped
-    (:data:`daskpty.engines.probe_model.EIGEN_SUPPORT_RMS`); it never fetches the state."""
-
-    takes_epoch_state = True
-
-    def __init__(self, said: bool = False):
-        self.said = said
-
-    def __call__(self, epoch, state, metrics):
-        if not self.said and metrics.get("opr_eigen_dropped"):
-            self.said = True
-            print(f"daskpty: the eigen-probe weights show no probe varying over the scan (shared by "
-                  f"neighbours: {metrics.get('opr_eigen_shared_rms', 0.0):.4f} rms in epoch {epoch}, below "
-                  f"{EIGEN_SUPPORT_RMS}): OPR's eigen-probes are dropped from epoch {epoch + 1} on, the "
-                  f"patterns' brightness is still fitted (probe_model drop_unsupported_eigen=False keeps "
-                  f"them)", file=sys.stderr, flush=True)
+def _eigen_dropped_line(epoch: int, metrics: dict) -> str:
+    """What stderr says when the eigen-probes are dropped (:data:`~daskpty.engines.probe_model.EIGEN_SUPPORT_RMS`)."""
+    return (f"daskpty: the eigen-probe weights show no probe varying over the scan (shared by neighbours: "
+            f"{metrics.get('opr_eigen_shared_rms', 0.0):.4f} rms in epoch {epoch}, below {EIGEN_SUPPORT_RMS}): "
+            f"OPR's eigen-probes are dropped from epoch {epoch + 1} on, the patterns' brightness is still "
+            f"fitted (probe_model drop_unsupported_eigen=False keeps them)")
 
 
 def _run(client, plan, checkpointer, callbacks, publisher=None) -> Reconstruction:
@@ -343,7 +336,8 @@ def _run(client, plan, checkpointer, callbacks, publisher=None) -> Reconstructio
     model = getattr(plan.adapter.probe_model, "model", None)
     if model is not None and model.n_eigen and _shows_progress(plan.opts.run.progress):
         behind = plan.resumed.history if plan.resumed is not None else ()
-        callbacks.append(_SaysEigenDropped(bool(behind) and bool(behind[-1].get("opr_eigen_dropped"))))
+        callbacks.append(_SayOnce(_eigen_dropped_line, when=lambda metrics: metrics.get("opr_eigen_dropped"),
+                                  said=bool(behind) and bool(behind[-1].get("opr_eigen_dropped"))))
     try:
         with sigterm_as_interrupt():
             state, _ = run_epochs(client, chunked, plan.adapter, state, epochs=max(plan.epochs - state.epoch, 0),

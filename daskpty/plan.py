@@ -182,9 +182,8 @@ def settle_plan(client, plan: Plan) -> Plan:
     known = {}  # reductions of the intensities the start state takes, from the check's pass
     if opts.run.check_data and not check_placed:
         guessed = resumed is None and _probe_is_guessed(plan.probe, data)
-        report, mean = check_values_and(data if hasattr(data, "path") else intensities,
-                                        [intensities.mean(axis=0, dtype=np.float64)] if guessed else [],
-                                        client=client)
+        report, mean = check_values_and(intensities, [intensities.mean(axis=0, dtype=np.float64)] if guessed else [],
+                                        client=client, where=getattr(data, "path", None))
         report.raise_if_bad()
         known = {"power": report.total / plan.n_patterns, **({"mean": mean[0]} if guessed else {})}
     plan.one_round_once_varying = may_switch(adapter, execution.rounds_per_epoch, plan.one_round_once_varying)
@@ -257,10 +256,10 @@ class _Reductions:
 def _start_reads_intensities(plan: Plan, data) -> bool:
     """Whether :func:`_initial_state` computes from the intensities (a probe from their mean, an
     aperture probe scaled to their power)."""
-    if plan.resumed is not None or not (plan.probe is None or isinstance(plan.probe, str)):
+    if plan.resumed is not None:
         return False
-    return isinstance(plan.probe, str) or getattr(data, "probe", None) is None \
-        or (getattr(data, "metadata", None) or {}).get("probe_plane") == "entrance"
+    entrance = plan.probe is None and (getattr(data, "metadata", None) or {}).get("probe_plane") == "entrance"
+    return isinstance(plan.probe, str) or _probe_is_guessed(plan.probe, data) or entrance
 
 
 def _probe_is_guessed(probe, data) -> bool:
