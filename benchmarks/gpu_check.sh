@@ -29,7 +29,7 @@
 # command continues where the first stopped, e.g. GPU_CHECK_SKIP='in-process|gpu_diag|bench_epoch').
 # A store simulated by an earlier call on the same (still warm) machine is reused.
 # CHUNK_LENGTHS (default none): chunk lengths to run the largest size with on one worker, after
-# the default rule's run (e.g. "16384 32768": each round then steps through chunk/R patterns).
+# the default rule's run (e.g. "6394", the host rule's chunks at 262,144: each round steps through chunk/R).
 # HEAVY_SIZE (default none): run 12 probe modes x 6 slices on one worker at that size (3 epochs).
 # ENGINES (default "lsqml"): "lsqml ad" adds AD's bench_epoch with one worker at each size.
 # WORKERS (default "2"): the counts of workers sharing the one GPU for the multi-worker bench_epoch
@@ -138,7 +138,8 @@ for n in $SIZES; do
       $(data_for "$n") --epochs "$EPOCHS" --plan-cache
   last=$n
 done
-# Longer chunks at the largest size (CHUNK_LENGTHS, e.g. "16384 32768"): fewer, longer chunk steps a round.
+# Other chunk lengths at the largest size (CHUNK_LENGTHS, e.g. "6394": the host rule's chunks at 262,144,
+# beside the GPU rule's 8 chunks of 32,768).
 for len_ in ${CHUNK_LENGTHS:-}; do
   [ -n "$last" ] || break
   # shellcheck disable=SC2046

@@ -25,8 +25,8 @@ from .engines.positions import PositionOptions
 from .engines.sample_options import aperture_probe
 from .execution import tile_halo
 from .execution.cluster import live_workers, wait_for_workers
-from .execution.data import (auto_rounds, choose_chunk_length, gpu_steps_per_chunk, prepare_data,
-                             several_workers_share_a_gpu, should_persist, workers_have_gpus)
+from .execution.data import (auto_rounds, choose_chunk_length, gpu_step_budget, gpu_steps_per_chunk, prepare_data,
+                             several_workers_share_a_gpu, should_persist, worker_device_memory, workers_have_gpus)
 from .execution.driver import with_local
 from .execution.latency import enable_low_latency
 from .execution.local_state import PatternLayout
@@ -466,7 +466,9 @@ def _resolve_device_and_chunks(client, execution, n_patterns, n, modes, object_s
     # area: only on GPUs (device memory to spare, a fixed cost per step) are chunks made longer.
     slices = gpu_steps_per_chunk(device, 1 if one_round_later else int(execution.rounds_per_epoch))
     if length is None:
-        length = choose_chunk_length(client, n_patterns, n, modes, thick.working_factor, steps_per_chunk=slices)
+        budget = gpu_step_budget(worker_device_memory(client)) if device == "gpu" else None
+        length = choose_chunk_length(client, n_patterns, n, modes, thick.working_factor, steps_per_chunk=slices,
+                                     step_budget=budget)
         fitting = largest_fitting_chunk(client, n, modes, object_shape, thick.working_factor, tiles, reach,
                                         data_bytes)
         if fitting:

@@ -70,6 +70,8 @@ def test_reconstruct_on_cupy_chunks_matches_cpu():
     with LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0") as cl, Client(cl) as c:
         cpu = daskpty.reconstruct(ds, epochs=5, object=np.ones_like(ds.truth.object), client=c, device="cpu")
         gpu = daskpty.reconstruct(ds, epochs=5, object=np.ones_like(ds.truth.object), client=c, device="gpu")
+        from daskpty.execution.data import worker_device_memory
+        assert worker_device_memory(c) > 2**30   # the GPU step budget's source
     assert np.linalg.norm(gpu.object - cpu.object) / np.linalg.norm(cpu.object) < 1e-3
 
 

@@ -59,6 +59,22 @@ def test_a_step_is_one_rounds_slice_of_its_chunk(small_workers):
     assert 15 * one <= sliced <= 65536 // 8
 
 
+def test_a_gpu_step_is_as_long_as_the_device_allows():
+    """On GPUs (a fixed cost per step) the step budget comes from the device's memory, not the
+    host rule's 512 MiB: 262,144 × 128² at 16 rounds on an 80 GB GPU takes 8 chunks (128 steps an
+    epoch, not 656), on a 20 GB MIG slice steps that fit an eighth of it, unknown devices the host rule."""
+    from daskpty.execution.data import default_chunk_length, gpu_step_budget
+    from daskpty.execution.memory import step_bytes
+
+    assert gpu_step_budget(None) is None
+    whole, mig = gpu_step_budget(80 * 10**9), gpu_step_budget(20 * 10**9)
+    assert whole == 3 * 2**30 and mig == 20 * 10**9 // 8
+    for budget, chunks in ((whole, 8), (mig, 9), (512 * 2**20, 41)):
+        length = default_chunk_length(262144, 128, memory_budget=budget * 16)
+        assert -(-262144 // length) == chunks
+        assert step_bytes(-(-length // 16), 128, 1) <= budget
+
+
 def test_persist_needs_room_for_the_share_and_the_working_set(small_workers):
     assert persist_fits(small_workers, 40 * 2**20)                            # 20 MiB each
     assert not persist_fits(small_workers, 40 * 2**20, working_bytes=30 * 2**20)  # 50 > 38.4 MiB
