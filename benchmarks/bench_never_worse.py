@@ -4,6 +4,7 @@ Usage::
 
     python benchmarks/bench_never_worse.py [--preset small] [--seeds 0,1,2] [--engine lsqml|ad|rpie]
         [--flags positions,opr+intensity,positions+opr+intensity] [--epochs 30,60] [--workers 2]
+        [--probe-model JSON]
 
 For every seed the ``simulate`` preset is reconstructed plainly and with each flag combination
 (2 worker processes, the engine's defaults otherwise). Prints, per run, the object NRMSE against
@@ -75,12 +76,14 @@ def main():
                     help=f"comma-separated, of: {', '.join(COMBINATIONS)}")
     ap.add_argument("--epochs", default="30,60")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--probe-model", default="{}", help="JSON: more ProbeModelOptions of the runs with OPR or intensity")
     args = ap.parse_args()
     names = args.flags.split(",")
     unknown = sorted(set(names) - set(COMBINATIONS))
     if unknown:
         sys.exit(f"bench_never_worse: unknown --flags {unknown}; choose from {sorted(COMBINATIONS)}")
     epochs = sorted(int(e) for e in args.epochs.split(","))
+    extra_model = json.loads(args.probe_model)
 
     import daskpty
     from distributed import Client, LocalCluster
@@ -97,7 +100,10 @@ def main():
                   + " / ".join(f"{plain['nrmse'][e]:.4f}" for e in epochs) + f" at {epochs} epochs", flush=True)
             for name in names:
                 try:
-                    got = run(data, client, truth, epochs, args.engine, COMBINATIONS[name])
+                    flags = dict(COMBINATIONS[name])
+                    if extra_model and (flags.get("opr_modes") or flags.get("fit_intensity")):
+                        flags["probe_model"] = extra_model
+                    got = run(data, client, truth, epochs, args.engine, flags)
                 except ValueError as exc:  # a combination the engine refuses (rPIE: no varying probe)
                     print(f"  {name}: refused: {exc}", flush=True)
                     continue

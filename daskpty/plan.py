@@ -190,7 +190,7 @@ def settle_plan(client, plan: Plan) -> Plan:
     run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist,
                        one_round_once_varying=plan.one_round_once_varying)
     # the brightness' smooth part of a varying probe follows the rounds per epoch
-    adapter.probe_model = adapter.probe_model.for_rounds(execution.rounds_per_epoch)
+    adapter.probe_model = adapter.probe_model.for_rounds(execution.rounds_per_epoch, plan.one_round_once_varying)
     state = _initial_state(client, plan, data, intensities, known)
     object_shape, obj = obj.shape, None
     plan.object = None  # (the state holds it: one object-sized array less held)

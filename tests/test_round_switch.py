@@ -68,6 +68,26 @@ def test_only_auto_minibatch_rounds_with_eigen_probes_watch():
     assert not may_switch(adapter(), 3, auto=True)
 
 
+def test_a_watching_run_flattens_its_intensity_factors_only_after_the_watch():
+    """While a run watches for the switch to one round per epoch its intensity factors keep
+    their smooth part over the scan (a run that switches must not have left a drifting
+    brightness to the object); after the watch, at minibatch rounds, they are flattened."""
+    model = pm.ProbeModelOptions(opr_modes=3, fit_intensity=True)
+    watching = model.for_rounds(3, watching=True)
+    assert watching.flat_brightness and watching.flat_from_epoch == model.start_epoch + pm.VARYING_AFTER
+    assert model.for_rounds(3).flat_from_epoch is None                     # rounds given: from the start
+    assert not model.for_rounds(1, watching=True).flat_brightness          # switched: off
+    assert pm.ProbeModelOptions(opr_modes=3, flat_from_epoch=4).for_rounds(3, watching=True).flat_from_epoch == 4
+    rng = np.random.default_rng(0)
+    positions = rng.uniform(0, 160, (400, 2))
+    smooth = {"intensity_scale": (1.0 + 0.004 * positions[:, :1])}           # a brightness ramp over the scan
+    first = watching.flat_from_epoch
+    kept = pm.flatten_model_local(smooth, positions, watching, 32, epoch=first - 1)
+    np.testing.assert_array_equal(kept["intensity_scale"], smooth["intensity_scale"])
+    flat = pm.flatten_model_local(smooth, positions, watching, 32, epoch=first)["intensity_scale"]
+    assert np.std(np.log(flat)) < 0.25 * np.std(np.log(smooth["intensity_scale"]))
+
+
 def test_eigen_weight_sums_skip_the_mean_probes_weight():
     w = np.array([[1.1, 0.2, -0.1], [0.9, -0.3, 0.0]])
     sums = pm.eigen_weight_sums({"opr_weights": w})

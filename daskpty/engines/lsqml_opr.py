@@ -81,7 +81,7 @@ def new_model_local(variable: PatternProbes, model: ProbeModelOptions, epoch: in
                 new["intensity_velocity"] = v
         new["intensity_scale"] = (s * s)[:, None]
     if variable.want_weights or variable.want_intensity:
-        new = flatten_model_local(new, positions, model, variable.n)
+        new = flatten_model_local(new, positions, model, variable.n, epoch)
     check_finite(new, model, epoch)
     return new
 

@@ -135,6 +135,9 @@ class ProbeModelOptions:
         pattern-to-pattern part (:func:`flatten_model_local`), OPR's weights without them only
         that part of each step of their norm (:func:`damp_smooth_norm`). None: on with minibatch
         rounds, off with one round per epoch (:meth:`for_rounds`).
+    flat_from_epoch: the first epoch whose steps flatten the intensity factors (None: each; a
+        run watching for the switch to one round per epoch flattens them only after the watch,
+        :meth:`for_rounds`).
     drop_unsupported_eigen: at the :data:`VARYING_AFTER`-th epoch that fitted the eigen-probe
         weights, drop the eigen-probes (their weights go to zero and stay there) when the
         weights' shared rms is below :data:`EIGEN_SUPPORT_RMS`: the data show no probe shape
@@ -155,6 +158,7 @@ class ProbeModelOptions:
     weight_smoothing: float = 0.0
     weight_momentum: float | None = None
     flat_brightness: bool | None = None
+    flat_from_epoch: int | None = None
     drop_unsupported_eigen: bool = True
 
     def __post_init__(self):
@@ -170,6 +174,9 @@ class ProbeModelOptions:
               f"fit_intensity must be True or False, got {self.fit_intensity!r}")
         check(self.flat_brightness is None or isinstance(self.flat_brightness, (bool, np.bool_)),
               f"flat_brightness must be None, True or False, got {self.flat_brightness!r}")
+        check(self.flat_from_epoch is None or isinstance(self.flat_from_epoch, (int, np.integer))
+              and not isinstance(self.flat_from_epoch, bool) and self.flat_from_epoch >= 0,
+              f"flat_from_epoch must be None or an integer >= 0, got {self.flat_from_epoch!r}")
         check(isinstance(self.brightness_first, (bool, np.bool_)),
               f"brightness_first must be True or False, got {self.brightness_first!r}")
         check(self.background in BACKGROUNDS,
@@ -189,12 +196,19 @@ class ProbeModelOptions:
         check(_number(self.max_weight) and self.max_weight > 1,
               f"max_weight must be a number > 1, got {self.max_weight!r}")
 
-    def for_rounds(self, rounds: int) -> "ProbeModelOptions":
+    def for_rounds(self, rounds: int, watching: bool = False) -> "ProbeModelOptions":
         """These options with ``flat_brightness`` left None set for ``rounds`` rounds per epoch:
-        on with minibatch rounds (more than one), off with one."""
+        on with minibatch rounds (more than one), off with one. ``watching``: the run goes on
+        with one round per epoch once the eigen-probe weights show a varying probe
+        (:mod:`daskpty.execution.round_switch`); then ``flat_from_epoch`` left None is the first
+        epoch after that watch (:data:`VARYING_AFTER` fitting epochs), so that a run which
+        switches has not left the smooth part of a varying brightness to the object first."""
         if self.flat_brightness is not None:
             return self
-        return dataclasses.replace(self, flat_brightness=int(rounds) > 1)
+        flat = int(rounds) > 1
+        after_watch = self.start_epoch + VARYING_AFTER if flat and watching and self.flat_from_epoch is None \
+            else self.flat_from_epoch
+        return dataclasses.replace(self, flat_brightness=flat, flat_from_epoch=after_watch)
 
     def for_engine(self, engine: str) -> "ProbeModelOptions":
         """These options with every setting left None set to ``engine``'s default."""
@@ -356,7 +370,15 @@ def flatten_brightness(values, positions, sigma: float) -> np.ndarray:
     return values * np.exp(-smooth)[:, None]
 
 
-def flatten_model_local(new: dict, positions, options: ProbeModelOptions, n: int) -> dict:
+def flattens(options: ProbeModelOptions, epoch: int | None) -> bool:
+    """Whether the steps of ``epoch`` leave the intensity factors' smooth part to the object
+    (``flat_brightness``, from ``flat_from_epoch`` on)."""
+    if not options.flat_brightness:
+        return False
+    return options.flat_from_epoch is None or epoch is None or int(epoch) >= options.flat_from_epoch
+
+
+def flatten_model_local(new: dict, positions, options: ProbeModelOptions, n: int, epoch: int | None = None) -> dict:
     """``new`` with the intensity factors flattened over the scan (:func:`flatten_brightness`,
     σ = :data:`BRIGHTNESS_SCALE` · n for patterns of n² pixels) when ``options.flat_brightness``.
 
@@ -370,7 +392,7 @@ def flatten_model_local(new: dict, positions, options: ProbeModelOptions, n: int
     0 / 1 / 2, the constant-probe NRMSE at 50 epochs: LSQML 1.45 / 1.16 / 1.28× flattened,
     1.02 / 0.76 / 0.83× not; AD 1.44 / 1.22 / 1.31× and 0.96 / 0.81 / 0.90×). OPR's weights
     without intensity factors: :func:`damp_smooth_norm`."""
-    if not options.flat_brightness or positions is None:
+    if not flattens(options, epoch) or positions is None:
         return new
     sigma = BRIGHTNESS_SCALE * n
     out = dict(new)

@@ -79,8 +79,8 @@ class Part:
         """Rows beyond a chunk's nominal windows its windows may move (tiles' halo)."""
         return 0.0
 
-    def for_rounds(self, rounds: int) -> "Part":
-        """The part for ``rounds`` rounds per epoch."""
+    def for_rounds(self, rounds: int, watching: bool = False) -> "Part":
+        """The part for ``rounds`` rounds per epoch (``watching``: for a switch to one round)."""
         return self
 
 
@@ -212,10 +212,11 @@ class ProbeModel(Part):
             out["opr_eigen_dropped"] = 1.0
         return out
 
-    def for_rounds(self, rounds: int) -> "ProbeModel":
+    def for_rounds(self, rounds: int, watching: bool = False) -> "ProbeModel":
         """The part with the settings that follow the rounds per epoch resolved for ``rounds``
-        from the options as given (a run that goes on with one round resolves them again)."""
-        return ProbeModel(self.given.for_rounds(rounds), self.given)
+        (``watching``: for a switch to one round, :meth:`ProbeModelOptions.for_rounds`) from the
+        options as given (a run that goes on with one round resolves them again)."""
+        return ProbeModel(self.given.for_rounds(rounds, watching), self.given)
 
 
 def sample_model(sample) -> sm.SampleModel:

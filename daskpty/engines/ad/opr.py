@@ -101,7 +101,7 @@ def variable_chunk_gradient(obj, probe, intensities, nominal, local: dict | None
             new["intensity_scale"] = c[:, None]
         if grads:
             where = part.local.get("positions", (local or {}).get("positions", nominal))
-            new = flatten_model_local(new, where, model, variable.n)
+            new = flatten_model_local(new, where, model, variable.n, epoch)
         check_finite(new, model, epoch)
         part.local = {**part.local, **new}
         if "opr_weights" in grads:
