@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/bench_never_worse.py [--preset small] [--seeds 0,1,2] [--engine lsqml|ad|rpie]
         [--flags positions,opr+intensity,positions+opr+intensity] [--epochs 30,60] [--workers 2]
-        [--probe-model JSON]
+        [--probe-model JSON] [--dose PHOTONS]
 
 For every seed the ``simulate`` preset is reconstructed plainly and with each flag combination
 (2 worker processes, the engine's defaults otherwise). Prints, per run, the object NRMSE against
@@ -76,6 +76,7 @@ def main():
                     help=f"comma-separated, of: {', '.join(COMBINATIONS)}")
     ap.add_argument("--epochs", default="30,60")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--dose", type=float, default=None, help="photons per pattern (default: the preset's)")
     ap.add_argument("--probe-model", default="{}", help="JSON: more ProbeModelOptions of the runs with OPR or intensity")
     args = ap.parse_args()
     names = args.flags.split(",")
@@ -92,7 +93,8 @@ def main():
     with LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
             Client(cluster) as client:
         for seed in (int(s) for s in args.seeds.split(",")):
-            data = daskpty.simulate(tempfile.mkdtemp() + "/d.zarr", preset=args.preset, seed=seed, n_workers=1)
+            data = daskpty.simulate(tempfile.mkdtemp() + "/d.zarr", preset=args.preset, seed=seed, n_workers=1,
+                                    **({} if args.dose is None else {"dose": args.dose}))
             truth = SimpleNamespace(object=np.asarray(data.truth.object),
                                     positions=np.asarray(data.truth.positions, np.float64))
             plain = run(data, client, truth, epochs, args.engine, {})
