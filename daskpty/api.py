@@ -338,12 +338,16 @@ def _run(client, plan, checkpointer, callbacks, publisher=None) -> Reconstructio
         behind = plan.resumed.history if plan.resumed is not None else ()
         callbacks.append(_SayOnce(_eigen_dropped_line, when=lambda metrics: metrics.get("opr_eigen_dropped"),
                                   said=bool(behind) and bool(behind[-1].get("opr_eigen_dropped"))))
+    initialise = plan.opts.engine.rescale_probe and state.epoch == 0
+    if initialise:   # the first epoch's probe rescale, from the value check's Σy where it can
+        rescaled = plan.adapter.initialise_from_total(state, plan.data_total, plan.n_patterns)
+        state, initialise = (state, True) if rescaled is None else (rescaled, False)
     try:
         with sigterm_as_interrupt():
             state, _ = run_epochs(client, chunked, plan.adapter, state, epochs=max(plan.epochs - state.epoch, 0),
                                   rounds_per_epoch=execution.rounds_per_epoch, split_every=execution.split_every,
                                   tiles=execution.tiles, callbacks=callbacks,
-                                  initialise=plan.opts.engine.rescale_probe, one_round_when=switch)
+                                  initialise=initialise, one_round_when=switch)
     except KeyboardInterrupt:
         checkpointer.write()
         raise

@@ -79,6 +79,10 @@ class Plan:
     #: rounds per epoch "auto" (drafted); settled: the run watches for one round per epoch
     #: once its probe is seen to vary (:mod:`daskpty.execution.round_switch`)
     one_round_once_varying: bool = False
+    #: Σ of every intensity, from the value check's pass (None: not checked); the first epoch's
+    #: probe rescale takes it instead of a pass of its own where it can
+    #: (:meth:`daskpty.execution.adapter.Adapter.initialise_from_total`)
+    data_total: float | None = None
 
 
 def draft_plan(data, epochs, probe, object, probe_modes, opts: Options, live=None) -> Plan:
@@ -186,6 +190,7 @@ def settle_plan(client, plan: Plan) -> Plan:
                                         client=client, where=getattr(data, "path", None))
         report.raise_if_bad()
         known = {"power": report.total / plan.n_patterns, **({"mean": mean[0]} if guessed else {})}
+        plan.data_total = report.total
     plan.one_round_once_varying = may_switch(adapter, execution.rounds_per_epoch, plan.one_round_once_varying)
     run_options.update(rounds_per_epoch=execution.rounds_per_epoch, persist=execution.persist,
                        one_round_once_varying=plan.one_round_once_varying)
@@ -207,8 +212,10 @@ def settle_plan(client, plan: Plan) -> Plan:
                            device=execution.device, shift=not thick.near_field, row_bands=execution.tiles,
                            reader=reader)
     if check_placed:
-        check_values(chunked.intensities, client=client, order=chunked.order,
-                     where=getattr(data, "path", None)).raise_if_bad()
+        report = check_values(chunked.intensities, client=client, order=chunked.order,
+                              where=getattr(data, "path", None))
+        report.raise_if_bad()
+        plan.data_total = report.total
     plan.layout.update(chunked)
     data = intensities = None  # the chunks live on the workers now: release scattered originals
     if resumed is not None and adapter.local_state:

@@ -132,3 +132,44 @@ def test_chunks_on_gpu_workers_are_counted_as_on_the_host(monkeypatch, dtype):
     assert on_device == on_host
     assert on_host[6] == (3 if dtype == "float32" else -1)  # rows 2 and 4 are patterns 41 and 3
     assert all(type(v) in (int, float) for v in on_device)
+
+
+def test_the_first_probe_rescale_takes_the_checks_total_instead_of_a_pass(ds, client):
+    """One slice in the far field, no mask, a uniform start object: Σŷ = N |c|² Σ‖P‖² (unitary
+    FFTs), so the first epoch's rescale takes Σy from the value check and makes no pass of its
+    own; it scales the probe as the pass over the chunks does (sub-pixel positions included).
+    A mask or an object that varies take the pass."""
+    from daskpty.engines.specs import engine_spec
+    from daskpty.execution.adapter import adapter_class
+    from daskpty.execution.data import prepare_data
+
+    positions = ds.positions + np.random.default_rng(2).uniform(-0.4, 0.4, ds.positions.shape)
+    chunked = prepare_data(client, ds.intensities, positions, chunk_length=25, persist=True)
+    adapter = adapter_class(engine_spec("lsqml"))()
+    probe = (0.3 * ds.truth.probe).astype(np.complex64)
+    flat = np.full_like(ds.truth.object, 0.7 + 0.2j)
+
+    def start(obj):
+        return adapter.new_state(obj, probe.copy())
+
+    by_pass = adapter.initialise(client, chunked, start(flat), split_every=4)
+    total = float(ds.intensities.sum(dtype=np.float64))
+    closed = adapter.initialise_from_total(start(flat), total, len(ds.intensities))
+    np.testing.assert_allclose(closed.probe, by_pass.probe, rtol=2e-5, atol=1e-6 * np.abs(by_pass.probe).max())
+    assert not np.allclose(closed.probe, probe)                      # (it did rescale)
+    varied = flat.copy()
+    varied[3, 4] *= 0.5
+    assert adapter.initialise_from_total(start(varied), total, len(ds.intensities)) is None
+    assert adapter.initialise_from_total(start(flat), None, len(ds.intensities)) is None
+    masked = adapter_class(engine_spec("lsqml"))(valid=np.ones(ds.intensities.shape[-2:], bool))
+    assert masked.initialise_from_total(masked.new_state(flat, probe.copy()), total, len(ds.intensities)) is None
+
+
+def test_a_run_rescaled_from_the_checks_total_ends_as_one_rescaled_by_a_pass(ds, client):
+    """The whole run: with the value check (its Σy, no pass) and without it (the pass), the same
+    reconstruction to float rounding."""
+    runs = [daskpty.reconstruct(daskpty.from_arrays(ds.intensities, ds.positions), epochs=3, client=client,
+                                check_data=check, progress=False) for check in (True, False)]
+    scale = np.abs(runs[1].object).max()
+    np.testing.assert_allclose(runs[0].probe, runs[1].probe, rtol=1e-4, atol=1e-5 * np.abs(runs[1].probe).max())
+    np.testing.assert_allclose(runs[0].object, runs[1].object, rtol=1e-4, atol=1e-5 * scale)

@@ -14,7 +14,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..engines import sample_model as sm
+from ..engines.partials import Partial
 from ..engines.tile_frame import frame_of
 from . import parts as _parts
 from . import tile_numbers
@@ -157,6 +160,23 @@ class Adapter:
         """First-epoch probe intensity rescale so that Σŷ = Σy."""
         sums = map_reduce(client, data, forward_sums_chunk, self.payload(state), split_every=split_every)
         return self._rescaled(state, sums)
+
+    def initialise_from_total(self, state, measured: float | None, n_patterns: int):
+        """:meth:`initialise` without a pass over the data, where the model's Σŷ has a closed form:
+        one slice in the far field, no detector mask and a uniform object c (the usual start),
+        where the unitary FFTs give Σŷ = N |c|² Σ_m ‖P_m‖² (Parseval; a window's sub-pixel shift
+        keeps its norm). ``measured``: Σy, from the value check's pass. None where that does not
+        hold (no Σy, a mask, slices, a near-field detector, an object that varies): the caller
+        runs :meth:`initialise` then."""
+        if measured is None or self.valid is not None or self.sample.model is not _parts.THIN:
+            return None
+        obj = np.asarray(state.object)
+        if obj.ndim != 2 or obj.size == 0 or not np.all(obj == obj.flat[0]):
+            return None
+        power = float(np.sum(np.abs(np.asarray(state.probe, np.complex128)) ** 2))
+        model = float(n_patterns) * float(abs(complex(obj.flat[0])) ** 2) * power
+        return self._rescaled(state, Partial(scalars={"sum_measured": float(measured), "sum_model": model,
+                                                      "n": float(n_patterns)}))
 
 
 class InPlace:
