@@ -29,6 +29,7 @@ COMBINATIONS = {
     "opr": dict(opr_modes=2),
     "opr+intensity": dict(opr_modes=2, fit_intensity=True),
     "positions+intensity": dict(refine_positions=True, fit_intensity=True),
+    "positions+opr": dict(refine_positions=True, opr_modes=2),
     "positions+opr+intensity": dict(refine_positions=True, opr_modes=2, fit_intensity=True),
 }
 #: Epochs before the loss-rise check (the plain run's own momentum overshoots in its first ones).
