@@ -110,8 +110,8 @@ def gpu_step_budget(device_bytes: int | None) -> int | None:
     """The chunk step's memory budget on GPU workers whose smallest device has ``device_bytes``
     (None: unknown, the host rule's budget applies).
 
-    A GPU chunk step costs about 6 ms whatever its size (kernel launches and Python for ~165
-    array calls; one H100, 262,144 × 128²: 656 steps of ~400 patterns, 4.4 s an epoch, where the
+    A GPU chunk step costs about 6 ms whatever its size (kernel launches, Python and the task
+    around them; one H100, 262,144 × 128²: 656 steps of ~400 patterns, 4.4 s an epoch, where the
     bandwidth floor of the same work is 0.55 s), so the step is made as long as the device allows:
     :data:`GPU_STEP_SHARE` of its memory, at most :data:`GPU_STEP_BYTES`. It depends on the
     device's size, not on how many workers share it, so that the chunks (and the reduction
