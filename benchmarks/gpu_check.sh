@@ -31,6 +31,8 @@
 # CHUNK_LENGTHS (default none): chunk lengths to run the largest size with on one worker, after
 # the default rule's run (e.g. "6394", the host rule's chunks at 262,144: each round steps through chunk/R).
 # HEAVY_SIZE (default none): run 12 probe modes x 6 slices on one worker at that size (3 epochs).
+# ROUND_COST_SIZE (default none): bench_round_cost.py at that size: ms per extra round with one
+# worker, and with the first of WORKERS sharing the GPU as replicas and as tiles.
 # ENGINES (default "lsqml"): "lsqml ad" adds AD's bench_epoch with one worker at each size.
 # WORKERS (default "2"): the counts of workers sharing the one GPU for the multi-worker bench_epoch
 # steps (layout: daskpty's default, tiles where workers share a GPU, then replicas at the first count).
@@ -146,6 +148,12 @@ for len_ in ${CHUNK_LENGTHS:-}; do
   step "bench_epoch gpu ${last} x 128^2, chunks of ${len_}" 300 "$PY" benchmarks/bench_epoch.py --backend gpu \
       --workers 1 $(data_for "$last") --epochs "$EPOCHS" --plan-cache --chunk-length "$len_"
 done
+# A round's fixed cost per layout (the tiles' task chain beside the replicas'), when ROUND_COST_SIZE names one of SIZES.
+if [ -n "${ROUND_COST_SIZE:-}" ]; then
+  # shellcheck disable=SC2046
+  step "bench_round_cost gpu ${ROUND_COST_SIZE} x 128^2" 300 "$PY" benchmarks/bench_round_cost.py --backend gpu \
+      --workers "${WORKERS%% *}" $(data_for "$ROUND_COST_SIZE") --epochs 5
+fi
 # The PtyRAD paper's heavy case (12 probe modes x 6 slices) on one worker, when HEAVY_SIZE names
 # one of SIZES (its patterns/s beside PtyRAD's 2,880 on a whole A100-80GB).
 if [ -n "${HEAVY_SIZE:-}" ]; then
