@@ -467,13 +467,14 @@ def _resolve_device_and_chunks(client, execution, n_patterns, n, modes, object_s
     is refused here rather than stalling a worker (``tiles``: the object in that many row tiles;
     ``one_round_later``: a step may become a whole chunk, :mod:`~daskpty.execution.round_switch`)."""
     device, length = execution.device, execution.chunk_length
+    device_bytes = worker_device_memory(client) if device != "cpu" else None   # (one query for both)
     if device == "auto":
-        device = "gpu" if workers_have_gpus(client) else "cpu"
+        device = "gpu" if device_bytes is not None else "cpu"
     # A step is slice round::rounds of a chunk, but its object box spans the whole chunk's scan
     # area: only on GPUs (device memory to spare, a fixed cost per step) are chunks made longer.
     slices = gpu_steps_per_chunk(device, 1 if one_round_later else int(execution.rounds_per_epoch))
     if length is None:
-        budget = gpu_step_budget(worker_device_memory(client)) if device == "gpu" else None
+        budget = gpu_step_budget(device_bytes) if device == "gpu" else None
         length = choose_chunk_length(client, n_patterns, n, modes, thick.working_factor, steps_per_chunk=slices,
                                      step_budget=budget)
         fitting = largest_fitting_chunk(client, n, modes, object_shape, thick.working_factor, tiles, reach,

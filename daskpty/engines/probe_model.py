@@ -370,17 +370,18 @@ def flatten_brightness(values, positions, sigma: float) -> np.ndarray:
     return values * np.exp(-smooth)[:, None]
 
 
-def flattens(options: ProbeModelOptions, epoch: int | None) -> bool:
+def flattens(options: ProbeModelOptions, epoch: int) -> bool:
     """Whether the steps of ``epoch`` leave the intensity factors' smooth part to the object
     (``flat_brightness``, from ``flat_from_epoch`` on)."""
     if not options.flat_brightness:
         return False
-    return options.flat_from_epoch is None or epoch is None or int(epoch) >= options.flat_from_epoch
+    return options.flat_from_epoch is None or int(epoch) >= options.flat_from_epoch
 
 
-def flatten_model_local(new: dict, positions, options: ProbeModelOptions, n: int, epoch: int | None = None) -> dict:
+def flatten_model_local(new: dict, positions, options: ProbeModelOptions, n: int, epoch: int) -> dict:
     """``new`` with the intensity factors flattened over the scan (:func:`flatten_brightness`,
-    σ = :data:`BRIGHTNESS_SCALE` · n for patterns of n² pixels) when ``options.flat_brightness``.
+    σ = :data:`BRIGHTNESS_SCALE` · n for patterns of n² pixels) when the steps of ``epoch`` do
+    (:func:`flattens`).
 
     A brightness that varies smoothly over the scan is the same data as a smooth object
     amplitude (each window sees one number either way), so the data cannot say which of the two

@@ -123,7 +123,7 @@ def gpu_step_budget(device_bytes: int | None) -> int | None:
 
 def worker_device_memory(client) -> int | None:
     """Bytes of the smallest CUDA device (GPU or MIG slice) any worker of ``client`` sees, from
-    CuPy (None where a worker sees none)."""
+    CuPy (None where a worker sees none, or there are no workers)."""
     def probe():
         try:
             import cupy
@@ -194,16 +194,7 @@ def _to_device(block):
 
 def workers_have_gpus(client) -> bool:
     """True when every worker of ``client`` sees a CUDA device through CuPy."""
-    def probe():
-        try:
-            import cupy
-
-            return cupy.cuda.runtime.getDeviceCount() > 0
-        except Exception:
-            return False
-
-    answers = client.run(probe)
-    return bool(answers) and all(answers.values())
+    return worker_device_memory(client) is not None
 
 
 def worker_gpus(client) -> dict:
