@@ -135,7 +135,8 @@ def _fake_cupy(calls):
         ifftshift=lambda a, axes=None: np.fft.ifftshift(a, axes=axes).view(DeviceArray))
     stream = types.SimpleNamespace(synchronize=lambda: None)
     cp.cuda = types.SimpleNamespace(get_current_stream=lambda: stream,
-                                    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
+                                    runtime=types.SimpleNamespace(getDeviceCount=lambda: 1,
+                                                                  memGetInfo=lambda: (15 * 2**30, 16 * 2**30)))
     cupyx = types.ModuleType("cupyx")
     cupyx.scipy = types.SimpleNamespace(fft=types.SimpleNamespace(  # in-place capable transforms
         fft2=counted("fft", lambda a, norm=None, overwrite_x=False: np.fft.fft2(a, norm=norm).view(DeviceArray)),
