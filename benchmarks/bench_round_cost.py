@@ -8,8 +8,8 @@ Usage (not run in CI):
 For each layout, on a fresh cluster, ``reconstruct`` runs at one round per epoch and at
 ``--rounds``; s/epoch is the median after the first two epochs. The difference over the extra
 rounds is a round's fixed cost (exchanges, scheduling, apply) beside its share of the chunk
-steps, which the one-round epoch already holds: where tiles cost more per round than replicas,
-the tile round's task chain (chunks, pieces, totals, shares, apply) is what to fold. Last line:
+steps, which the one-round epoch already holds: a tile round takes two scheduler hops and two
+exchanges (pieces, then the shares of whole-object numbers), a replicas round one. Last line:
 one JSON summary.
 """
 from __future__ import annotations

@@ -90,3 +90,14 @@ def test_the_issue_scan_exchanges_borders_not_the_object():
     # replicas grow with W; a strip has at most two borders, whatever W
     assert figures[8]["replicas"] > 1.5 * figures[2]["replicas"]
     assert figures[8]["halo"] <= 2.05 * figures[2]["halo"] and figures[8]["owner"] <= 2.05 * figures[2]["owner"]
+
+
+def test_rows_meant_for_others_count_what_whole_round_results_would_bring():
+    """Worker 0 would receive, from workers 1 and 2, each one's piece for the other: the rows both
+    hold (18–22), twice; the middle worker's neighbours share no rows."""
+    from daskpty.execution.tiles import Tile
+
+    layout = TileLayout(30, (Tile(0, 0, 10, 0, 12), Tile(1, 10, 20, 8, 22), Tile(2, 20, 30, 18, 30)))
+    assert layout.rows_meant_for_others() == 8
+    two = TileLayout(30, (Tile(0, 0, 15, 0, 20), Tile(1, 15, 30, 10, 30)))
+    assert two.rows_meant_for_others() == 0

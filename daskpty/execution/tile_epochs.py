@@ -17,6 +17,7 @@ from concurrent.futures import CancelledError
 
 import numpy as np
 
+from ..faults import StaleRoundState
 from ..io.epoch_handle import StateLost
 from .cluster import live_workers, wait_for_workers
 from .placement import run_stuck_loose_tasks
@@ -82,8 +83,14 @@ def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds:
     height = int(state.object.shape[-2])
     lazy = int(np.prod(state.object.shape)) * 8 >= lazy_object_bytes()
 
+    fused = True  # until a fused round does not find its state: then split rounds (the same bits)
+
+    # a row of a round's sums: the object's numerator and denominator (complex64 + float32) per layer
+    piece_row_bytes = 12.0 * int(np.prod(state.object.shape[:-2])) * int(state.object.shape[-1])
+
     def layout():
-        return TileGraph(client, data, adapter, height, rounds=rounds, split_every=split_every)
+        return TileGraph(client, data, adapter, height, rounds=rounds, split_every=split_every, fused=fused,
+                         piece_row_bytes=piece_row_bytes)
 
     graph = layout()
     watchdog = Watchdog(data_bytes=data.intensities.nbytes)
@@ -99,7 +106,8 @@ def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds:
         for attempt in range(MAX_EPOCH_RESTARTS + 1):
             wait_for_workers(client, timeout=watchdog.bound(), lost=True)
             run_stuck_loose_tasks(client)  # chunks pinned to workers that are gone: recompute anywhere
-            if set(live_workers(client)) != started_with:  # tiles for the workers there are now
+            if set(live_workers(client)) != started_with or (graph.fused and not fused):  # a new layout
+                graph.close()
                 graph, started_with = layout(), set(live_workers(client))
             try:
                 return action(graph)
@@ -130,11 +138,14 @@ def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds:
             try:
                 graph.wait([pending[1]], timeout=watchdog.bound())
                 epoch, scalars, ended_at, _ = pending[1].result()
-            except (CancelledError, TimeoutError, OSError) as exc:
+            except (CancelledError, StaleRoundState, TimeoutError, OSError) as exc:
                 restarts += 1
                 reason = (f"no epoch finished within {watchdog.bound():.0f} s" if isinstance(exc, TimeoutError)
                           else f"a worker was lost: {exc}" if isinstance(exc, TileWorkerLost)
+                          else f"{exc}" if isinstance(exc, StaleRoundState)
                           else f"a worker was lost ({type(exc).__name__})")
+                if isinstance(exc, StaleRoundState):  # a round task ran away from its state: split rounds
+                    fused = False
                 if restarts > MAX_EPOCH_RESTARTS:
                     raise ReconstructionStalled(f"the tiled reconstruction made no progress after "
                                                 f"{MAX_EPOCH_RESTARTS} restarts of epoch {done + 1} (last: {reason})"
@@ -161,6 +172,7 @@ def tiled_epochs(client, data: ChunkedData, adapter, state, epochs: int, rounds:
             reaches += 1
     finally:
         _release(pending, following)
+        graph.close()
 
 
 __all__ = ["TiledEpochState", "tiled_epochs"]

@@ -19,6 +19,14 @@ in a frame that starts at ``held_start``. A round is then:
    illumination over its own rows);
 3. **the apply** on each tile with every tile's share (a few numbers per worker, in worker order).
 
+**Fused rounds** (the default where every tile's worker is known): the same work as two
+tasks per worker and round (:mod:`.tile_round_tasks`) — round r − 1's update with round r's
+chunk steps, then round r's total with its shares — each keeping what stays on its worker (its
+own pieces, the total, the tile) in the worker's memory for the next; a round is two scheduler
+hops and its two exchanges, where split rounds (every step a task result) take five. A task that
+does not find what it continues raises :class:`~daskpty.faults.StaleRoundState` and the epoch
+loop starts the epoch again on split rounds, the same bits.
+
 The epoch's end does the same with ``tile_end_sums`` / ``tile_end_epoch``. The probe, the
 scalars and the probe-frame sums travel whole (they are small). Per round, a worker receives the
 pieces of the others' partial sums that touch its tile: the exchange grows with a tile's border,
@@ -31,8 +39,6 @@ epoch loop is :mod:`.tile_epochs`.
 from __future__ import annotations
 
 import copy
-import functools
-import weakref
 import operator
 import time
 import uuid
@@ -40,16 +46,15 @@ import uuid
 import numpy as np
 
 from ..faults import TileWorkerLost, TilesUnsupported  # noqa: F401 (also named here)
-from ..engines.partials import BoxedArray, Partial, covers, sum_partials_into, sum_partials_releasing
 from ..engines.tile_frame import TileFrame, with_frame
-from .device_state import follow_partials, has_device_arrays, resident, to_host
+from .device_state import has_device_arrays, to_host
 from .engine_protocol import RunsOnTiles
 from .epoch_graph import EpochCarry
-from .placement import GraphInputs, read_chunk, run_stuck_loose_tasks
-from .rounds import ChunkedData, FixedTree, count_reduced, default_split_every, run_chunk
+from .placement import GraphInputs, run_stuck_loose_tasks
+from .rounds import ChunkedData, FixedTree, default_split_every
 from . import tile_halo
+from . import tile_round_tasks as rt
 from .tiles import TileLayout
-from .tuning import release_memory
 
 
 def check_tiles_supported(adapter) -> None:
@@ -86,7 +91,7 @@ def own_rows_on_host(carry: EpochCarry, fields: tuple, own: tuple, chunks) -> tu
     rows (what the client stitches), and its chunks' per-pattern state.
 
     On the host the rows are views of the epoch's end: nothing writes into an epoch's end (the
-    next epoch's update and end work on arrays of their own, :func:`_tile_apply`), and copies
+    next epoch's update and end work on arrays of their own, :func:`.tile_round_tasks.round_apply`), and copies
     held while a checkpoint is written took another 20 B per pixel of the tile on every worker."""
     state = carry.state
     return (to_host(crop_state(state, fields, *own, views=not has_device_arrays(state))),
@@ -111,210 +116,13 @@ def stitch_states(parts: list, fields: tuple):
     return out
 
 
-# -- the tasks of one round --------------------------------------------------------------------
-
-
-def _trims(task):
-    """``task``, then the freed heap handed back to the system (:func:`.tuning.release_memory`,
-    when the worker is past half its memory limit). The chunk steps do it after each step; the
-    sums, updates and epoch ends free a tile's worth of temporaries, which otherwise stay in
-    the allocator until the next chunk step and count against the worker's pause threshold."""
-    @functools.wraps(task)
-    def run(*args):
-        out = task(*args)
-        release_memory()
-        return out
-    return run
-
-
-def _piece(part: Partial | None, origin: int, tile, detach: bool = False) -> Partial | None:
-    """``part`` (boxes in the frame of a tile that starts at row ``origin``) as the piece ``tile``
-    receives: its boxes cut to the rows it holds, in its frame; probe-frame sums and scalars whole."""
-    if part is None:
-        return None
-    boxes = {}
-    for name, box in part.boxes.items():
-        y0 = box.offset[0] + origin
-        a, b = max(tile.held_start, y0), min(tile.held_stop, y0 + box.data.shape[-2])
-        if a < b:
-            rows = box.data[..., a - y0:b - y0, :]
-            # a copy when it leaves: a view would keep the whole sum alive here until it arrived
-            boxes[name] = BoxedArray((a - tile.held_start, box.offset[1]), rows.copy() if detach else rows)
-    return Partial(boxes, dict(part.arrays), dict(part.scalars))
-
-
-def _read_with_payload(carry: EpochCarry, adapter, indices, blocks, positions):
-    """``(i, chunk, positions, payload)`` for a worker's chunks in turn: each chunk read when its
-    turn comes (data not persisted: one held at a time, :func:`~.placement.read_chunk`), the
-    payload made once, on the first chunk's device (:func:`~.device_state.resident`)."""
-    payload = None
-    for i, b, p in zip(indices, blocks, positions):
-        b = read_chunk(b)
-        if payload is None:
-            payload = adapter.payload(resident(carry.state, adapter, [b]))
-        yield i, b, p, payload
-
-
-def _tile_chunks(carry: EpochCarry, adapter, layout: TileLayout, w: int, round_index: int, rounds: int,
-                 tree: FixedTree, blocks, positions, indices) -> dict:
-    """Round ``round_index``'s chunk steps on worker ``w``'s tile; returns ``{v: {node: piece}}``,
-    the pieces of its subtree sums for every worker ``v``, and under ``"local"`` its chunks'
-    updated per-pattern state (it stays on this worker)."""
-    tile = layout.tiles[w]
-    # refined positions stay in the object's frame (the payload's tile frame moves the windows)
-    shift = np.array([0.0 if tile_halo.refines_positions(adapter) else tile.held_start, 0.0])
-    parts, local = {}, {}
-    for i, b, p, payload in _read_with_payload(carry, adapter, indices, blocks, positions):
-        own = None
-        if adapter.local_state:
-            own = carry.local.get(i)
-            if own is None:
-                own = adapter.initial_local(p)
-        part = run_chunk(b, np.asarray(p, np.float64) - shift, payload, adapter.chunk_function,
-                         round_index, rounds, own, i)
-        if part is not None and part.local:
-            local.update(part.local)
-            part.local = {}
-        parts[(0, i)] = part
-        parts = tree.reduce(parts)  # as soon as a group is complete: few chunk partials held at once
-    nodes = parts
-    out = {v.worker: {k: _piece(part, tile.held_start, v, detach=v.worker != w) for k, part in nodes.items()}
-           for v in layout.tiles}
-    out["local"] = local
-    return out
-
-
-class _Owned:
-    """The partials a task may change (made or taken over by it), held weakly: by identity."""
-
-    def __init__(self):
-        self._refs = {}
-
-    def add(self, part) -> None:
-        self._refs[id(part)] = weakref.ref(part)
-
-    def __contains__(self, part) -> bool:
-        ref = self._refs.get(id(part))
-        return ref is not None and ref() is part
-
-
-def _summing_in_place(owned: _Owned):
-    """The tree's combine for :func:`_tile_total`: children summed into one that holds them all
-    when that one is this task's own (``owned``), instead of into a new object-sized array; the
-    same values either way."""
-    def combine_fn(kids: list):
-        count = len(kids)
-        at = next((i for i, k in enumerate(kids) if k is not None and k in owned
-                   and covers(k, [c for c in kids if c is not None])), None)
-        if at is None:  # a new sum, which fills as each child is added and let go
-            out = sum_partials_releasing(kids, release_memory)
-        else:
-            out = sum_partials_into(kids, at)
-        kids.clear()
-        if out is not None:
-            count_reduced(out, count)
-            owned.add(out)
-        return out
-    return combine_fn
-
-
-@_trims
-def _tile_total(tree: FixedTree, w: int, *pieces) -> tuple:
-    """Worker ``w``'s round total from every worker's pieces for it (in worker order), and the
-    bytes it received from the others. ``pieces[w]`` is this worker's chunk task's result: its
-    own pieces are taken out of it (nothing else reads them), so the tree sums into them where
-    they hold their siblings and frees them once summed — a tile's sums are not held twice."""
-    nodes, received = {}, 0
-    owned = _Owned()
-    for u, group in enumerate(pieces):
-        if u == w:
-            group = group.pop(w)
-            for p in group.values():
-                if p is not None:
-                    owned.add(p)
-        else:
-            received += sum(p.nbytes for p in group.values() if p is not None)
-        nodes.update(group)
-        group = None
-    pieces = None  # (the reduce pops each node it sums: the last reference to an own piece)
-    return tree.reduce(nodes, _summing_in_place(owned), consume=True, takes_list=True)[tree.root], received
-
-
-@_trims
-def _tile_round_share(summed: tuple, adapter, carry: EpochCarry, own: tuple, copies: int, *earlier) -> dict:
-    """A tile's share of the round's whole-object numbers, and its received bytes (small).
-    ``earlier``: every tile's shares of the earlier stages (``copies`` per stage, stage by stage),
-    for numbers that need others first (a threshold at half the largest illumination)."""
-    total, received = summed
-    stages = [[s["sums"] for s in earlier[i:i + copies]] for i in range(0, len(earlier), copies)]
-    return {"sums": adapter.tile_round_sums(carry.state, total, own, *stages), "received": received}
-
-
-def _merged_shares(shares: tuple, copies: int) -> list:
-    """Every tile's shares of all stages as one dict per tile (in worker order)."""
-    merged = [{} for _ in range(copies)]
-    for i, share in enumerate(shares):
-        merged[i % copies].update(share["sums"])
-    return merged
-
-
-@_trims
-def _tile_apply(carry: EpochCarry, adapter, first: bool, summed: tuple, local: dict, *shares) -> EpochCarry:
-    """The round's update on a tile (``tile_begin_epoch`` first in the epoch's first round);
-    ``local``: this worker's chunks' updated per-pattern state.
-
-    It writes into the tile's arrays: every other task that reads ``carry`` (this round's chunk
-    steps and shares) is done by now, and the epoch's first round works on arrays of its own, so
-    the previous epoch's end, which the client may fetch, stays as it was."""
-    total, _ = summed
-    state = follow_partials(adapter.copy_state(carry.state), adapter, total)
-    scalars = {} if first else dict(carry.scalars)
-    if first:
-        state = adapter.tile_begin_epoch(state)
-    copies = len(shares) // _stages(adapter)
-    state = adapter.tile_apply(state, total, _merged_shares(shares, copies))
-    if total is not None:
-        for k, v in total.scalars.items():
-            scalars[k] = scalars.get(k, 0.0) + v
-    received = max(s["received"] for s in shares[:copies])
-    scalars["exchanged_bytes"] = scalars.get("exchanged_bytes", 0.0) + float(received)
-    return EpochCarry(state, scalars, local={**carry.local, **local})
-
-
-def _stages(adapter) -> int:
-    """Rounds of shares a round's update needs (``RunsOnTiles.tile_round_stages``)."""
-    return int(getattr(adapter, "tile_round_stages", 1))
-
-
-@_trims
-def _tile_end_share(carry: EpochCarry, adapter, own: tuple) -> dict:
-    return adapter.tile_end_sums(carry.state, own)
-
-
-@_trims
-def _tile_end(carry: EpochCarry, adapter, *shares) -> EpochCarry:
-    state = adapter.tile_end_epoch(adapter.copy_state(carry.state), list(shares))
-    return EpochCarry(state, {**carry.scalars, **adapter.epoch_scalars(state)}, time.time(), carry.local)
-
-
-def _tile_sums(carry: EpochCarry, adapter, layout: TileLayout, w: int, tree: FixedTree, blocks, positions,
-               indices) -> dict:
-    """The first epoch's sums (``adapter.tile_sums_function``, e.g. Σ measured and Σ model
-    intensity) of worker ``w``'s chunks on its tile, summed over its complete subtrees."""
-    tile = layout.tiles[w]
-    shift = np.array([tile.held_start, 0.0])
-    parts = {}
-    for i, b, p, payload in _read_with_payload(carry, adapter, indices, blocks, positions):
-        parts[(0, i)] = adapter.tile_sums_function(b, np.asarray(p, np.float64) - shift, payload)
-        parts = tree.reduce(parts)
-    return parts
-
-
-def _summary(carry: EpochCarry) -> tuple:
-    return carry.state.epoch, carry.scalars, carry.ended_at, has_device_arrays(carry.state)
-
-
 # -- the graph ---------------------------------------------------------------------------------
+
+
+#: Bytes of pieces meant for other workers a worker may receive to save a round a hop: ~4 ms,
+#: what one graph level costs with worker processes (docs/benchmarks.md), at ~1 GB/s through host
+#: memory (GPU workers sharing a device, docs/gpu.md).
+DIRECT_BYTES = 4 << 20
 
 
 class TileGraph:
@@ -322,7 +130,7 @@ class TileGraph:
     holds chunks, the strips cut where the workers' chunks meet."""
 
     def __init__(self, client, data: ChunkedData, adapter, object_height: int, *, rounds: int = 1,
-                 split_every: int | None = None):
+                 split_every: int | None = None, fused: bool = True, piece_row_bytes: float = float("inf")):
 
         self.client, self.adapter, self.rounds = client, adapter, int(rounds)
         self.split_every = max(2, int(split_every or default_split_every(data.n_chunks)))
@@ -333,10 +141,28 @@ class TileGraph:
         n = int(data.intensities.shape[-1])
         self.layout = TileLayout.from_chunks(placed.chunk_positions, placed.worker_of, n, object_height,
                                              reach=tile_halo.reach(adapter, n), margin=tile_halo.margin(adapter))
+        # fused rounds keep state in a worker's memory: only with every tile's worker to pin them to
+        self.fused = fused and None not in self.workers
+        # Fused rounds: a worker receives the others' whole round results (one hop less) unless
+        # that brings it more than DIRECT_BYTES of pieces meant for third workers; then its own
+        # pieces, taken out on their worker (``picked``). Two workers: only the other's pieces are
+        # in a result. ``piece_row_bytes``: a row of a round's summed object-frame arrays.
+        others = self.layout.rows_meant_for_others()
+        self.picked = others > 0 and others * float(piece_row_bytes) > DIRECT_BYTES
         self.count = 0
 
     def _on(self, w: int) -> dict:
-        return self._placed.on(w)
+        """Where worker ``w``'s tasks run: there only when rounds are fused (their tasks read what
+        the previous one kept there), else loosely (:meth:`.placement.GraphInputs.on`)."""
+        return self._placed.on(w, strict=self.fused)
+
+    def close(self) -> None:
+        """Forget what fused rounds of this graph left on the workers (an interrupted epoch)."""
+        if self.fused:
+            try:
+                self.client.run(rt.drop_kept, self.token)
+            except Exception:  # a worker gone meanwhile has nothing left to drop
+                pass
 
     def own(self, w: int) -> tuple:
         """Worker ``w``'s own rows in its tile's frame."""
@@ -368,11 +194,38 @@ class TileGraph:
         tasks = [{} for _ in range(copies)]
         tree = FixedTree(len(self.block_keys), self.split_every)
         carries = [f.key for f in starts]
+        if self.fused:
+            carries = self._fused_rounds(tasks, carries, tree, tag)
+        else:
+            carries = self._split_rounds(tasks, carries, tree, tag)
+        if tile_halo.refines_positions(self.adapter):
+            carries = self._finish_positions(tasks, carries, tag)
+        end_shares, ends = [], []
+        for v in range(copies):
+            end_shares.append((f"daskpty-tile-end-share-{tag}", v))
+            tasks[v][end_shares[v]] = (rt.end_share, carries[v], self.adapter_key, self.own(v))
+        for v in range(copies):
+            ends.append((f"daskpty-tile-end-{tag}", v))
+            tasks[v][ends[v]] = (rt.end_epoch, carries[v], self.adapter_key, *end_shares)
+        summary = (f"daskpty-tile-summary-{tag}", 0)
+        layers = {"inputs": MaterializedLayer(inputs)}
+        for w in range(copies):
+            layers[f"daskpty-tile-epoch-{tag}-{w}"] = MaterializedLayer(tasks[w], annotations=self._on(w) or None)
+        layers[f"daskpty-tile-summary-{tag}"] = MaterializedLayer({summary: (rt.summary, ends[0])},
+                                                                  annotations=self._on(0) or None)
+        graph = HighLevelGraph(layers, {name: set() for name in layers})
+        futures = self.client.get(graph, [*ends, summary], sync=False)
+        return futures[:copies], futures[copies]
+
+    def _split_rounds(self, tasks: list, carries: list, tree: FixedTree, tag: str) -> list:
+        """The epoch's rounds as split tasks (chunk steps, pieces, total, shares, update: five hops
+        a round, everything a task result); returns the last update's keys."""
+        copies = len(carries)
         for r in range(self.rounds):
             chunk_keys = []
             for w, chunks in enumerate(self.groups):
                 key = (f"daskpty-tile-chunks-{r}-{tag}", w)
-                tasks[w][key] = (_tile_chunks, carries[w], self.adapter_key, self.layout, w, r, self.rounds, tree,
+                tasks[w][key] = (rt.chunk_steps, carries[w], self.adapter_key, self.layout, w, r, self.rounds, tree,
                                  [self.block_keys[i] for i in chunks], [self.position_keys[i] for i in chunks],
                                  chunks)
                 chunk_keys.append(key)
@@ -391,37 +244,58 @@ class TileGraph:
             summed, shares = [], []
             for v in range(copies):
                 summed.append((f"daskpty-tile-total-{r}-{tag}", v))
-                tasks[v][summed[v]] = (_tile_total, tree, v, *[pieces[w, v] for w in range(copies)])
-            for stage in range(_stages(self.adapter)):  # each stage's shares from all earlier ones
+                tasks[v][summed[v]] = (rt.round_total, tree, v, *[pieces[w, v] for w in range(copies)])
+            for stage in range(rt.stages(self.adapter)):  # each stage's shares from all earlier ones
                 earlier = list(shares)
                 for v in range(copies):
                     shares.append((f"daskpty-tile-share{stage}-{r}-{tag}", v))
-                    tasks[v][shares[-1]] = (_tile_round_share, summed[v], self.adapter_key, carries[v], self.own(v),
+                    tasks[v][shares[-1]] = (rt.round_share, summed[v], self.adapter_key, carries[v], self.own(v),
                                             copies, *earlier)
             new = []
             for v in range(copies):
                 key = (f"daskpty-tile-round-{r}-{tag}", v)
-                tasks[v][key] = (_tile_apply, carries[v], self.adapter_key, r == 0, summed[v], locals_[v], *shares)
+                tasks[v][key] = (rt.round_apply, carries[v], self.adapter_key, r == 0, summed[v], locals_[v], *shares)
                 new.append(key)
             carries = new
-        if tile_halo.refines_positions(self.adapter):
-            carries = self._finish_positions(tasks, carries, tag)
-        end_shares, ends = [], []
-        for v in range(copies):
-            end_shares.append((f"daskpty-tile-end-share-{tag}", v))
-            tasks[v][end_shares[v]] = (_tile_end_share, carries[v], self.adapter_key, self.own(v))
-        for v in range(copies):
-            ends.append((f"daskpty-tile-end-{tag}", v))
-            tasks[v][ends[v]] = (_tile_end, carries[v], self.adapter_key, *end_shares)
-        summary = (f"daskpty-tile-summary-{tag}", 0)
-        layers = {"inputs": MaterializedLayer(inputs)}
+        return carries
+
+    def _fused_rounds(self, tasks: list, carries: list, tree: FixedTree, tag: str) -> list:
+        """The epoch's rounds as fused tasks (:func:`.tile_round_tasks.fused_round`, ``fused_total``:
+        two hops a round, what stays on a worker kept there); returns the last update's keys."""
+        copies, stages = len(carries), rt.stages(self.adapter)
+        picked = self.picked
+        shares = []
+        for r in range(self.rounds):
+            rounds = []
+            for w, chunks in enumerate(self.groups):
+                rounds.append((f"daskpty-tile-fused-{r}-{tag}", w))
+                tasks[w][rounds[w]] = (rt.fused_round, carries[w] if r == 0 else None, self.adapter_key, self.layout,
+                                       w, r, self.rounds, tree, self.token, tag,
+                                       [self.block_keys[i] for i in chunks], [self.position_keys[i] for i in chunks],
+                                       chunks, *shares)
+            groups = {}
+            for w in range(copies):
+                for v in range(copies):
+                    groups[w, v] = rounds[w]
+                    if picked and v != w:
+                        groups[w, v] = (f"daskpty-tile-piece-{r}-{w}-{tag}", v)
+                        tasks[w][groups[w, v]] = (operator.getitem, rounds[w], v)
+            shares = []
+            for v in range(copies):
+                shares.append((f"daskpty-tile-fused-total-{r}-{tag}", v))
+                tasks[v][shares[v]] = (rt.fused_total, self.adapter_key, tree, self.token, tag, v, r, self.own(v),
+                                       copies, picked, *[groups[w, v] for w in range(copies)])
+            for stage in range(1, stages):
+                earlier = list(shares)
+                for v in range(copies):
+                    shares.append((f"daskpty-tile-fused-share{stage}-{r}-{tag}", v))
+                    tasks[v][shares[-1]] = (rt.fused_share, self.adapter_key, self.token, tag, v, r, self.own(v),
+                                            copies, *earlier)
+        new = []
         for w in range(copies):
-            layers[f"daskpty-tile-epoch-{tag}-{w}"] = MaterializedLayer(tasks[w], annotations=self._on(w) or None)
-        layers[f"daskpty-tile-summary-{tag}"] = MaterializedLayer({summary: (_summary, ends[0])},
-                                                                  annotations=self._on(0) or None)
-        graph = HighLevelGraph(layers, {name: set() for name in layers})
-        futures = self.client.get(graph, [*ends, summary], sync=False)
-        return futures[:copies], futures[copies]
+            new.append((f"daskpty-tile-updated-{tag}", w))
+            tasks[w][new[w]] = (rt.fused_last_update, self.adapter_key, self.token, tag, w, self.rounds, *shares)
+        return new
 
     def _finish_positions(self, tasks: list, carries: list, tag: str) -> list:
         """The refinement's epoch end on every tile, then each halo's rows from their owners
@@ -458,7 +332,7 @@ class TileGraph:
         starts = self.scatter_tiles(state)
         tree = FixedTree(len(self.block_keys), self.split_every)
         tasks = [{(f"daskpty-tile-sums-{self.token}", w): (
-            _tile_sums, starts[w].key, self.adapter_key, self.layout, w, tree,
+            rt.first_sums, starts[w].key, self.adapter_key, self.layout, w, tree,
             [self.block_keys[i] for i in chunks], [self.position_keys[i] for i in chunks], chunks)}
             for w, chunks in enumerate(self.groups)]
         keys = [next(iter(t)) for t in tasks]

@@ -116,6 +116,17 @@ class TileLayout:
                 out[t.worker] = BoxedArray((a, x0), box.data[..., a - y0:b - y0, :])
         return out
 
+    def rows_meant_for_others(self) -> int:
+        """The most rows any worker would receive that are not its own pieces, were each worker
+        sent the other workers' whole round results (every piece they cut, for every worker):
+        ``Σ_w Σ_u rows held by w and by u``, over the workers ``w``, ``u`` other than it and
+        each other (the rows a sender's sums can reach are the rows it holds)."""
+        def overlap(a: Tile, b: Tile) -> int:
+            return max(0, min(a.held_stop, b.held_stop) - max(a.held_start, b.held_start))
+
+        return max((sum(overlap(w, u) for w in self.tiles for u in self.tiles
+                        if len({w.worker, u.worker, v.worker}) == 3) for v in self.tiles), default=0)
+
     def received_bytes(self, boxes_by_worker: dict, bytes_per_pixel: float, strategy: str,
                        width: int | None = None, halo_bytes_per_pixel: float = 8.0) -> np.ndarray:
         """Bytes each worker receives in one round (W,) for the boxes (``(y0, x0, y1, x1)``) of
