@@ -263,6 +263,7 @@ def fused_round(start, adapter, layout: TileLayout, w: int, round_index: int, ro
         carry = start
     else:
         _, _, _, carry, summed, local = _kept(token, w, tag, round_index - 1, "total")
+        _TILE_STATES[(token, w)] = None  # (the total is freed with the update, not kept through the steps)
         carry = round_apply(carry, adapter, round_index == 1, summed, local, *shares)
         summed = local = None
     out = chunk_steps(carry, adapter, layout, w, round_index, rounds, tree, blocks, positions, indices)
@@ -295,8 +296,7 @@ def fused_last_update(adapter, token: str, tag: str, w: int, rounds: int, *share
     """The epoch's last round's update on worker ``w``'s tile, as a task result (the epoch's end
     tasks take it from here)."""
     _, _, _, carry, summed, local = _kept(token, w, tag, rounds - 1, "total")
-    with _TILE_STATES_LOCK:
-        _TILE_STATES.pop((token, w), None)
+    _TILE_STATES[(token, w)] = None
     return round_apply(carry, adapter, rounds == 1, summed, local, *shares)
 
 
