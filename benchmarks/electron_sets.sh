@@ -26,3 +26,8 @@ $make -o "$dir/h2.npz" --slabs 3 --slab-cells 3 --dose 2e4 --semiangle 28 --defo
     --rotation -1.2 --noise-rms 0.3 --seed 12
 $make -o "$dir/h3.npz" --slab-cells 4 --defocus 50 --grid 18 --step 4 --scale 0.008 --rotation 1.0 --noise-rms 0.4 --seed 13
 $make -o "$dir/h4.npz" --slabs 2 --slab-cells 4 --slices-per-slab 1 --dose 3e4 $common --seed 14
+# made apart from everything above: scan errors beyond the tuned range (3 % and -2 % scale, 2 deg), none (noise only)
+$make -o "$dir/u1.npz" --slabs 3 --slab-cells 4 --grid 18 --step 4 --scale 0.03 --rotation 2 --noise-rms 0.4 --defocus 120 --seed 21
+$make -o "$dir/u2.npz" --slabs 4 --slab-cells 3 --grid 18 --step 4 --scale -0.02 --rotation -2 --noise-rms 0.5 --dose 5e4 \
+    --semiangle 22 --defocus 60 --seed 22
+$make -o "$dir/u3.npz" --slabs 2 --slab-cells 5 --grid 18 --step 3.5 --scale 0.0 --rotation 0 --noise-rms 0.6 --seed 23
