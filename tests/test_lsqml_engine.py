@@ -111,13 +111,13 @@ def _reference_chunk_step(obj, probe, y, positions, options, update_probe, valid
         probe_sum = shift_probe_adjoint(np.conj(patches)[:, None] * chi, ramps)
         b = shift_probe(probe_sum / np.float32(B), ramps) * patches[:, None]
         b_chi, b_b, a_b = dot(b, chi), dot(b, b), dot(a, b)
-        a_a = a_a + options.tikhonov * a_a.mean() + 1e-30
-        b_b = b_b + options.tikhonov * b_b.mean() + 1e-30
+        a_a = a_a + options.step_tikhonov * a_a.mean() + 1e-30
+        b_b = b_b + options.step_tikhonov * b_b.mean() + 1e-30
         det = a_a * b_b - a_b**2
         alpha_o = np.clip((b_b * a_chi - a_b * b_chi) / det, 0, None)
         alpha_p = lsqml._trimmed_mean(np.clip((a_a * b_chi - a_b * a_chi) / det, 0, None), np)
     else:
-        alpha_o = np.clip(a_chi / (a_a * (1 + options.tikhonov) + 1e-30), 0, None)
+        alpha_o = np.clip(a_chi / (a_a * (1 + options.step_tikhonov) + 1e-30), 0, None)
         alpha_p, probe_sum = 0.0, None
     alpha_o = lsqml._trimmed_mean(alpha_o, np)
     mask = 1.0 if valid is None else valid
@@ -207,6 +207,25 @@ def test_the_preconditioner_floor_follows_the_slices():
         assert options.delta is None and adapter.options.object_delta == want
     with pytest.raises(ValueError, match="delta"):
         LSQMLOptions(delta=0.0)
+
+
+def test_the_step_system_regularisation_follows_the_slices():
+    """tikhonov=None: 0.01 for one slice (also unresolved), 1.0 through K > 1 slices, resolved
+    when the adapter takes the sample; a given tikhonov is kept."""
+    from daskpty.engines.sample_options import SampleOptions
+    from daskpty.execution.engine_registry import engine_spec
+    from daskpty.execution.parts import sample_model
+
+    LSQMLOptions = lsqml.LSQMLOptions
+    assert LSQMLOptions().tikhonov is None and LSQMLOptions().step_tikhonov == 0.01
+    assert [LSQMLOptions().for_slices(k).step_tikhonov for k in (1, 2, 5)] == [0.01, 1.0, 1.0]
+    assert LSQMLOptions(tikhonov=0.3).for_slices(3).step_tikhonov == 0.3
+    sample = SampleOptions(slices=3, slice_spacing_m=2e-9, wavelength_m=1.97e-12,
+                           object_pixel_size_m=0.25e-10).resolve(None, 32)
+    options, adapter = engine_spec("lsqml").make("gaussian", sample=sample_model(sample), slices=sample.n_slices)
+    assert adapter.options.step_tikhonov == 1.0
+    with pytest.raises(ValueError, match="tikhonov"):
+        LSQMLOptions(tikhonov=-1.0)
 
 
 def test_poisson_through_slices_warms_up_with_the_gaussian_model():

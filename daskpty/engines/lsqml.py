@@ -47,6 +47,14 @@ MOMENTUM = 0.5
 #: a switch at 10 or 15 within 1.5 % of 5; daskpty's own 2- and 4-slice scans 4–13 % lower with it
 #: than without): docs/benchmarks.md.
 NOISE_WARMUP = 5
+#: The step system's relative regularisation for one slice, and through K > 1 slices
+#: (LSQMLOptions.tikhonov). Through slices the (K + 1)-unknown system per pattern is
+#: ill-conditioned (slices share their low frequencies, the probe trades with the first slice);
+#: a floor of the mean diagonal keeps its solutions from swinging pattern to pattern. Six abTEM
+#: scans of 2–4 slabs, 30 epochs: mean per-slab NRMSE 5–21 % lower on five from a probe 10 % off
+#: in defocus, 2–13 % lower on four from the true probe, at most 3 % higher on the others;
+#: daskpty's own 3-slice preset within 1 % (docs/benchmarks.md).
+TIKHONOV, SLICES_TIKHONOV = 1e-2, 1.0
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,9 @@ class LSQMLOptions:
         keeps the deeper slices, lit by a spread beam, from taking noisy steps where they are
         barely lit (per-slice NRMSE 15–20 % lower on four of five multislice sets:
         docs/benchmarks.md).
-    tikhonov: relative regularisation of the 2 × 2 step system.
+    tikhonov: relative regularisation of the step-length system (2 × 2 in one slice). None:
+        0.01 for one slice, 1.0 through K > 1 slices (:meth:`for_slices`; read as
+        :attr:`step_tikhonov`).
     probe_start_epoch: first epoch in which the probe is updated (None: never).
     momentum: heavy-ball momentum on the object's per-epoch change (0 disables). None:
         :data:`MOMENTUM`, or 0 through K > 1 slices on low-dose counting data
@@ -79,7 +89,7 @@ class LSQMLOptions:
     noise_warmup: int | None = None
     beta: float = 0.9
     delta: float | None = None
-    tikhonov: float = 1e-2
+    tikhonov: float | None = None
     probe_start_epoch: int | None = 0
     momentum: float | None = None
     orthogonalize: bool = True
@@ -95,6 +105,8 @@ class LSQMLOptions:
             raise ValueError(f"beta must lie in (0, 1], got {self.beta}")
         if not (self.delta is None or self.delta > 0):
             raise ValueError(f"delta must be positive or None, got {self.delta}")
+        if not (self.tikhonov is None or self.tikhonov >= 0):
+            raise ValueError(f"tikhonov must be >= 0 or None, got {self.tikhonov}")
         if not (self.momentum is None or 0 <= self.momentum < 1):
             raise ValueError(f"momentum must lie in [0, 1) or be None, got {self.momentum}")
 
@@ -102,6 +114,11 @@ class LSQMLOptions:
     def object_delta(self) -> float:
         """The preconditioner's δ (``delta``, or one slice's default when unresolved)."""
         return DELTA if self.delta is None else float(self.delta)
+
+    @property
+    def step_tikhonov(self) -> float:
+        """The step system's regularisation (``tikhonov``, or one slice's default when unresolved)."""
+        return TIKHONOV if self.tikhonov is None else float(self.tikhonov)
 
     @property
     def object_momentum(self) -> float:
@@ -116,7 +133,7 @@ class LSQMLOptions:
         return dataclasses.replace(self, noise="gaussian")
 
     def for_slices(self, n_slices: int, counts_per_pixel: float | None = None) -> "LSQMLOptions":
-        """These options with ``delta``, ``momentum`` and ``noise_warmup`` None resolved for an
+        """These options with ``delta``, ``tikhonov``, ``momentum`` and ``noise_warmup`` None resolved for an
         object of ``n_slices`` slices and data of ``counts_per_pixel`` mean counts per detector
         pixel (None: not counting data, e.g. float intensities): :mod:`~daskpty.engines.dose_rule`."""
         low_dose = low_dose_through_slices(n_slices, counts_per_pixel)
@@ -124,9 +141,10 @@ class LSQMLOptions:
         momentum = self.momentum if self.momentum is not None else 0.0 if low_dose else MOMENTUM
         warmup = self.noise_warmup if self.noise_warmup is not None else \
             NOISE_WARMUP if self.noise == "poisson" and n_slices > 1 else 0
-        if (delta, momentum, warmup) == (self.delta, self.momentum, self.noise_warmup):
+        tikhonov = self.tikhonov if self.tikhonov is not None else TIKHONOV if n_slices <= 1 else SLICES_TIKHONOV
+        if (delta, tikhonov, momentum, warmup) == (self.delta, self.tikhonov, self.momentum, self.noise_warmup):
             return self
-        return dataclasses.replace(self, delta=delta, momentum=momentum, noise_warmup=warmup)
+        return dataclasses.replace(self, delta=delta, tikhonov=tikhonov, momentum=momentum, noise_warmup=warmup)
 
 
 #: the state of LSQML (and of the PIE engines): :class:`~.state.EngineState`
@@ -349,9 +367,9 @@ def _fused_steps(c, obj_dir, probe_dir_ft, options, variable, kept, kept2, work=
         (a_chi[batch], b_chi[batch], a_a[batch], b_b[batch], a_b[batch]) = kernels.step_dots(
             d, kept[batch], bb, kept2[batch], work=None if a is None else a[:b])
     if probe_dir_ft is None:
-        return [trimmed_mean(xp.clip(a_chi / (a_a * (1 + options.tikhonov) + 1e-30), 0.0, None), xp)]
-    a_a = a_a + options.tikhonov * a_a.mean() + 1e-30
-    b_b = b_b + options.tikhonov * b_b.mean() + 1e-30
+        return [trimmed_mean(xp.clip(a_chi / (a_a * (1 + options.step_tikhonov) + 1e-30), 0.0, None), xp)]
+    a_a = a_a + options.step_tikhonov * a_a.mean() + 1e-30
+    b_b = b_b + options.step_tikhonov * b_b.mean() + 1e-30
     det = a_a * b_b - a_b * a_b
     alpha_o = xp.clip((b_b * a_chi - a_b * b_chi) / det, 0.0, None)
     alpha_p = xp.clip((a_a * b_chi - a_b * a_chi) / det, 0.0, None)
@@ -382,9 +400,9 @@ def _carried_steps(c, kept, obj_dir, probe_dir_ft, options, variable, stride: in
             gram[:, i, l] = gram[:, l, i] = real_dots(directions[i], directions[l])
     eye, diag = xp.eye(d), xp.diagonal(gram, axis1=1, axis2=2)          # regularised as the 2 × 2
     if probe_dir_ft is not None:
-        gram = gram + (options.tikhonov * diag.mean(axis=0) + 1e-30)[None, :, None] * eye
+        gram = gram + (options.step_tikhonov * diag.mean(axis=0) + 1e-30)[None, :, None] * eye
     else:
-        gram = gram + (options.tikhonov * diag + 1e-30)[:, :, None] * eye
+        gram = gram + (options.step_tikhonov * diag + 1e-30)[:, :, None] * eye
     alpha = xp.clip(xp.linalg.solve(gram, rhs[..., None])[..., 0], 0.0, None)
     return [trimmed_mean(alpha[:, i], xp) for i in range(d)]
 
