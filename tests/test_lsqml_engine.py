@@ -210,7 +210,7 @@ def test_the_preconditioner_floor_follows_the_slices():
 
 
 def test_the_step_system_regularisation_follows_the_slices():
-    """tikhonov=None: 0.01 for one slice (also unresolved), 1.0 through K > 1 slices, resolved
+    """tikhonov=None: 0.01 for one slice (also unresolved), 0.5 through K > 1 slices, resolved
     when the adapter takes the sample; a given tikhonov is kept."""
     from daskpty.engines.sample_options import SampleOptions
     from daskpty.execution.engine_registry import engine_spec
@@ -218,12 +218,12 @@ def test_the_step_system_regularisation_follows_the_slices():
 
     LSQMLOptions = lsqml.LSQMLOptions
     assert LSQMLOptions().tikhonov is None and LSQMLOptions().step_tikhonov == 0.01
-    assert [LSQMLOptions().for_slices(k).step_tikhonov for k in (1, 2, 5)] == [0.01, 1.0, 1.0]
+    assert [LSQMLOptions().for_slices(k).step_tikhonov for k in (1, 2, 5)] == [0.01, 0.5, 0.5]
     assert LSQMLOptions(tikhonov=0.3).for_slices(3).step_tikhonov == 0.3
     sample = SampleOptions(slices=3, slice_spacing_m=2e-9, wavelength_m=1.97e-12,
                            object_pixel_size_m=0.25e-10).resolve(None, 32)
     options, adapter = engine_spec("lsqml").make("gaussian", sample=sample_model(sample), slices=sample.n_slices)
-    assert adapter.options.step_tikhonov == 1.0
+    assert adapter.options.step_tikhonov == 0.5
     with pytest.raises(ValueError, match="tikhonov"):
         LSQMLOptions(tikhonov=-1.0)
 

@@ -50,11 +50,12 @@ NOISE_WARMUP = 5
 #: The step system's relative regularisation for one slice, and through K > 1 slices
 #: (LSQMLOptions.tikhonov). Through slices the (K + 1)-unknown system per pattern is
 #: ill-conditioned (slices share their low frequencies, the probe trades with the first slice);
-#: a floor of the mean diagonal keeps its solutions from swinging pattern to pattern. Six abTEM
-#: scans of 2–4 slabs, 30 epochs: mean per-slab NRMSE 5–21 % lower on five from a probe 10 % off
-#: in defocus, 2–13 % lower on four from the true probe, at most 3 % higher on the others;
-#: daskpty's own 3-slice preset within 1 % (docs/benchmarks.md).
-TIKHONOV, SLICES_TIKHONOV = 1e-2, 1.0
+#: a floor of half the mean diagonal keeps its solutions from swinging pattern to pattern. Seven
+#: abTEM scans of 2–4 slabs, 30 epochs: mean per-slab NRMSE 5–16 % lower on five of six from a
+#: probe 10 % off in defocus (1.4 % higher on one), 0–11 % lower from the true probe (0.5 %
+#: higher on one); daskpty's own weak-phase 2- and 3-slice sets 0.4–1.8 % higher (1.0: 4–6 %,
+#: 0.3: ±0.5 % with half the gain), its electron preset within 1 % (docs/benchmarks.md).
+TIKHONOV, SLICES_TIKHONOV = 1e-2, 0.5
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ class LSQMLOptions:
         barely lit (per-slice NRMSE 15–20 % lower on four of five multislice sets:
         docs/benchmarks.md).
     tikhonov: relative regularisation of the step-length system (2 × 2 in one slice). None:
-        0.01 for one slice, 1.0 through K > 1 slices (:meth:`for_slices`; read as
+        0.01 for one slice, 0.5 through K > 1 slices (:meth:`for_slices`; read as
         :attr:`step_tikhonov`).
     probe_start_epoch: first epoch in which the probe is updated (None: never).
     momentum: heavy-ball momentum on the object's per-epoch change (0 disables). None:
