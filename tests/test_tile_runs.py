@@ -279,3 +279,21 @@ def test_a_worker_killed_mid_run_on_tiles_gives_the_undisturbed_bits(tmp_path, m
     np.testing.assert_array_equal(a.object, b.object)
     np.testing.assert_array_equal(a.probe, b.probe)
     assert [h["epoch"] for h in ha] == [h["epoch"] for h in hb] == [1, 2, 3, 4, 5]
+
+
+def test_tiles_take_lsqml_options_left_unresolved(client):
+    """``LSQMLOptions()`` as built (momentum None: the engine's default, read as
+    ``object_momentum``) runs on tiles as on replicas; the epoch end's momentum test read the raw
+    None and stopped with a TypeError."""
+    ds = make_dataset(grid=10, seed=2)
+    runs = {}
+    for tiles in (True, False):
+        with client.as_current():
+            data = prepare_data(client, ds.intensities, ds.positions, chunk_length=20, persist=True, row_bands=True)
+        adapter = LSQMLAdapter(lsqml.LSQMLOptions())
+        start = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
+        runs[tiles], _ = run_epochs(client, data, adapter, start, epochs=3, rounds_per_epoch=2, split_every=2,
+                                    tiles=tiles)
+    assert runs[True].velocity is not None  # the momentum ran on the tiles too
+    scale = np.abs(runs[False].object).max()
+    np.testing.assert_allclose(runs[True].object, runs[False].object, rtol=0, atol=2e-5 * scale)

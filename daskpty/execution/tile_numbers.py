@@ -126,7 +126,9 @@ def _slice_sums(state, own: tuple, moves: bool, momentum: float) -> dict:
 def end_share(names: tuple, state, options, own: tuple) -> dict:
     """This tile's share of the epoch end's numbers ``names`` over its own rows."""
     out = {}
-    momentum = getattr(options, "momentum", 0.0) if "agree" in names else 0.0
+    # (the engine's resolved momentum, as its own epoch end reads it: LSQML's None is its default)
+    momentum = float(getattr(options, "object_momentum", getattr(options, "momentum", 0.0)) or 0.0) \
+        if "agree" in names else 0.0
     moves = momentum > 0 and state.epoch_start_object is not None and state.velocity is not None
     if moves:
         xp, dot = get_xp(state.object), 0.0
