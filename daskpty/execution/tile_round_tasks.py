@@ -259,13 +259,7 @@ def fused_round(start, adapter, layout: TileLayout, w: int, round_index: int, ro
     every worker's shares of it; the total kept by :func:`fused_total`), or ``start`` in round 0,
     then this round's chunk steps. Keeps its own pieces on the worker; returns the others'
     (``{v: {node: piece}}``)."""
-    if round_index == 0:
-        carry = start
-    else:
-        _, _, _, carry, summed, local = _kept(token, w, tag, round_index - 1, "total")
-        _TILE_STATES[(token, w)] = None  # (the total is freed with the update, not kept through the steps)
-        carry = round_apply(carry, adapter, round_index == 1, summed, local, *shares)
-        summed = local = None
+    carry = start if round_index == 0 else _kept_update(adapter, token, tag, w, round_index - 1, shares)
     out = chunk_steps(carry, adapter, layout, w, round_index, rounds, tree, blocks, positions, indices)
     _TILE_STATES[(token, w)] = (tag, round_index, "pieces", carry, out.pop(w), out.pop("local"))
     return out
@@ -279,7 +273,7 @@ def fused_total(adapter, tree: FixedTree, token: str, tag: str, v: int, round_in
     the first stage's whole-object numbers (returned: it travels)."""
     _, _, _, carry, mine, local = _kept(token, v, tag, round_index, "pieces")
     pieces = [{v: mine} if u == v else group if picked else group[v] for u, group in enumerate(groups)]
-    _TILE_STATES[(token, v)] = None  # (the pieces are the total's from here: summed into, then freed)
+    _TILE_STATES.pop((token, v), None)  # (the pieces are the total's from here: summed into, then freed)
     mine = groups = None
     summed = round_total(tree, v, *pieces)
     _TILE_STATES[(token, v)] = (tag, round_index, "total", carry, summed, local)
@@ -295,9 +289,15 @@ def fused_share(adapter, token: str, tag: str, v: int, round_index: int, own: tu
 def fused_last_update(adapter, token: str, tag: str, w: int, rounds: int, *shares) -> EpochCarry:
     """The epoch's last round's update on worker ``w``'s tile, as a task result (the epoch's end
     tasks take it from here)."""
-    _, _, _, carry, summed, local = _kept(token, w, tag, rounds - 1, "total")
-    _TILE_STATES[(token, w)] = None
-    return round_apply(carry, adapter, rounds == 1, summed, local, *shares)
+    return _kept_update(adapter, token, tag, w, rounds - 1, shares)
+
+
+def _kept_update(adapter, token: str, tag: str, w: int, round_index: int, shares: tuple) -> EpochCarry:
+    """Round ``round_index``'s update on worker ``w``'s tile from the total :func:`fused_total`
+    kept there; the entry is let go first, so the total goes with the update."""
+    _, _, _, carry, summed, local = _kept(token, w, tag, round_index, "total")
+    _TILE_STATES.pop((token, w), None)
+    return round_apply(carry, adapter, round_index == 0, summed, local, *shares)
 
 
 def drop_kept(token: str) -> None:
