@@ -14,6 +14,7 @@ from daskpty.physics.multislice import (
     multislice_vjp,
     transmit,
     transmit_adjoint,
+    transmit_sum,
 )
 from daskpty.physics.propagation import (
     angular_spectrum,
@@ -25,7 +26,7 @@ from daskpty.physics.propagation import (
 )
 from daskpty.simulate.multislice import simulate_multislice
 
-from synthetic import make_dataset, slice_model
+from synthetic import make_dataset, slice_model, whole_block
 
 LAM = 1.9687e-12   # 300 kV electrons
 DX = 0.25e-10
@@ -116,6 +117,26 @@ def test_multislice_adjoint_wrt_probe_waves_and_each_slice():
     # transmit / transmit_adjoint
     w = crandn(rng, q.shape)
     assert adjoint_error(transmit(w, slices, kernel, 0), y, w, transmit_adjoint(y, slices, kernel, 0)) < 1e-12
+
+
+def test_transmit_sum_is_every_slice_change_carried_to_the_exit():
+    """Σ_k T_k(c_k) by Horner's rule equals the sum of the separate carries, and it is the exit
+    wave's derivative when every slice moves at once: central differences of the forward model
+    along δO (all slices) match Σ_k T_k(δO_k φ_k)."""
+    rng = np.random.default_rng(4)
+    kernel, slices, q = _ms_inputs(rng)
+    changes = [crandn(rng, q.shape) for _ in range(slices.shape[0])]
+    separate = sum(transmit(c, slices, kernel, k) for k, c in enumerate(changes))
+    np.testing.assert_allclose(transmit_sum(iter(changes), slices, kernel), separate, rtol=1e-12, atol=1e-12)
+    assert transmit_sum([changes[0]], slices[:1], kernel) is not changes[0]   # a new array
+    delta = crandn(rng, slices.shape)
+    _, incident = multislice_forward(q, slices, kernel)
+    carried = transmit_sum((delta[k][:, None] * incident[k] for k in range(slices.shape[0])), slices, kernel)
+    t = 1e-4
+    plus, _ = multislice_forward(q, slices + t * delta, kernel, keep=False)
+    minus, _ = multislice_forward(q, slices - t * delta, kernel, keep=False)
+    fd = (plus - minus) / (2 * t)
+    assert np.linalg.norm(fd - carried) < 1e-7 * np.linalg.norm(carried)
 
 
 def test_one_slice_is_the_single_slice_exit_wave():
@@ -406,3 +427,43 @@ def test_sampled_step_system_gives_the_full_step_lengths(update_probe):
     np.testing.assert_allclose(sampled.boxes["object"].data, full.boxes["object"].data * scale, rtol=1e-4, atol=1e-6)
     np.testing.assert_array_equal(sampled.boxes["illumination"].data, full.boxes["illumination"].data)
     assert sampled.scalars["loss"] == full.scalars["loss"]
+
+
+def test_slices_take_one_step_the_least_squares_step_of_their_changes_together():
+    """Through slices every slice takes α_O, the trimmed mean over the patterns of
+    Re⟨a_j, χ_j⟩ / ‖a_j‖²: a_j the exit wave's change when every slice moves along its
+    direction ΔÔ_k = g_k / √(W_k² + (δ max W_k)²) at once (here by central differences of the
+    forward model in double precision), χ_j the exit residual of the Gaussian model."""
+    from daskpty.engines.state import trimmed_mean
+    from daskpty.physics.noise import far_field_update
+
+    ds = simulate_multislice(n_slices=3, n=24, grid=5, step=3.0, noise=True, seed=5)
+    y = np.fft.ifftshift(ds.intensities, axes=(-2, -1)).astype(np.float64)
+    rng = np.random.default_rng(1)
+    start = (ds.truth.slices * np.exp(0.3j * rng.random(ds.truth.slices.shape))).astype(np.complex64)
+    options = lsqml.LSQMLOptions(tikhonov=0.0).for_slices(3)
+    part = lsqml.chunk_step(start, ds.truth.probe, y.astype(np.float32), ds.positions, options=options,
+                            sample=slice_model(start, ds.kernel), update_probe=False, step_stride=1)
+    alphas = part.arrays["alpha_slices"] / part.scalars["n"]
+    assert alphas[0] > 0 and np.all(alphas == alphas[0])
+
+    num, lit = part.boxes["object"], part.boxes["illumination"].data.astype(np.float64)
+    floor = (options.object_delta * lit.reshape(3, -1).max(axis=1))[:, None, None] ** 2
+    direction = np.zeros(start.shape, np.complex128)
+    (y0, x0), (y1, x1) = num.offset, num.stop
+    direction[:, y0:y1, x0:x1] = num.data / alphas[0] / np.sqrt(lit ** 2 + floor)
+
+    obj, probe = start.astype(np.complex128), ds.truth.probe.astype(np.complex128)
+
+    def exit_waves(o):
+        return whole_block(o, probe, y, ds.positions, ds.kernel, cdtype=np.complex128).exit
+
+    here = whole_block(obj, probe, y, ds.positions, ds.kernel, cdtype=np.complex128)
+    update, _, _ = far_field_update("gaussian", here.detected.copy(), y)
+    chi = np.fft.ifft2(update, norm="ortho")
+    t = 1e-4
+    a = (exit_waves(obj + t * direction) - exit_waves(obj - t * direction)) / (2 * t)
+    b = len(y)
+    steps = np.clip(np.real(np.sum(np.conj(a) * chi, axis=(1, 2, 3))) / np.sum(np.abs(a) ** 2, axis=(1, 2, 3)), 0, None)
+    assert steps.reshape(b).std() > 0.05 * steps.mean()    # the patterns' own steps differ
+    assert alphas[0] == pytest.approx(trimmed_mean(steps, np), rel=1e-5)

@@ -5,8 +5,8 @@ Two pure functions around an additive :class:`~daskpty.engines.partials.Partial`
 * :func:`chunk_step` — for one chunk of patterns and the current object/probe, through the
   sample's forward model (:mod:`.forward_model`: one slice in the far field, K slices, the near
   field), compute the exit-wave residuals, the object (per slice) and probe update directions,
-  the per-pattern optimal step lengths (a 2 × 2 least-squares system in one slice, (K + 1) ×
-  (K + 1) through K slices) and return a partial holding the step-scaled object numerator and
+  the per-pattern optimal step lengths (a 2 × 2 least-squares system, the object's and the
+  probe's; through K slices one step for all of them) and return a partial holding the step-scaled object numerator and
   illumination on the chunk's bounding box, the step-scaled probe sum, and loss / step
   statistics.
 * :func:`apply` — add the reduced partial to the state with the illumination preconditioner.
@@ -23,7 +23,7 @@ import numpy as np
 
 from ..physics import get_noise_model, get_xp, ifft2, kernels, model_intensity
 from ..physics.backend import asarray_like, is_cupy, real_dots, to_numpy
-from ..physics.multislice import slice_windows, transmit
+from ..physics.multislice import slice_windows, transmit, transmit_sum
 from .lsqml_epoch import (begin_epoch, begin_owned_epoch, close_epoch, end_epoch,  # noqa: F401 (re-exported)
                           normalize_scale, normalizes_now, owned_at_end)
 from .partials import BoxedArray, Partial
@@ -48,13 +48,12 @@ MOMENTUM = 0.5
 #: than without): docs/benchmarks.md.
 NOISE_WARMUP = 5
 #: The step system's relative regularisation for one slice, and through K > 1 slices
-#: (LSQMLOptions.tikhonov). Through slices the (K + 1)-unknown system per pattern is
-#: ill-conditioned (slices share their low frequencies, the probe trades with the first slice);
-#: a floor of half the mean diagonal keeps its solutions from swinging pattern to pattern. Seven
-#: abTEM scans of 2–4 slabs, 30 epochs: mean per-slab NRMSE 5–16 % lower on five of six from a
-#: probe 10 % off in defocus (1.4 % higher on one), 0–11 % lower from the true probe (0.5 %
-#: higher on one); daskpty's own weak-phase 2- and 3-slice sets 0.4–1.8 % higher (1.0: 4–6 %,
-#: 0.3: ±0.5 % with half the gain), its electron preset within 1 % (docs/benchmarks.md).
+#: (LSQMLOptions.tikhonov). Through slices the object's step (every slice's change carried to
+#: the exit together) trades with the probe's, which the first slice can stand in for; a floor
+#: of half the mean diagonal keeps the solutions from swinging pattern to pattern. Six abTEM
+#: scans of 2–4 slabs, 30 epochs, against 0.01: mean per-slab NRMSE 0.7–3.4 % lower on six of
+#: nine runs from a probe 10 % off in defocus or the true one, 0.1–1 % higher on three; with a
+#: step per slice (a (K + 1)-unknown system) it was worth 5–16 % (docs/benchmarks.md).
 TIKHONOV, SLICES_TIKHONOV = 1e-2, 0.5
 
 
@@ -178,8 +177,8 @@ def _preconditioner(illum, delta: float, peak=None):
 CPU_BLOCK_BYTES = 1 << 20
 #: With K > 1 slices :func:`chunk_step` solves the per-pattern step system on a sample of the
 #: chunk's patterns, every s-th (see :func:`step_sample_stride`): only the trimmed mean of the
-#: per-pattern step lengths is used, and carrying the K + 1 directions to the exit costs
-#: (K − 1)(K + 2) / 2 propagations per pattern (5 for K = 3: a third of the step's transforms).
+#: per-pattern step lengths is used, and carrying the object's and the probe's directions to the
+#: exit costs 2(K − 1) propagations per pattern (4 for K = 3: over a quarter of the step's transforms).
 STEP_STRIDE = 4
 #: ... leaving at least this many patterns for the trimmed mean.
 STEP_SAMPLE_MIN = 16
@@ -208,13 +207,13 @@ def chunk_step(obj, probe, intensities, positions, *, options: LSQMLOptions, sam
     carried back through the slices: per slice the numerator g_k = Σ_m conj(φ_km) χ_km and
     illumination Σ_m |φ_km|² scattered into the box, and the sum of the probe-gradient spectra
     G_j = conj(ramp_j) F(g_Qj) (F of the probe update). Pass 2: per pattern the least-squares
-    step system of the directions a_k = T_k(ΔÔ_k φ_k) and b = T_1(S_f ΔP̂ · O_1) carried to the
-    exit, Re⟨a_i, a_l⟩ α = Re⟨a_i, χ⟩ (K + 1 unknowns with the probe), regularised and clipped
-    ≥ 0, then trimmed means over the chunk. Solving the slices jointly keeps slices that explain
-    the same part of χ (its low frequencies) from each taking the whole step. One slice in the far
-    field keeps S_f P and χ between the passes when the probe is updated and forms the 2 × 2
-    system with the fused dots (else g and Σ|S_f P|², Re⟨a, χ⟩ = Re⟨ΔÔ, g⟩); K slices solve it on
-    every ``step_stride``-th pattern (default :func:`step_sample_stride`).
+    step system of the object's direction a = Σ_k T_k(ΔÔ_k φ_k) (every slice's change carried to
+    the exit together) and the probe's b = T_1(S_f ΔP̂ · O_1), Re⟨a_i, a_l⟩ α = Re⟨a_i, χ⟩ (2 × 2
+    with the probe), regularised and clipped ≥ 0, then trimmed means over the chunk. All K slices
+    take the one step length α_O (:func:`_carried_steps`). One slice in the far field keeps S_f P
+    and χ between the passes when the probe is updated and forms the 2 × 2 system with the fused
+    dots (else g and Σ|S_f P|², Re⟨a, χ⟩ = Re⟨ΔÔ, g⟩); K slices solve it on every
+    ``step_stride``-th pattern (default :func:`step_sample_stride`).
 
     Returns ``boxes["object"]`` α_k Σ g_k, ``boxes["illumination"]``, ``arrays["probe"]``
     α_P Σ_j S_{−f}(conj(O_1) χ_1) with the probe, ``arrays["alpha_slices"]`` (K,) α_k B for a
@@ -378,15 +377,22 @@ def _fused_steps(c, obj_dir, probe_dir_ft, options, variable, kept, kept2, work=
 
 
 def _carried_steps(c, kept, obj_dir, probe_dir_ft, options, variable, stride: int) -> list:
-    """K slices or the near field: the directions carried to the exit on every ``stride``-th
-    pattern of the chunk's one block (``kept``: it and χ), the (K + 1)-unknown system solved per
-    pattern, trimmed means of each unknown."""
+    """K slices or the near field: the object's and the probe's directions carried to the exit
+    on every ``stride``-th pattern of the chunk's one block (``kept``: it and χ), the 2 × 2 (1 × 1
+    without the probe) system solved per pattern, trimmed means; [α_O] × K + [α_P].
+
+    The K slices take one step length, that of their changes carried to the exit together. Each
+    slice's own (a (K + 1)-unknown system) swings from pattern to pattern and epoch to epoch:
+    the slices explain the same part of χ (its low frequencies above all) and trade it among
+    themselves, and the probe trades with the first slice. Seven abTEM scans of 2–4 slabs, 30
+    epochs: mean per-slab NRMSE 2–11 % lower from a probe 10 % off in defocus, −14 … +0.8 % from
+    the true probe; daskpty's own weak-phase sets −7 … +1 % per slice (docs/benchmarks.md)."""
     blk, chi = kept
     xp, pick = c.xp, slice(0, None, stride)
     sample = blk.patches[:, pick]
     dir_patches = slice_windows(c.index, obj_dir, pick)
-    directions = [transmit(dir_patches[k][:, None] * blk.incident[k][pick], sample, c.kernel, k)
-                  for k in range(c.n_slices)]
+    directions = [transmit_sum((dir_patches[k][:, None] * blk.incident[k][pick] for k in range(c.n_slices)),
+                               sample, c.kernel)]
     if probe_dir_ft is not None:
         r = c.ramps(blk.batch)[pick]
         b = ifft2(r[:, None] * probe_dir_ft[None], overwrite=True)
@@ -405,7 +411,8 @@ def _carried_steps(c, kept, obj_dir, probe_dir_ft, options, variable, stride: in
     else:
         gram = gram + (options.step_tikhonov * diag + 1e-30)[:, :, None] * eye
     alpha = xp.clip(xp.linalg.solve(gram, rhs[..., None])[..., 0], 0.0, None)
-    return [trimmed_mean(alpha[:, i], xp) for i in range(d)]
+    steps = [trimmed_mean(alpha[:, i], xp) for i in range(d)]
+    return steps[:1] * c.n_slices + steps[1:]
 
 
 def refining_chunk_step(obj, probe, intensities, nominal, local: dict, *, options: LSQMLOptions,
