@@ -128,7 +128,6 @@ def test_transmit_sum_is_every_slice_change_carried_to_the_exit():
     changes = [crandn(rng, q.shape) for _ in range(slices.shape[0])]
     separate = sum(transmit(c, slices, kernel, k) for k, c in enumerate(changes))
     np.testing.assert_allclose(transmit_sum(iter(changes), slices, kernel), separate, rtol=1e-12, atol=1e-12)
-    assert transmit_sum([changes[0]], slices[:1], kernel) is not changes[0]   # a new array
     delta = crandn(rng, slices.shape)
     _, incident = multislice_forward(q, slices, kernel)
     carried = transmit_sum((delta[k][:, None] * incident[k] for k in range(slices.shape[0])), slices, kernel)

@@ -28,9 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..physics.backend import channel_dots, real_dots, to_numpy
-from ..physics.multislice import detector_forward, transmitted
+from ..physics.multislice import detector_forward, transmit_sum
 from ..physics.noise import model_intensity
-from ..physics.propagation import angular_spectrum
 from .window_deformation import GRAM_STRIDE, WindowDeformation, squared_gradients
 
 #: The shift denominators are carried through the slices on every SHIFT_STRIDE-th pattern
@@ -97,10 +96,8 @@ def _carried(c, moves, incident, pick=slice(None)):
     """The detected changes d = D Σ_k T_k(δO_k · φ_k) of the patterns ``pick`` (S, b, M, n, n)
     for S moves of the windows at once (``moves``: K arrays (S, b, n, n), slice k's δO_k of each
     move), carried forward slice by slice: one batch of transforms for all of them."""
-    change = moves[0][:, :, None] * incident[0][pick][None]
-    for k in range(1, c.n_slices):
-        change = transmitted(angular_spectrum(change, c.kernel), c.patches[k][pick][None, :, None])
-        change += moves[k][:, :, None] * incident[k][pick][None]
+    change = transmit_sum((moves[k][:, :, None] * incident[k][pick][None] for k in range(c.n_slices)),
+                          c.patches[:, pick], c.kernel)
     if c.detector is not None:
         change = detector_forward(change, c.detector[pick][None])
     return change

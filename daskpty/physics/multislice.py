@@ -136,13 +136,14 @@ def transmit(waves, slice_patches, kernel, start: int):
 
 def transmit_sum(changes, slice_patches, kernel):
     """Σ_k T_k(changes_k): a change of the waves leaving every slice k (an iterable of K
-    (B, M, n, n), slice 0 first) carried to the exit together, by Horner's rule: the sum so far
-    is propagated and transmitted through the next slice before that slice's change is added,
-    K − 1 propagations instead of the K(K − 1)/2 of :func:`transmit` per slice."""
+    (..., B, M, n, n), slice 0 first; ``slice_patches`` (K, B, n, n)) carried to the exit
+    together, by Horner's rule: the sum so far is propagated and transmitted through the next
+    slice before that slice's change is added, K − 1 propagations instead of the K(K − 1)/2 of
+    :func:`transmit` per slice. The first change's array may be written into (pass new ones)."""
     total = None
     for k, change in enumerate(changes):
         if total is None:
-            total = change.copy()
+            total = change
             continue
         total = transmitted(angular_spectrum(total, kernel), slice_patches[k][:, None])
         total += change
