@@ -250,6 +250,25 @@ def test_slice_normalisation_keeps_the_model():
         assert np.abs(state.object[k]).mean() == pytest.approx(1.0, rel=1e-5)
 
 
+def test_ad_slice_normalisation_keeps_the_model():
+    """AD's scale removal divides each slice by its own lit mean |O_k| and multiplies the probe by
+    their product, so the model's intensities stay (one c for all slices changed them by c^(1−K))."""
+    ds = simulate_multislice(n=24, grid=4, step=4.0, seed=3)
+    rng = np.random.default_rng(0)
+    state = ad.ADState(object=(ds.truth.slices * np.array([2.0, 0.5j])[:, None, None]).astype(np.complex64),
+                       probe=ds.truth.probe.copy())
+    state.illumination = (1 + rng.random(state.object.shape)).astype(np.float32)
+    state.optimizer.set("b", "object", np.ones(state.object.shape, np.complex64))
+    before = multislice_intensities(state.object, state.probe, ds.positions, ds.kernel)
+    ad.normalize_scale(state, ad.ADOptions())
+    after = multislice_intensities(state.object, state.probe, ds.positions, ds.kernel)
+    np.testing.assert_allclose(after, before, rtol=2e-4, atol=1e-2)
+    means = [np.abs(state.object[k]).mean() for k in range(2)]
+    assert means == pytest.approx([1.0, 1.0], rel=1e-5)
+    momentum = state.optimizer.get("b", "object")   # follows each slice's parameter: × 1 / c_k
+    assert np.abs(momentum[0]).mean() < 0.6 < 1.9 < np.abs(momentum[1]).mean()
+
+
 # ------------------------------------------------------------------------------------ ground truth
 
 def _phase_nrmse(estimate, truth, mask):

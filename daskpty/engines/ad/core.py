@@ -51,7 +51,7 @@ class ADCore(EngineCore):
     #: Adam's object learning rate follows the mean |O| where lit
     tiles = TileSteps(("object", "illumination", "optimizer"), ("object", "optimizer"),
                       lambda options: ("peak", "lit_mean") if options.optimizer == "adam" else ("peak",),
-                      end_numbers=("lit_mean",))
+                      end_numbers=("scales",))
     begin_epoch = staticmethod(ad_state.begin_epoch)
     new_state = staticmethod(ad_state.ADState.from_arrays)
     rescale_probe = staticmethod(rescale_probe)
@@ -72,8 +72,8 @@ class ADCore(EngineCore):
                               peak=None if peak is None else float(np.max(peak)), lit_mean=lit_mean)
 
     @staticmethod
-    def end_epoch(state, run, lit_mean=None):
-        return ad_state.end_epoch(state, run.options, scale=lit_mean)
+    def end_epoch(state, run, scales=None):
+        return ad_state.end_epoch(state, run.options, scales=scales)
 
     @staticmethod
     def apply_probe_model(state, total, model, run) -> None:

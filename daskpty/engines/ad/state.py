@@ -335,13 +335,13 @@ def normalizes_now(state: ADState, options: ADOptions) -> bool:
     return bool(options.normalize_every) and (state.epoch + 1) % options.normalize_every == 0
 
 
-def end_epoch(state: ADState, options: ADOptions, *, scale: float | None = None) -> ADState:
+def end_epoch(state: ADState, options: ADOptions, *, scales=None) -> ADState:
     """Probe-mode orthogonalisation, scale-ambiguity removal (optimiser memory follows), epoch += 1.
-    ``scale``: the mean |O| where lit, when the state holds only a tile of the object."""
+    ``scales``: per slice the mean |O_k| where lit, when the state holds only a tile of the object."""
     if options.orthogonalize and state.probe.shape[0] > 1 and state.active("probe", options):
         orthogonalize_probe(state)
     if normalizes_now(state, options):
-        normalize_scale(state, options, scale)
+        normalize_scale(state, options, scales)
     state.epoch += 1
     return state
 
@@ -367,24 +367,33 @@ def orthogonalize_probe(state: ADState) -> None:
         state.optimizer.arrays[key] = new.reshape(arr.shape).astype(arr.dtype)
 
 
-def normalize_scale(state: ADState, options: ADOptions, scale: float | None = None) -> None:
-    """Remove the O·c, P/c ambiguity: mean |O| = 1 over the well-illuminated region (``scale``:
-    that mean when the state holds only a tile of the object).
+def normalize_scale(state: ADState, options: ADOptions, scales=None) -> None:
+    """Remove the scale ambiguity O_k c_k, P / Π c_k: mean |O_k| = 1 where slice k is lit, slice by
+    slice for a (K, H, W) object (one c for an (H, W) one), so that the model is unchanged
+    (``scales``: those means, 0 where nothing is lit, when the state holds only a tile).
 
-    The optimiser memory is rescaled consistently: with O' = O/c and P' = cP, raw gradients scale as
-    c (object) and 1/c (probe), preconditioned ones like the parameters.
+    The optimiser memory follows: with O_k' = O_k / c_k and P' = C P (C = Π c_k), raw gradients
+    scale as c_k (slice k) and 1/C (probe), preconditioned ones as the parameters (exactly in one
+    slice; through slices the illumination's change from the slices before is left out).
     """
-    if state.illumination is None and scale is None:
+    if state.illumination is None and scales is None:
         return
-    c = _lit_mean_abs(state.object, state.illumination) if scale is None else scale
-    if not (c > 0 and math.isfinite(c)) or c == 1.0:
+    layers = state.object if state.object.ndim == 3 else state.object[None]
+    if scales is None:
+        illum = state.illumination if state.illumination.ndim == 3 else state.illumination[None]
+        scales = [_lit_mean_abs(layers[k], illum[k]) for k in range(layers.shape[0])]
+    c = np.array([float(v) if v > 0 and math.isfinite(v) else 1.0 for v in np.ravel(scales)])
+    if np.all(c == 1.0):
         return
-    state.object = (state.object / c).astype(state.object.dtype)
-    state.probe = (state.probe * c).astype(state.probe.dtype)
+    xp = get_xp(state.object)
+    per_slice = xp.asarray(c.astype(np.float32))[:, None, None]
+    state.object = (layers / per_slice).astype(state.object.dtype).reshape(state.object.shape)
+    total = float(np.prod(c))
+    state.probe = (state.probe * total).astype(state.probe.dtype)
     if state.eigen_probes is not None:  # they scale with the mean probe (weights unchanged)
-        state.eigen_probes = (state.eigen_probes * c).astype(state.eigen_probes.dtype)
-    param = {"object": 1.0 / c, "probe": c}
-    raw = {"object": c, "probe": 1.0 / c}
+        state.eigen_probes = (state.eigen_probes * total).astype(state.eigen_probes.dtype)
+    param = {"object": 1.0 / per_slice, "probe": total}
+    raw = {"object": per_slice, "probe": 1.0 / total}
     fed = param if options.precondition else raw   # what the optimiser was fed (s or g)
     for key, arr in list(state.optimizer.arrays.items()):
         slot, name = key.split("/", 1)
@@ -396,4 +405,8 @@ def normalize_scale(state: ADState, options: ADOptions, scale: float | None = No
             f = raw[name]
         else:   # m, b, cg_d, cg_s
             f = fed[name]
-        state.optimizer.arrays[key] = (arr * f).astype(arr.dtype)
+        if name == "object":
+            shaped = arr if arr.ndim == 3 else arr[None]
+            state.optimizer.arrays[key] = (shaped * f).astype(arr.dtype).reshape(arr.shape)
+        else:
+            state.optimizer.arrays[key] = (arr * f).astype(arr.dtype)
