@@ -6,9 +6,9 @@ Two pure functions around an additive :class:`~daskpty.engines.partials.Partial`
   sample's forward model (:mod:`.forward_model`: one slice in the far field, K slices, the near
   field), compute the exit-wave residuals, the object (per slice) and probe update directions,
   the per-pattern optimal step lengths (a 2 × 2 least-squares system, the object's and the
-  probe's; through K slices one step for all of them) and return a partial holding the step-scaled object numerator and
-  illumination on the chunk's bounding box, the step-scaled probe sum, and loss / step
-  statistics.
+  probe's; through K slices one step for all of them) and return a partial holding the
+  step-scaled object numerator and illumination on the chunk's bounding box, the step-scaled
+  probe sum, and loss / step statistics.
 * :func:`apply` — add the reduced partial to the state with the illumination preconditioner.
 
 Plus :func:`end_epoch` (momentum, probe-mode orthogonalisation, scale-ambiguity removal) and
@@ -178,7 +178,7 @@ CPU_BLOCK_BYTES = 1 << 20
 #: With K > 1 slices :func:`chunk_step` solves the per-pattern step system on a sample of the
 #: chunk's patterns, every s-th (see :func:`step_sample_stride`): only the trimmed mean of the
 #: per-pattern step lengths is used, and carrying the object's and the probe's directions to the
-#: exit costs 2(K − 1) propagations per pattern (4 for K = 3: over a quarter of the step's transforms).
+#: exit costs 2(K − 1) propagations per sampled pattern (4 for K = 3).
 STEP_STRIDE = 4
 #: ... leaving at least this many patterns for the trimmed mean.
 STEP_SAMPLE_MIN = 16
