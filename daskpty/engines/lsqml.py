@@ -367,9 +367,18 @@ def _fused_steps(c, obj_dir, probe_dir_ft, options, variable, kept, kept2, work=
         (a_chi[batch], b_chi[batch], a_a[batch], b_b[batch], a_b[batch]) = kernels.step_dots(
             d, kept[batch], bb, kept2[batch], work=None if a is None else a[:b])
     if probe_dir_ft is None:
-        return [trimmed_mean(xp.clip(a_chi / (a_a * (1 + options.step_tikhonov) + 1e-30), 0.0, None), xp)]
-    a_a = a_a + options.step_tikhonov * a_a.mean() + 1e-30
-    b_b = b_b + options.step_tikhonov * b_b.mean() + 1e-30
+        return _solved_steps(xp, options.step_tikhonov, a_chi, a_a)
+    return _solved_steps(xp, options.step_tikhonov, a_chi, a_a, b_chi, b_b, a_b)
+
+
+def _solved_steps(xp, tikhonov: float, a_chi, a_a, b_chi=None, b_b=None, a_b=None) -> list:
+    """Trimmed means of the per-pattern steps from the dots Re⟨a, χ⟩, ‖a‖² (and with the probe
+    Re⟨b, χ⟩, ‖b‖², Re⟨a, b⟩): the 1 × 1 system regularised by ``tikhonov`` times its own
+    diagonal, the 2 × 2 by ``tikhonov`` times the chunk's mean diagonal; clipped ≥ 0."""
+    if b_chi is None:
+        return [trimmed_mean(xp.clip(a_chi / (a_a * (1 + tikhonov) + 1e-30), 0.0, None), xp)]
+    a_a = a_a + tikhonov * a_a.mean() + 1e-30
+    b_b = b_b + tikhonov * b_b.mean() + 1e-30
     det = a_a * b_b - a_b * a_b
     alpha_o = xp.clip((b_b * a_chi - a_b * b_chi) / det, 0.0, None)
     alpha_p = xp.clip((a_a * b_chi - a_b * a_chi) / det, 0.0, None)
@@ -391,27 +400,17 @@ def _carried_steps(c, kept, obj_dir, probe_dir_ft, options, variable, stride: in
     xp, pick = c.xp, slice(0, None, stride)
     sample = blk.patches[:, pick]
     dir_patches = slice_windows(c.index, obj_dir, pick)
-    directions = [transmit_sum((dir_patches[k][:, None] * blk.incident[k][pick] for k in range(c.n_slices)),
-                               sample, c.kernel)]
+    a = transmit_sum((dir_patches[k][:, None] * blk.incident[k][pick] for k in range(c.n_slices)), sample, c.kernel)
+    chi = chi[pick]
+    dots = [real_dots(a, chi), real_dots(a, a)]
     if probe_dir_ft is not None:
         r = c.ramps(blk.batch)[pick]
         b = ifft2(r[:, None] * probe_dir_ft[None], overwrite=True)
         if variable is not None:                # pattern j's probe moves by (∂P_j/∂P) ΔP̂
             b *= variable.mode_factors_xp(blk.batch)[pick][:, :, None, None]
-        directions.append(transmit(b * sample[0][:, None], sample, c.kernel, 0))
-    d, n_sample = len(directions), directions[0].shape[0]
-    gram, rhs = xp.empty((n_sample, d, d)), xp.empty((n_sample, d))
-    for i in range(d):
-        rhs[:, i] = real_dots(directions[i], chi[pick])
-        for l in range(i, d):
-            gram[:, i, l] = gram[:, l, i] = real_dots(directions[i], directions[l])
-    eye, diag = xp.eye(d), xp.diagonal(gram, axis1=1, axis2=2)          # regularised as the 2 × 2
-    if probe_dir_ft is not None:
-        gram = gram + (options.step_tikhonov * diag.mean(axis=0) + 1e-30)[None, :, None] * eye
-    else:
-        gram = gram + (options.step_tikhonov * diag + 1e-30)[:, :, None] * eye
-    alpha = xp.clip(xp.linalg.solve(gram, rhs[..., None])[..., 0], 0.0, None)
-    steps = [trimmed_mean(alpha[:, i], xp) for i in range(d)]
+        b = transmit(b * sample[0][:, None], sample, c.kernel, 0)
+        dots += [real_dots(b, chi), real_dots(b, b), real_dots(a, b)]
+    steps = _solved_steps(xp, options.step_tikhonov, *dots)
     return steps[:1] * c.n_slices + steps[1:]
 
 

@@ -12,8 +12,7 @@ with one worker's to float rounding). The numbers, as keywords of the core's upd
   over all slices (AD's Adam learning rate; a second stage of shares, after the peak);
 - end ``agree``: the momentum test, does the epoch's change point along the velocity;
 - end ``scales``: per slice, the mean |O_k| where the epoch's illumination exceeds half its
-  largest (as momentum moves the object when ``agree``), in blocks of rows;
-- end ``lit_mean``: that mean over all slices at once.
+  largest (as momentum moves the object when ``agree``), in blocks of rows.
 
 The epoch's largest illumination is kept in the state's ``extra`` for the end's threshold.
 No dask here.
@@ -136,14 +135,8 @@ def end_share(names: tuple, state, options, own: tuple) -> dict:
             rows = (..., slice(a, min(a + END_BLOCK_ROWS, own[1])), slice(None))
             dot += float(xp.vdot(state.velocity[rows], state.object[rows] - state.epoch_start_object[rows]).real)
         out["dot"] = dot
-    if not ({"scales", "lit_mean"} & set(names) and normalizes_now(state, options)
-            and state.illumination is not None):
-        return out
-    if "scales" in names:
+    if "scales" in names and normalizes_now(state, options) and state.illumination is not None:
         out.update(_slice_sums(state, own, moves, momentum))
-    if "lit_mean" in names:
-        peak = np.float32(float(np.max(state.extra.get(_EPOCH_PEAK, 0.0))))
-        out.update(_lit_share(state.object, state.illumination, (0, 0), own, peak))
     return out
 
 
@@ -160,6 +153,4 @@ def end_numbers(names: tuple, state, shares: list) -> dict:
             lit = sum(s["lit"] for s in shares)
             total = sum(s["abs_sum_moved" if numbers.get("agree") else "abs_sum"] for s in shares)
             numbers["scales"] = np.where(lit > 0, total / np.maximum(lit, 1), 0.0)
-    if "lit_mean" in names:
-        numbers["lit_mean"] = _lit_mean(shares) if "lit" in shares[0] else None
     return numbers
