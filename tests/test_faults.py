@@ -526,3 +526,30 @@ def test_a_worker_killed_while_a_round_payload_travels_costs_no_connect_timeout(
         killer.join()
         assert time.monotonic() - start < 15, trial
         assert total.scalars["sum"] == pytest.approx(expected, rel=1e-12), trial
+
+
+def test_a_scatter_to_a_worker_that_does_not_answer_gives_up_within_its_bound(monkeypatch):
+    """A round's payload scattered to a worker that takes no connection (stopped here; in a run,
+    killed just as the scheduler picked it) waited out distributed's connect timeout (30 s; a
+    killed external cluster's round took 30.5 s). ``scatter_within`` gives up within its bound,
+    the round's retry goes to the workers there, and the late scatter's data are let go."""
+    from daskpty.execution import scatter
+
+    monkeypatch.setattr(scatter, "SCATTER_FLOOR_SECONDS", 1.0)
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as c:
+        pid = _worker_pids(c, 1)[0]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(TimeoutError, match="did not end within 1 s"):
+                scatter.scatter_within(c, np.ones(1000), hash=False)
+            assert time.monotonic() - start < 5
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        held = lambda: c.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks))  # noqa: E731
+        deadline = time.monotonic() + 60
+        while held() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert held() == 0
+        assert scatter.scatter_within(c, np.ones(10), hash=False).result().sum() == 10

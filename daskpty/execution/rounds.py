@@ -26,6 +26,7 @@ from distributed.comm.core import CommClosedError
 
 from ..engines.partials import Partial, sum_partials
 from .placement import chunk_annotations
+from .scatter import scatter_within
 from .tuning import release_memory, tune_allocator
 from .watchdog import ReconstructionStalled, install_loss_filter
 
@@ -335,10 +336,11 @@ def _map_reduce_once(client, data: ChunkedData, func, payload, *, round_index: i
 
     # To one worker, not broadcast: each worker fetches it with its first task (the same copies),
     # while the scheduler's replication of a broadcast, hit by a worker's death, raised KeyError
-    # or waited on the dead worker (30 s and more) instead of failing at once.
+    # or waited on the dead worker (30 s and more) instead of failing at once. A bounded wait:
+    # a scatter to a worker killed as it was picked waits out the connect timeout (30 s).
     try:
-        payload_future = client.scatter(payload, hash=False)
-    except OSError as exc:  # the comm closed under it, or no worker took it in time
+        payload_future = scatter_within(client, payload, hash=False)
+    except OSError as exc:  # the comm closed under it, or no worker took it in time (TimeoutError)
         raise _ClusterError(" ".join(f"{type(exc).__name__}: {exc}".split())) from None
     if data.persisted or local is not None:  # one task per chunk (persisted: on its chunk's worker)
         blocks = list(data.intensities.to_delayed().ravel())

@@ -1,4 +1,4 @@
-"""Send in-memory intensities to the workers once, instead of inside every task graph.
+"""Send data to the workers: in-memory intensities once, a round's payload within a bounded wait.
 
 ``da.from_array(numpy_array)`` puts the array's chunks into the graph itself, so each graph
 built on it (value check, initial probe, persist) ships the whole data set again through the
@@ -7,12 +7,45 @@ array on the resulting futures keeps every later graph small.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 
 import numpy as np
 
 #: in-graph array bytes above which intensities are scattered instead
 EMBEDDED_LIMIT = 1 * 2**20
+#: the shortest wait of :func:`scatter_within`, and the slowest transfer it allows for (bytes/s)
+SCATTER_FLOOR_SECONDS = 5.0
+SCATTER_SLOWEST_RATE = 20e6
+
+_scatter_threads = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="daskpty-scatter")
+
+
+def scatter_within(client, data, **kwargs):
+    """``client.scatter(data, **kwargs)`` that gives up with :class:`TimeoutError` after
+    :data:`SCATTER_FLOOR_SECONDS` plus the time ``data`` takes at :data:`SCATTER_SLOWEST_RATE`.
+
+    A worker killed just as the scheduler picks it for a scatter is not yet known dead: the
+    scheduler's connection to it is retried for distributed's whole connect timeout (30 s by
+    default, the cluster's setting, not this process's). The caller's retry goes to the workers
+    that are there instead. A scatter that ends after the wait has its futures released."""
+    from dask.sizeof import sizeof
+
+    seconds = SCATTER_FLOOR_SECONDS + sizeof(data) / SCATTER_SLOWEST_RATE
+    pending = _scatter_threads.submit(client.scatter, data, **kwargs)
+    try:
+        return pending.result(timeout=seconds)
+    except concurrent.futures.TimeoutError:
+        pending.add_done_callback(_release_late)
+        raise TimeoutError(f"the scatter did not end within {seconds:.0f} s") from None
+
+
+def _release_late(pending) -> None:
+    if pending.cancelled() or pending.exception() is not None:
+        return
+    result = pending.result()
+    for future in result if isinstance(result, (list, tuple)) else [result]:
+        future.release()
 
 
 def embedded_bytes(x) -> int:
