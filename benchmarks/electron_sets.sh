@@ -31,3 +31,7 @@ $make -o "$dir/u1.npz" --slabs 3 --slab-cells 4 --grid 18 --step 4 --scale 0.03 
 $make -o "$dir/u2.npz" --slabs 4 --slab-cells 3 --grid 18 --step 4 --scale -0.02 --rotation -2 --noise-rms 0.5 --dose 5e4 \
     --semiangle 22 --defocus 60 --seed 22
 $make -o "$dir/u3.npz" --slabs 2 --slab-cells 5 --grid 18 --step 3.5 --scale 0.0 --rotation 0 --noise-rms 0.6 --seed 23
+# made apart from the tuning of every default: small scale errors (0.5 %, -1 %)
+$make -o "$dir/v1.npz" --slabs 3 --slab-cells 3 --grid 18 --step 4 --scale 0.005 --rotation 1 --noise-rms 0.5 --semiangle 25 \
+    --defocus 100 --seed 41
+$make -o "$dir/v2.npz" --slabs 2 --slab-cells 4 --grid 18 --step 4 --scale -0.01 --rotation -1.5 --noise-rms 0.4 --dose 1e5 --seed 42
