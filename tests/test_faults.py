@@ -553,3 +553,29 @@ def test_a_scatter_to_a_worker_that_does_not_answer_gives_up_within_its_bound(mo
             time.sleep(0.1)
         assert held() == 0
         assert scatter.scatter_within(c, np.ones(10), hash=False).result().sum() == 10
+
+
+def test_a_retried_scatter_goes_past_a_worker_that_does_not_answer(monkeypatch):
+    """The epoch graph's start state is scattered with retries: the scheduler hands each scatter
+    to the next worker, so with one of two workers not answering every scatter still lands, on
+    the other, within a bound per try (it waited distributed's 30 s connect timeout, then ended
+    the run with "could not restart epoch")."""
+    from daskpty.execution import scatter
+
+    monkeypatch.setattr(scatter, "SCATTER_FLOOR_SECONDS", 1.0)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as c:
+        _worker_pids(c, 2)
+        pid_of = c.run(os.getpid)
+        stopped, live = sorted(pid_of)
+        os.kill(pid_of[stopped], signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            futures = [scatter.scatter_retrying(c, np.full(10, float(i)), hash=False) for i in range(4)]
+            elapsed = time.monotonic() - start
+            where = c.who_has(futures)
+        finally:
+            os.kill(pid_of[stopped], signal.SIGCONT)
+        assert elapsed < 4 * 3, elapsed
+        assert all(holders == (live,) for holders in where.values()), where
+        assert [f.result().sum() for f in futures] == [10.0 * i for i in range(4)]

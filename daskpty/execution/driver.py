@@ -33,6 +33,7 @@ from .epoch_graph import EpochCarry, EpochGraph, StaleRoundState
 from .local_state import initial_locals, with_local
 from .placement import run_stuck_loose_tasks, running_workers
 from .rounds import ChunkedData, default_split_every, map_reduce
+from .scatter import scatter_retrying
 from .tile_epochs import tiled_epochs
 from .tile_graph import check_tiles_supported
 from .watchdog import (MAX_EPOCH_RESTARTS, ReconstructionStalled, Watchdog, check_loss, quiet_handled_losses,
@@ -356,7 +357,7 @@ def _graph_epochs(client, data, adapter, state, epochs, rounds, split_every):
         """Submit an epoch from a state on the client once a worker is there to take it."""
         _await_running(client, len(started_with), watchdog.bound())
         run_stuck_loose_tasks(client)  # chunks pinned to workers that are gone: recompute anywhere
-        return graph.submit(client.scatter(_carry_of(carry_state), hash=False))
+        return graph.submit(scatter_retrying(client, _carry_of(carry_state), hash=False))
 
     watchdog = Watchdog(data_bytes=data.intensities.nbytes)
     started_with = _workers(client)

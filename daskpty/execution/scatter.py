@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -17,8 +18,6 @@ EMBEDDED_LIMIT = 1 * 2**20
 #: the shortest wait of :func:`scatter_within`, and the slowest transfer it allows for (bytes/s)
 SCATTER_FLOOR_SECONDS = 5.0
 SCATTER_SLOWEST_RATE = 20e6
-
-_scatter_threads = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="daskpty-scatter")
 
 
 def scatter_within(client, data, **kwargs):
@@ -32,12 +31,31 @@ def scatter_within(client, data, **kwargs):
     from dask.sizeof import sizeof
 
     seconds = SCATTER_FLOOR_SECONDS + sizeof(data) / SCATTER_SLOWEST_RATE
-    pending = _scatter_threads.submit(client.scatter, data, **kwargs)
+    pending = concurrent.futures.Future()
+
+    def send():  # a thread of its own: scatters that wait on a worker must not hold up the next ones
+        try:
+            pending.set_result(client.scatter(data, **kwargs))
+        except BaseException as exc:
+            pending.set_exception(exc)
+
+    threading.Thread(target=send, name="daskpty-scatter", daemon=True).start()
     try:
         return pending.result(timeout=seconds)
     except concurrent.futures.TimeoutError:
         pending.add_done_callback(_release_late)
         raise TimeoutError(f"the scatter did not end within {seconds:.0f} s") from None
+
+
+def scatter_retrying(client, data, attempts: int = 3, **kwargs):
+    """:func:`scatter_within`, tried up to ``attempts`` times: the scheduler hands each scatter to
+    the next worker in turn, so a retry goes past a worker that does not answer."""
+    for attempt in range(attempts):
+        try:
+            return scatter_within(client, data, **kwargs)
+        except TimeoutError:
+            if attempt == attempts - 1:
+                raise
 
 
 def _release_late(pending) -> None:
