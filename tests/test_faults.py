@@ -579,3 +579,17 @@ def test_a_retried_scatter_goes_past_a_worker_that_does_not_answer(monkeypatch):
         assert elapsed < 4 * 3, elapsed
         assert all(holders == (live,) for holders in where.values()), where
         assert [f.result().sum() for f in futures] == [10.0 * i for i in range(4)]
+
+
+def test_a_scatters_bound_counts_the_arrays_inside_an_engines_carry():
+    """dask's sizeof counts an epoch carry (or a round's payload) as a few bytes, which would
+    give a large object the floor's 5 s however slow the network; the bound counts its arrays."""
+    from types import SimpleNamespace
+
+    from daskpty.execution import scatter
+    from daskpty.execution.epoch_graph import EpochCarry
+
+    carry = EpochCarry(SimpleNamespace(object=np.zeros((2, 1000, 2000), np.complex64), probe=np.zeros((1, 64, 64))))
+    expected = scatter.SCATTER_FLOOR_SECONDS + (32_000_000 + 8 * 64 * 64) / scatter.SCATTER_SLOWEST_RATE
+    assert scatter.scatter_seconds(carry) == pytest.approx(expected)
+    assert scatter.scatter_seconds(np.zeros(10)) == pytest.approx(scatter.SCATTER_FLOOR_SECONDS, abs=1e-3)

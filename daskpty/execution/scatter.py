@@ -28,9 +28,7 @@ def scatter_within(client, data, **kwargs):
     scheduler's connection to it is retried for distributed's whole connect timeout (30 s by
     default, the cluster's setting, not this process's). The caller's retry goes to the workers
     that are there instead. A scatter that ends after the wait has its futures released."""
-    from dask.sizeof import sizeof
-
-    seconds = SCATTER_FLOOR_SECONDS + sizeof(data) / SCATTER_SLOWEST_RATE
+    seconds = scatter_seconds(data)
     pending = concurrent.futures.Future()
 
     def send():  # a thread of its own: scatters that wait on a worker must not hold up the next ones
@@ -45,6 +43,17 @@ def scatter_within(client, data, **kwargs):
     except concurrent.futures.TimeoutError:
         pending.add_done_callback(_release_late)
         raise TimeoutError(f"the scatter did not end within {seconds:.0f} s") from None
+
+
+def scatter_seconds(data) -> float:
+    """The wait :func:`scatter_within` allows ``data``: :data:`SCATTER_FLOOR_SECONDS` plus its
+    bytes at :data:`SCATTER_SLOWEST_RATE`. dask's ``sizeof`` counts an engine's payload or carry
+    as a few bytes; :func:`~.epoch_graph.held_bytes` counts the arrays inside."""
+    from dask.sizeof import sizeof
+
+    from .epoch_graph import held_bytes  # (here: epoch_graph imports the rounds, which import this)
+
+    return SCATTER_FLOOR_SECONDS + max(sizeof(data), held_bytes(data)) / SCATTER_SLOWEST_RATE
 
 
 def scatter_retrying(client, data, attempts: int = 3, **kwargs):
