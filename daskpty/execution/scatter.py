@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import threading
 
 import numpy as np
 
@@ -18,6 +17,10 @@ EMBEDDED_LIMIT = 1 * 2**20
 #: the shortest wait of :func:`scatter_within`, and the slowest transfer it allows for (bytes/s)
 SCATTER_FLOOR_SECONDS = 5.0
 SCATTER_SLOWEST_RATE = 20e6
+#: Threads that run the scatters: idle ones are reused (a thread started per scatter cost ~0.4 ms more);
+#: so many that scatters waiting on workers that do not answer (each at most distributed's
+#: connect timeout) never hold up the next ones (four did: a retry queued behind them).
+_scatter_threads = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="daskpty-scatter")
 
 
 def scatter_within(client, data, **kwargs):
@@ -29,15 +32,7 @@ def scatter_within(client, data, **kwargs):
     default, the cluster's setting, not this process's). The caller's retry goes to the workers
     that are there instead. A scatter that ends after the wait has its futures released."""
     seconds = scatter_seconds(data)
-    pending = concurrent.futures.Future()
-
-    def send():  # a thread of its own: scatters that wait on a worker must not hold up the next ones
-        try:
-            pending.set_result(client.scatter(data, **kwargs))
-        except BaseException as exc:
-            pending.set_exception(exc)
-
-    threading.Thread(target=send, name="daskpty-scatter", daemon=True).start()
+    pending = _scatter_threads.submit(client.scatter, data, **kwargs)
     try:
         return pending.result(timeout=seconds)
     except concurrent.futures.TimeoutError:
