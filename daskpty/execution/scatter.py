@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 
 import numpy as np
 
@@ -17,10 +18,6 @@ EMBEDDED_LIMIT = 1 * 2**20
 #: the shortest wait of :func:`scatter_within`, and the slowest transfer it allows for (bytes/s)
 SCATTER_FLOOR_SECONDS = 5.0
 SCATTER_SLOWEST_RATE = 20e6
-#: Threads that run the scatters: idle ones are reused (a thread started per scatter cost ~0.4 ms more);
-#: so many that scatters waiting on workers that do not answer (each at most distributed's
-#: connect timeout) never hold up the next ones (four did: a retry queued behind them).
-_scatter_threads = concurrent.futures.ThreadPoolExecutor(max_workers=32, thread_name_prefix="daskpty-scatter")
 
 
 def scatter_within(client, data, **kwargs):
@@ -32,7 +29,18 @@ def scatter_within(client, data, **kwargs):
     default, the cluster's setting, not this process's). The caller's retry goes to the workers
     that are there instead. A scatter that ends after the wait has its futures released."""
     seconds = scatter_seconds(data)
-    pending = _scatter_threads.submit(client.scatter, data, **kwargs)
+    pending = concurrent.futures.Future()
+
+    def send():
+        try:
+            pending.set_result(client.scatter(data, **kwargs))
+        except BaseException as exc:
+            pending.set_exception(exc)
+
+    # A daemon thread of its own: scatters waiting on a worker that does not answer hold up
+    # neither the next ones (on a pool of 4 a retry queued behind them) nor the interpreter's
+    # exit (a pool's threads are joined there). Starting it costs ~0.4 ms.
+    threading.Thread(target=send, name="daskpty-scatter", daemon=True).start()
     try:
         return pending.result(timeout=seconds)
     except concurrent.futures.TimeoutError:
