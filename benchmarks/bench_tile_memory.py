@@ -13,7 +13,7 @@ sample per worker, the client's own peak RSS, and whether any worker paused or r
 
 The tile graph's states and partial sums are dask keys, but dask's ``sizeof`` counts such an
 object as its header (they are "unmanaged" memory to dask, never spilled); they are counted here
-by their arrays (``epoch_graph.held_bytes``, each array once). RSS minus that is the process
+by their arrays (``state_sizes.held_bytes``, each array once). RSS minus that is the process
 (~100 MiB), the running tasks' temporaries and the allocator's free lists. ``--lazy-bytes 0`` returns
 even a small object lazily (``DASKPTY_LAZY_OBJECT_BYTES``), so the end phase is the tile-by-tile
 write (``_field_of`` keys: the workers' own rows; ``concatenate``: the store chunks that straddle a
@@ -39,7 +39,7 @@ def held(dask_worker):
     import psutil
     from dask.sizeof import sizeof
 
-    from daskpty.execution.epoch_graph import held_bytes
+    from daskpty.execution.state_sizes import held_bytes
 
     by, seen = collections.Counter(), set()
     # only the keys in memory: iterating the whole store (a zict buffer) would read the spilled

@@ -13,6 +13,8 @@ import threading
 
 import numpy as np
 
+from .state_sizes import held_bytes
+
 #: in-graph array bytes above which intensities are scattered instead
 EMBEDDED_LIMIT = 1 * 2**20
 #: the shortest wait of :func:`scatter_within`, and the slowest transfer it allows for (bytes/s)
@@ -51,10 +53,8 @@ def scatter_within(client, data, **kwargs):
 def scatter_seconds(data) -> float:
     """The wait :func:`scatter_within` allows ``data``: :data:`SCATTER_FLOOR_SECONDS` plus its
     bytes at :data:`SCATTER_SLOWEST_RATE`. dask's ``sizeof`` counts an engine's payload or carry
-    as a few bytes; :func:`~.epoch_graph.held_bytes` counts the arrays inside."""
+    as a few bytes; :func:`~.state_sizes.held_bytes` counts the arrays inside."""
     from dask.sizeof import sizeof
-
-    from .epoch_graph import held_bytes  # (here: epoch_graph imports the rounds, which import this)
 
     return SCATTER_FLOOR_SECONDS + max(sizeof(data), held_bytes(data)) / SCATTER_SLOWEST_RATE
 
