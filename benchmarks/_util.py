@@ -281,7 +281,9 @@ def bench_cluster(backend: str, workers, threads_per_worker: int = 1, memory_lim
     client = Client(cluster)
     try:
         client.wait_for_workers(len(cluster.workers), timeout=120)
-        limits = sorted({w.get("memory_limit") for w in client.scheduler_info(n_workers=-1)["workers"].values()},
+        from daskpty.execution.cluster import live_workers
+
+        limits = sorted({w.get("memory_limit") for w in live_workers(client).values()},
                         key=lambda v: v or 0)
         what += ", memory limit/worker " + "/".join(fmt_bytes(v) if v else "none" for v in limits)
         what += ", malloc tuning " + ("off" if os.environ.get("DASKPTY_MALLOC_TUNE", "1") == "0" else "on")
@@ -295,7 +297,9 @@ def bench_cluster(backend: str, workers, threads_per_worker: int = 1, memory_lim
 
 def worker_names(client) -> dict:
     """{address: name} of the current workers."""
-    return {addr: str(w.get("name", addr)) for addr, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+    from daskpty.execution.cluster import live_workers
+
+    return {addr: str(w.get("name", addr)) for addr, w in live_workers(client).items()}
 
 
 # --------------------------------------------------------------------------- memory sampling
@@ -498,8 +502,10 @@ class MemorySampler:
 
 
 def memory_limits(client) -> dict:
+    from daskpty.execution.cluster import live_workers
+
     names = worker_names(client)
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = live_workers(client)
     return {names[a]: w.get("memory_limit") for a, w in workers.items()}
 
 

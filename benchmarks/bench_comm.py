@@ -39,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _util import bench_cluster, dataset, fmt_bytes, jsonable  # noqa: E402
+from daskpty.execution.cluster import live_workers  # noqa: E402
 
 # the epoch graph's round and end tasks, and the tile graph's (chunks, pieces, totals, shares)
 _ROUND_KEY = re.compile(r"daskpty-(?:tile-)?(round|end|end-share|chunks|piece|total|share)-(?:(\d+)-)?(?:\d+-)?"
@@ -186,7 +187,7 @@ def _nbytes(x) -> int:
 def transfer_probe(client, sizes, gpu: bool, repeat: int = 3, log=print) -> list:
     """Worker-to-worker transfer of one array of each size (CuPy on GPU workers: the host-staged
     path of MIG slices), from the receiving worker's incoming transfer log: [(bytes, s, B/s)]."""
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(live_workers(client))
     if len(workers) < 2:
         return []
     out = []
@@ -222,9 +223,9 @@ class WorkerMemory:
         import threading
 
         self.client, self.every = client, every
-        self.start_workers = set(client.scheduler_info(n_workers=-1)["workers"])
+        self.start_workers = set(live_workers(client))
         self.limits = {a: w.get("memory_limit") or 0 for a, w in
-                       client.scheduler_info(n_workers=-1)["workers"].items()}
+                       live_workers(client).items()}
         self.peak, self.paused = {}, set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -234,7 +235,7 @@ class WorkerMemory:
             try:
                 for a, rss in self.client.run(_rss).items():
                     self.peak[a] = max(self.peak.get(a, 0), rss)
-                for a, w in self.client.scheduler_info(n_workers=-1)["workers"].items():
+                for a, w in live_workers(self.client).items():
                     if str(w.get("status", "")).endswith("paused"):
                         self.paused.add(a)
             except Exception:
@@ -247,7 +248,7 @@ class WorkerMemory:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.end_workers = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        self.end_workers = set(live_workers(self.client))
 
     def figures(self) -> dict:
         return {"peak_rss_per_worker": max(self.peak.values(), default=0),
@@ -273,7 +274,7 @@ def measure(args, data, n_patterns, n, workers, rounds, layout: str = "replicas"
            "engine": args.engine, "layout": layout, "refine_positions": getattr(args, "refine_positions", None)}
     with bench_cluster(args.backend, workers, args.threads_per_worker, args.memory_limit) as (client, what):
         row["cluster"] = what
-        row["workers"] = len(client.scheduler_info(n_workers=-1)["workers"])
+        row["workers"] = len(live_workers(client))
         _register_partial_sizeof()
         client.run(_register_partial_sizeof)
         t0 = time.perf_counter()

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _util import (MemorySampler, add_cluster_arguments, add_data_arguments, bench_cluster,  # noqa: E402
                    chunk_plan, data_line, dataset, fmt_bytes, median_after_warmup, memory_limits,
                    parse_bool_auto, plan_cache_report, print_json)
+from daskpty.execution.cluster import live_workers  # noqa: E402
 
 
 def add_run_arguments(ap):
@@ -82,7 +83,7 @@ def measure(args, data, store_path=None, log=print) -> dict:
                "data_bytes": int(data.intensities.nbytes), "threads_per_worker": args.threads_per_worker}
     with bench_cluster(args.backend, args.workers, args.threads_per_worker, args.memory_limit,
                        args.malloc_tune) as (client, what):
-        n_workers = len(client.scheduler_info(n_workers=-1)["workers"])
+        n_workers = len(live_workers(client))
         log(f"cluster: {what}")
         limits = memory_limits(client)
         sampler = MemorySampler(client, gpu=gpu)

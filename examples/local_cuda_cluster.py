@@ -61,6 +61,7 @@ def gpu_unavailable() -> str | None:
 
 
 def main(argv=None) -> int:
+    from daskpty.execution.cluster import live_workers
     from daskpty.metrics import nrmse_vs_truth
 
     args = parse_args(argv)
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     with LocalCUDACluster(CUDA_VISIBLE_DEVICES=devices, threads_per_worker=1, ip="127.0.0.1",
                           dashboard_address="127.0.0.1:0", device_memory_limit=limit) as cluster, \
             Client(cluster) as client:
-        n_gpus = len(client.scheduler_info(n_workers=-1)["workers"])
+        n_gpus = len(live_workers(client))
         print(f"{n_gpus} GPU worker(s); dashboard {client.dashboard_link}")
         tmp = None
         if args.data:

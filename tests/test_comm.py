@@ -8,6 +8,7 @@ import types
 import pytest
 
 from daskpty.execution import cluster as cluster_mod
+from daskpty.execution.cluster import live_workers
 from daskpty.execution.comm_model import (
     LINKS,
     Link,
@@ -192,7 +193,7 @@ def test_shared_device_workers_each_see_only_their_device():
     with shared_device_cluster(["GPU-x", "GPU-x", "GPU-y"], memory_limit="1GiB") as cluster, \
             Client(cluster) as client:
         seen = client.run(lambda: __import__("os").environ.get("CUDA_VISIBLE_DEVICES"))
-        limits = {w["memory_limit"] for w in client.scheduler_info(n_workers=-1)["workers"].values()}
+        limits = {w["memory_limit"] for w in live_workers(client).values()}
     assert sorted(seen.values()) == ["GPU-x", "GPU-x", "GPU-y"]
     assert limits == {2**30}
     assert all(a.startswith("tcp://127.0.0.1:") for a in seen)

@@ -9,6 +9,7 @@ from distributed import Client, LocalCluster
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from daskpty.engines import ad, lsqml
+from daskpty.execution.cluster import live_workers
 from daskpty.execution.engine_registry import engine_spec
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
@@ -204,7 +205,7 @@ def test_round_by_round_chunk_tasks_run_on_the_chunks_workers(process_client):
 
     for r in range(3):
         map_reduce(process_client, data, forward_sums_chunk, payload, round_index=r, rounds=3)
-    workers = sorted(process_client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(live_workers(process_client))
     keys = [f.key for f in futures_of(data.intensities)]
     planned = {k: workers[balanced_worker(i, len(keys), len(workers))] for i, k in enumerate(keys)}
     seen = process_client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.plugins[log.name].seen)
@@ -230,7 +231,7 @@ def test_chunks_the_scheduler_put_on_the_wrong_worker_still_give_even_rounds(pro
     with monkeypatch.context() as patch:  # persist 3 : 1 instead of 2 : 2
         patch.setattr(data_module, "balanced_worker", lambda i, n, w: 0 if i < 3 else 1)
         data = prepare_data(process_client, ds.intensities, ds.positions, chunk_length=36, persist=True)
-    workers = sorted(process_client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(live_workers(process_client))
     keys = [f.key for f in futures_of(data.intensities)]
     held = process_client.who_has(futures_of(data.intensities))
     assert sorted(len([k for k in keys if w in held[k]]) for w in workers) == [1, 3]

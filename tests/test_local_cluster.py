@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import sys
+import time
 
+import dask
 import pytest
+from distributed import Client, LocalCluster
 
-from daskpty.execution.cluster import main_module_importable, start_local_cluster
+from daskpty.execution.cluster import live_workers, main_module_importable, start_local_cluster
 
 
 def test_a_script_from_stdin_gets_thread_workers_with_a_warning(monkeypatch):
@@ -49,3 +52,16 @@ def test_embedded_worker_processes_route_handled_loss_reports_to_info():
 
     with start_local_cluster(n_workers=1, gpu=False, dashboard=False) as cluster, Client(cluster) as client:
         assert all(client.run(_worker_filters_handled_losses).values())
+
+
+def test_the_workers_are_asked_of_the_scheduler_not_read_from_the_clients_cache():
+    """distributed's client refreshes its cached identity every ``scheduler-info-interval`` with one
+    that lists no workers; ``client.scheduler_info()`` read just after such a refresh said that no
+    worker was connected (tiles then ran unpinned). Here the refresh runs every 5 ms."""
+    with dask.config.set({"distributed.client.scheduler-info-interval": "5ms"}), \
+            LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster, set_as_default=False) as client:
+        seen, deadline = [], time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            seen.append(len(live_workers(client)))
+    assert len(seen) > 100 and set(seen) == {2}, f"{seen.count(0)} of {len(seen)} reads saw no worker"

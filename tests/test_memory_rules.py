@@ -7,6 +7,7 @@ from distributed import Client, LocalCluster
 
 import daskpty
 import daskpty.engines.initial
+from daskpty.execution.cluster import live_workers
 from daskpty.execution.memory import check_step_fits, persist_fits
 from synthetic import make_dataset
 
@@ -139,7 +140,7 @@ def test_workers_paused_by_their_memory_monitor_are_named_at_the_start(tmp_path,
                                                    memory_limit=limit, dashboard_address=None) as cluster, \
             Client(cluster) as c:
         deadline = time.monotonic() + 10
-        while not all(str(w["status"]).endswith("paused") for w in c.scheduler_info(n_workers=-1)["workers"].values()):
+        while not all(str(w["status"]).endswith("paused") for w in live_workers(c).values()):
             assert time.monotonic() < deadline, "the memory monitor did not pause the worker"
             time.sleep(0.1)
         with pytest.raises(WorkersPaused, match="all 1 workers paused at their memory limit"):

@@ -6,7 +6,7 @@ import pytest
 from distributed import Client, LocalCluster
 
 import daskpty
-from daskpty.execution.cluster import client_context
+from daskpty.execution.cluster import client_context, live_workers
 from daskpty.metrics import nrmse, probe_error
 
 from synthetic import make_dataset
@@ -98,7 +98,7 @@ def test_scheduler_task_count_stays_flat(threads_client):
     # submitted before the callback runs (4 chunks, 1 round: 14 tasks with its summary), and the
     # finished epoch's state copies (one per worker) kept as restart points; 200 epochs of
     # lineage would be thousands.
-    workers = len(threads_client.scheduler_info(n_workers=-1)["workers"])
+    workers = len(live_workers(threads_client))
     assert max(counts) <= 2 * 4 + 14 + workers
 
 

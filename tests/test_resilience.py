@@ -11,6 +11,7 @@ from distributed import Client, LocalCluster
 
 import daskpty
 from daskpty.engines import lsqml
+from daskpty.execution.cluster import live_workers
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
 from daskpty.execution.adapter import chunk as lsqml_chunk
@@ -175,7 +176,7 @@ def test_a_state_lost_with_its_worker_skips_that_checkpoint_or_ends_in_one_line(
         handle = lost_handle(5)
         cluster.scale(0)
         deadline = time.monotonic() + 30
-        while c.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+        while live_workers(c) and time.monotonic() < deadline:
             time.sleep(0.1)
         with pytest.raises(ClusterUnavailable, match="was lost and none came back"):
             handle.get()

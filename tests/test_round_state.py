@@ -13,6 +13,7 @@ import pytest
 from distributed import Client, LocalCluster, get_worker
 
 from daskpty.engines import lsqml
+from daskpty.execution.cluster import live_workers
 from daskpty.execution.data import prepare_data
 from daskpty.execution.driver import run_epochs
 from daskpty.execution.adapter import chunk as lsqml_chunk
@@ -86,7 +87,7 @@ def test_a_paused_worker_keeps_its_round_tasks(limited_workers, caplog):
         return run_epochs(client, data, adapter, state, epochs=6, rounds_per_epoch=3, callbacks=callbacks)
 
     undisturbed, _ = run()
-    worker = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
+    worker = sorted(live_workers(client))[0]
 
     def pause_after_epoch_2(epoch, state, metrics):
         if epoch == 2:

@@ -300,8 +300,14 @@ def scheduler_address(client) -> str:
 
 
 def live_workers(client) -> dict:
-    """The scheduler's workers (``{address: info}``); :class:`SchedulerLost` when the client has
-    lost its scheduler (it waits up to :data:`RECONNECT_SECONDS` for a reconnection first)."""
+    """The scheduler's workers (``{address: info}``), asked of the scheduler now;
+    :class:`SchedulerLost` when the client has lost its scheduler (it waits up to
+    :data:`RECONNECT_SECONDS` for a reconnection first).
+
+    Not ``client.scheduler_info()``: that returns the client's cached identity, which the client's
+    periodic refresh (``distributed.client.scheduler-info-interval``) replaces with one without
+    workers (distributed 2025–2026); read just after such a refresh it says that no worker is
+    connected, and a run would unpin its chunks or take its workers for lost."""
     import time
 
     deadline = time.monotonic() + RECONNECT_SECONDS
@@ -312,7 +318,7 @@ def live_workers(client) -> dict:
         raise SchedulerLost(f"the dask scheduler at {scheduler_address(client)} is gone (no connection for "
                             f"{RECONNECT_SECONDS:.0f} s); {again}")
     try:
-        info = client.scheduler_info(n_workers=-1)
+        info = client.sync(client.scheduler.identity, n_workers=-1)
     except OSError as exc:
         raise SchedulerLost(f"the dask scheduler at {scheduler_address(client)} is gone ({exc}); {again}") from None
     if "workers" not in info or client.status != "running":

@@ -6,6 +6,7 @@ import math
 import dask.array as da
 import numpy as np
 
+from .cluster import live_workers
 from .ordering import compact_order, row_band_order
 from .memory import WORKING_BYTES_PER_PIXEL, persist_fits, smallest_worker_memory  # noqa: F401 (re-exported)
 from .placement import balanced_worker
@@ -299,7 +300,7 @@ def persist_balanced(client, array: da.Array) -> da.Array:
     worker's chunks are recomputed elsewhere). Falls back to ``client.persist`` when no worker
     is connected yet.
     """
-    workers = sorted(client.scheduler_info(n_workers=-1)["workers"])  # all, as chunk_annotations sees them
+    workers = sorted(live_workers(client))  # all, as chunk_annotations sees them
     blocks = list(array.to_delayed().ravel())
     if not workers or len(blocks) < 2:
         return client.persist(array)

@@ -16,6 +16,8 @@ import math
 
 import dask
 
+from .cluster import live_workers
+
 #: Bytes of working memory one chunk step needs per pattern, per mode and per pixel
 #: (about ten complex64 arrays of the exit-wave shape).
 WORKING_BYTES_PER_PIXEL = 80
@@ -35,7 +37,7 @@ WORKER_PROCESS_BYTES = 150 * MIB
 
 def smallest_worker_memory(client) -> int:
     """The smallest memory limit among the workers (0 when unknown or unlimited)."""
-    workers = client.scheduler_info(n_workers=-1).get("workers", {})
+    workers = live_workers(client)
     limits = [w.get("memory_limit") or 0 for w in workers.values()]
     return int(min(limits)) if limits and all(limits) else 0
 
@@ -57,7 +59,7 @@ def _baseline(client) -> int:
     :data:`WORKER_PROCESS_BYTES`; 0 for in-process workers (they share the client's process).
     Measured because it varies: 117–151 MiB were seen on workers the constant alone let run,
     paused at their limit, for a whole run."""
-    workers = {a: w for a, w in client.scheduler_info(n_workers=-1).get("workers", {}).items() if w.get("nanny")}
+    workers = {a: w for a, w in live_workers(client).items() if w.get("nanny")}
     if not workers:
         return 0
     try:
@@ -186,7 +188,7 @@ def persist_fits(client, nbytes: int, working_bytes: int = 0, fraction: float = 
     """``persist="auto"``: keep the data in worker memory when they take at most ``fraction`` of
     the cluster's memory and each worker's share of them plus ``working_bytes`` (one chunk step
     and the state) stays under the spill target. True when workers have no memory limit."""
-    workers = client.scheduler_info(n_workers=-1).get("workers", {})
+    workers = live_workers(client)
     limits = [w.get("memory_limit") or 0 for w in workers.values()]
     if not limits or not all(limits):
         return True
