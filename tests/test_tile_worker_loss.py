@@ -55,3 +55,38 @@ def test_workers_dying_while_the_tiles_are_sent_restart_the_start(monkeypatch):
     assert disturbed.epochs == undisturbed.epochs == 4
     np.testing.assert_array_equal(disturbed.object, undisturbed.object)
     np.testing.assert_array_equal(disturbed.probe, undisturbed.probe)
+
+
+def test_a_tile_sent_to_a_worker_that_does_not_answer_gives_up_within_its_bound(monkeypatch):
+    """A tile scattered to a worker that takes no connection (stopped here; in a run, killed just
+    before its tile goes out, not yet known dead) waited for distributed's connect timeout (30 s)
+    before the tile loop could try again; it gives up within the scatter's bound."""
+    import os
+    import signal
+    import time
+
+    from daskpty.engines import lsqml
+    from daskpty.execution import scatter
+    from daskpty.execution.data import prepare_data
+    from daskpty.execution.engine_registry import engine_spec
+
+    monkeypatch.setattr(scatter, "SCATTER_FLOOR_SECONDS", 1.0)
+    ds = make_dataset(grid=10, seed=5)
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        data = prepare_data(client, ds.intensities, ds.positions, chunk_length=25, persist=True, row_bands=True)
+        adapter = engine_spec("lsqml").adapter(lsqml.LSQMLOptions())
+        state = adapter.new_state(np.ones_like(ds.truth.object), ds.truth.probe.copy())
+        graph = TileGraph(client, data, adapter, ds.truth.object.shape[-2])
+        assert len(graph.workers) == 2
+        stopped = graph.workers[1]
+        pid = client.run(os.getpid, workers=[stopped])[stopped]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(TimeoutError):
+                graph.scatter_tiles(state)
+            assert time.monotonic() - start < 8
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        graph.close()

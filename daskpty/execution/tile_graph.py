@@ -52,6 +52,7 @@ from .engine_protocol import RunsOnTiles
 from .epoch_graph import EpochCarry
 from .placement import GraphInputs, run_stuck_loose_tasks
 from .rounds import ChunkedData, FixedTree, default_split_every
+from .scatter import scatter_within
 from . import tile_halo
 from . import tile_round_tasks as rt
 from .tiles import TileLayout
@@ -170,7 +171,10 @@ class TileGraph:
         return (t.start - t.held_start, t.stop - t.held_start)
 
     def scatter_tiles(self, state) -> list:
-        """The tiles of a state on the client, each scattered to its worker (one future each)."""
+        """The tiles of a state on the client, each scattered to its worker (one future each),
+        within :func:`.scatter.scatter_within`'s bound: a worker killed or stopped just before its
+        tile goes out would hold the scatter for distributed's connect timeout (30 s); the
+        :class:`TimeoutError` lets the tile loop try again on the workers there are then."""
         futures = []
         every = getattr(state, "chunk_local", None) or {}
         state = copy.copy(state)
@@ -180,7 +184,7 @@ class TileGraph:
             with_frame(cropped, TileFrame(t.held_start, tuple(state.object.shape[-2:])))
             tile = EpochCarry(cropped, local={i: every[i] for i in self.groups[w] if i in every})
             kwargs = {} if self.workers[w] is None else {"workers": [self.workers[w]]}
-            futures.append(self.client.scatter(tile, hash=False, **kwargs))
+            futures.append(scatter_within(self.client, tile, hash=False, **kwargs))
         return futures
 
     def submit(self, starts: list) -> tuple:
