@@ -146,7 +146,7 @@ def add_parser(subparsers):
                    help="snapshots set by the frames instead of the clock: snapshot k after "
                         "--snapshot-epochs epochs on the first --follow-min-frames + k * N frames; "
                         "reproducible, and a killed follower resumed with --resume ends as one never "
-                        "stopped (replaces --snapshot-every)")
+                        "stopped (replaces --snapshot-every; default: off, snapshots by the clock)")
     g.add_argument("--snapshot-epochs", type=int, default=None, metavar="E",
                    help="epochs per snapshot with --snapshot-frames (default: 1)")
     g.add_argument("--follow-timeout", type=float, default=None, metavar="SECONDS",
