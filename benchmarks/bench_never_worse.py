@@ -4,7 +4,7 @@ Usage::
 
     python benchmarks/bench_never_worse.py [--preset small] [--seeds 0,1,2] [--engine lsqml|ad|rpie]
         [--flags positions,opr+intensity,positions+opr+intensity] [--epochs 30,60] [--workers 2]
-        [--probe-model JSON] [--dose PHOTONS]
+        [--probe-model JSON] [--positions JSON] [--dose PHOTONS]
 
 For every seed the ``simulate`` preset is reconstructed plainly and with each flag combination
 (2 worker processes, the engine's defaults otherwise). Prints, per run, the object NRMSE against
@@ -79,6 +79,7 @@ def main():
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--dose", type=float, default=None, help="photons per pattern (default: the preset's)")
     ap.add_argument("--probe-model", default="{}", help="JSON: more ProbeModelOptions of the runs with OPR or intensity")
+    ap.add_argument("--positions", default="{}", help="JSON: PositionOptions of the runs that refine positions")
     args = ap.parse_args()
     names = args.flags.split(",")
     unknown = sorted(set(names) - set(COMBINATIONS))
@@ -86,6 +87,7 @@ def main():
         sys.exit(f"bench_never_worse: unknown --flags {unknown}; choose from {sorted(COMBINATIONS)}")
     epochs = sorted(int(e) for e in args.epochs.split(","))
     extra_model = json.loads(args.probe_model)
+    extra_positions = json.loads(args.positions)
 
     import daskpty
     from distributed import Client, LocalCluster
@@ -106,6 +108,8 @@ def main():
                     flags = dict(COMBINATIONS[name])
                     if extra_model and (flags.get("opr_modes") or flags.get("fit_intensity")):
                         flags["probe_model"] = extra_model
+                    if extra_positions and flags.get("refine_positions"):
+                        flags["refine_positions"] = extra_positions
                     got = run(data, client, truth, epochs, args.engine, flags)
                 except ValueError as exc:  # a combination the engine refuses (rPIE: no varying probe)
                     print(f"  {name}: refused: {exc}", flush=True)

@@ -38,7 +38,7 @@ from .execution.round_switch import may_switch
 from .execution.scatter import scatter_in_memory
 from .execution.tile_graph import TilesUnsupported, check_tiles_supported
 from .io.checkpoint import extended_to, grown_canvas
-from .io.dose import counts_per_pixel
+from .io.dose import counts_per_lit_pixel, counts_per_pixel
 from .io.export import geometry_from_metadata
 from .io.inputs import (RESUMED_SETTINGS, check_initial_object, check_initial_probe, check_object_size, check_rounds,
                         check_resumed_modes, checked_data, resume_settings, resumed_store)
@@ -105,10 +105,13 @@ def draft_plan(data, epochs, probe, object, probe_modes, opts: Options, live=Non
     n = intensities.shape[-1]
     thick = sample.resolve(getattr(data, "metadata", None), n)  # slices and detector operator
     spec.check_features(multislice=thick.multislice)
-    if refine is not None:  # the window scale follows the start probe's size
-        refine = refine.for_start_probe(guessed=_probe_is_guessed(probe, data), slices=thick.n_slices)
     mask = getattr(data, "mask", None)
     valid = None if mask is None else np.asarray(mask, dtype=bool)
+    if refine is not None:  # the window scale follows the start probe's size and the data's dose
+        unset = refine.window_scale is None or refine.scan_scale is None
+        lit = counts_per_lit_pixel(intensities, valid) if unset else None
+        refine = refine.for_start_probe(guessed=_probe_is_guessed(probe, data), slices=thick.n_slices,
+                                        counts_per_lit_pixel=lit)
     dose = counts_per_pixel(intensities, valid) if thick.n_slices > 1 else None  # (defaults through slices follow it)
     if valid is not None and not thick.near_field:  # far field: DC at index 0
         valid = np.fft.ifftshift(valid)

@@ -325,8 +325,10 @@ def settle_start(state, options: PositionOptions) -> None:
         return
     loss, previous = getattr(state, "epoch_loss", None), getattr(state, "previous_loss", None)
     fall = 0.0 if loss is None else np.inf if not previous else (previous - loss) / previous
+    obj = state.object
+    slices = int(obj.shape[0]) if getattr(obj, "ndim", 2) == 3 else 1
     state.positions_start = decide_start(state.epoch - 1, probe_change(state.epoch_start_probe, state.probe), fall,
-                                         options.loss_settled(), options.probe_settled())
+                                         options.loss_settled(slices), options.probe_settled(slices))
     state.epoch_start_probe = None
 
 

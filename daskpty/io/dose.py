@@ -26,11 +26,9 @@ def sample_patterns(intensities) -> np.ndarray:
     return np.concatenate(runs)
 
 
-def counts_per_pixel(intensities, valid=None) -> float | None:
-    """Mean counts per detector pixel of counting data (integer dtype, or floats that are all
-    whole numbers on the sample), from :func:`sample_patterns`, over the ``valid`` pixels (a
-    boolean (n, n) mask in the stored layout; None: all); None where the intensities are not
-    counts (any fractional value) or hold nothing finite."""
+def _counts(intensities, valid=None) -> np.ndarray | None:
+    """The finite values of :func:`sample_patterns` over the ``valid`` pixels, or None where the
+    intensities are not counts (any fractional value) or hold nothing finite."""
     sample = sample_patterns(intensities)
     if valid is not None:
         sample = sample[:, np.asarray(valid, dtype=bool)]
@@ -39,4 +37,24 @@ def counts_per_pixel(intensities, valid=None) -> float | None:
         return None
     if not np.issubdtype(np.dtype(intensities.dtype), np.integer) and np.any(finite != np.round(finite)):
         return None
-    return float(finite.mean())
+    return finite
+
+
+def counts_per_pixel(intensities, valid=None) -> float | None:
+    """Mean counts per detector pixel of counting data (integer dtype, or floats that are all
+    whole numbers on the sample), from :func:`sample_patterns`, over the ``valid`` pixels (a
+    boolean (n, n) mask in the stored layout; None: all); None where the intensities are not
+    counts (any fractional value) or hold nothing finite."""
+    finite = _counts(intensities, valid)
+    return None if finite is None else float(finite.mean())
+
+
+def counts_per_lit_pixel(intensities, valid=None) -> float | None:
+    """Mean counts over the sampled pixels that counted at least one (of the ``valid`` ones):
+    the dose where the signal is, whatever share of the detector stays dark. None as for
+    :func:`counts_per_pixel`, or where no sampled pixel counted."""
+    finite = _counts(intensities, valid)
+    if finite is None or not np.any(finite > 0):
+        return None
+    lit = finite[finite > 0]
+    return float(lit.mean())
