@@ -268,6 +268,29 @@ def test_a_second_writer_gets_one_line_naming_the_first(tmp_path, ds, data_path,
     assert not os.path.exists(lock_path(out))
 
 
+STUCK_TAKING = ("import json, sys, time\nfrom daskpty.io.lock import StoreLock\n"
+                "def stuck(*a, **k):\n    print('taking', flush=True)\n    time.sleep(120)\n"
+                "json.dump = stuck\nStoreLock(sys.argv[1]).acquire()\n")
+
+
+def test_a_writer_killed_while_taking_the_lock_leaves_none_behind(tmp_path):
+    """A writer SIGKILLed while it wrote its name into the lock left an empty lock file, which the
+    next run took for one being created and refused for 10 s ("a process that is creating its
+    lock": a follower resumed at once failed so). The lock now appears filled in."""
+    out = tmp_path / "r.zarr"
+    taker = subprocess.Popen([sys.executable, "-c", STUCK_TAKING, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert taker.stdout.readline().strip() == "taking"
+    finally:
+        taker.kill()
+        taker.wait()
+    start = time.monotonic()
+    with StoreLock(out):
+        assert json.loads(open(lock_path(out)).read())["pid"] == os.getpid()
+    assert time.monotonic() - start < 5
+    assert sorted(os.listdir(tmp_path)) == []   # neither the lock nor the dead writer's staged file
+
+
 @pytest.mark.slow
 def test_two_simulations_of_one_store_at_once(tmp_path):
     out = tmp_path / "s.zarr"

@@ -1,8 +1,9 @@
 """One writer per store: a lock file ``X.lock`` beside the store ``X``.
 
 The lock sits beside the store, not inside it, because daskpty replaces a store by renames.
-It is created exclusively (``O_CREAT | O_EXCL``) and names its owner in JSON: host, pid, the
-process's start time and the time the lock was taken. A lock whose owner ran on this host and is
+It appears already filled in (hard-linked from a file of the taking process; created
+exclusively, ``O_CREAT | O_EXCL``, where there are no hard links) and names its owner in JSON:
+host, pid, the process's start time and the time the lock was taken. A lock whose owner ran on this host and is
 gone (no such pid, or a pid reused by a later process) is stale and taken over; a lock from
 another host cannot be checked and is reported with the hint to remove it if that run is over.
 
@@ -80,6 +81,55 @@ def _is_stale(owner: dict | None, lock_file: str) -> bool:
     return isinstance(recorded, (int, float)) and abs(started - recorded) > 1.0
 
 
+def _create_filled(lock_file: str, owner: dict) -> bool:
+    """Create ``lock_file`` holding ``owner`` (JSON) if it does not exist; False if it does.
+
+    The content is written to a file of this process's own first and hard-linked into place
+    (``link`` fails if the lock exists), so the lock appears already filled in: a writer killed
+    while taking it leaves no empty lock, which the next run would have to take for one being
+    created (for :data:`UNREADABLE_STALE_S`; a follower resumed at once was refused). Where the
+    filesystem has no hard links it is created exclusively, then filled in."""
+    _remove_dead_staged(lock_file)
+    staged = f"{lock_file}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with open(staged, "w", encoding="utf-8") as f:
+            json.dump(owner, f)
+        try:
+            os.link(staged, lock_file)
+            return True
+        except FileExistsError:
+            return False
+        except OSError:  # no hard links on this filesystem
+            pass
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(staged)
+    try:
+        fd = os.open(lock_file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(owner, f)
+    except BaseException:  # e.g. a full disk: leave no empty lock behind
+        with contextlib.suppress(OSError):
+            os.remove(lock_file)
+        raise
+    return True
+
+
+def _remove_dead_staged(lock_file: str) -> None:
+    """Remove the staged files of :func:`_create_filled` (``X.lock.PID.TID.tmp``) whose process
+    on this host is gone (killed while taking the lock)."""
+    import glob
+
+    for staged in glob.glob(glob.escape(lock_file) + ".*.tmp"):
+        pid = staged[len(lock_file) + 1:].split(".")[0]
+        if pid.isdigit() and int(pid) != os.getpid() and _process_start(int(pid)) is None:
+            with contextlib.suppress(OSError):
+                os.remove(staged)
+
+
 def describe_owner(owner: dict | None) -> str:
     if owner is None:
         return "a process that is creating its lock"
@@ -142,27 +192,17 @@ class StoreLock:
               "command": " ".join(os.path.basename(a) if i == 0 else a
                                   for i, a in enumerate(sys.argv))[:200]}
         for _ in range(5):
-            try:
-                fd = os.open(self.file, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = _owner(self.file, wait=1.0)  # a writer that just created it fills it in
-                if not _is_stale(owner, self.file):
-                    raise _locked(self.path, owner) from None
-                if _owner(self.file) == owner:  # still the stale one: take it over
-                    try:
-                        os.remove(self.file)
-                    except FileNotFoundError:
-                        pass
-                continue
-            try:
-                with os.fdopen(fd, "w", encoding="utf-8") as f:
-                    json.dump(me, f)
-            except BaseException:  # e.g. a full disk: leave no empty lock behind
-                with contextlib.suppress(OSError):
+            if _create_filled(self.file, me):
+                self._mine = me
+                return
+            owner = _owner(self.file, wait=1.0)  # a writer that just created it fills it in
+            if not _is_stale(owner, self.file):
+                raise _locked(self.path, owner)
+            if _owner(self.file) == owner:  # still the stale one: take it over
+                try:
                     os.remove(self.file)
-                raise
-            self._mine = me
-            return
+                except FileNotFoundError:
+                    pass
         raise _locked(self.path, _owner(self.file))
 
     def _make_parents(self) -> None:
