@@ -108,8 +108,9 @@ def draft_plan(data, epochs, probe, object, probe_modes, opts: Options, live=Non
     mask = getattr(data, "mask", None)
     valid = None if mask is None else np.asarray(mask, dtype=bool)
     if refine is not None:  # the window scale follows the start probe's size and the data's dose
+        # (through slices both are held whatever the dose: the data are sampled once, below)
         unset = refine.window_scale is None or refine.scan_scale is None
-        lit = counts_per_lit_pixel(intensities, valid) if unset else None
+        lit = counts_per_lit_pixel(intensities, valid) if unset and thick.n_slices == 1 else None
         refine = refine.for_start_probe(guessed=_probe_is_guessed(probe, data), slices=thick.n_slices,
                                         counts_per_lit_pixel=lit)
     dose = counts_per_pixel(intensities, valid) if thick.n_slices > 1 else None  # (defaults through slices follow it)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import glob
 import json
 import os
 import socket
@@ -121,8 +122,6 @@ def _create_filled(lock_file: str, owner: dict) -> bool:
 def _remove_dead_staged(lock_file: str) -> None:
     """Remove the staged files of :func:`_create_filled` (``X.lock.PID.TID.tmp``) whose process
     on this host is gone (killed while taking the lock)."""
-    import glob
-
     for staged in glob.glob(glob.escape(lock_file) + ".*.tmp"):
         pid = staged[len(lock_file) + 1:].split(".")[0]
         if pid.isdigit() and int(pid) != os.getpid() and _process_start(int(pid)) is None:
